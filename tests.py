@@ -1,0 +1,614 @@
+"""
+The project's tests, on CPU, in a few minutes.
+
+    python tests.py              # all of them (this is what CI runs)
+    python tests.py -k mlr       # any pytest arguments pass through
+
+Each test checks an invariant or a reference equality that would fail if the code were wrong.
+"""
+
+import math
+import re
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import attention as A
+import kernels as K
+from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
+                        LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+def assert_close(a, b, atol=1e-10, rtol=1e-7, what=''):
+    """torch.testing-style closeness that reports max and mean absolute difference on failure."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    assert a.shape == b.shape, f"{what}: shapes differ {tuple(a.shape)} vs {tuple(b.shape)}"
+    diff = (a - b).abs()
+    bad = diff > atol + rtol * b.abs()
+    assert not bad.any(), (f"{what}: max |a-b| = {diff.max().item():.3e}, mean = {diff.mean().item():.3e}, "
+                           f"{bad.sum().item()} of {diff.numel()} entries beyond atol={atol}, rtol={rtol}")
+
+
+def randomize_(model, std=0.1, seed=0):
+    """Give every parameter (incl. zero-init output maps) a random nonzero value, so that tests of
+    masking and caching are not passed trivially by zero outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(std * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def small_config(**kw):
+    base = dict(n_layer=2, n_head=4, n_embd=64, block_size=64, ranks='8|4|2|2', window=8, n_compressed=4,
+                global_layers='1')
+    base.update(kw)
+    return A.ModelConfig(**base)
+
+
+# -----------------------------------------------------------------------------
+# structured.py: every family equals its dense matrix; ranks, reductions, FLOPs, muP init, errors
+
+def assert_exact(a, b, atol=1e-11, msg=''):
+    assert_close(a, b, atol=atol, rtol=1e-11, what=msg)
+
+
+def make(family, d_in, d_out, seed=0):
+    """One module of each family at (d_in, d_out), float64. Settings chosen to be valid for the shapes
+    used below (all of d_in, d_out divisible by 4 with 2-factor splits available)."""
+    torch.manual_seed(seed)
+    g = math.gcd(d_in, d_out)
+    m = {
+        'dense': lambda: Dense(d_in, d_out),
+        'low_rank': lambda: LowRank(d_in, d_out, 3),
+        'block_diagonal': lambda: BlockDiagonal(d_in, d_out, 4),
+        'low_rank_block_diagonal': lambda: LowRankBlockDiagonal(d_in, d_out, 4, 2),
+        'mlr': lambda: MLR(d_in, d_out, [3, 2, 2]),
+        'btt': lambda: BTT(d_in, d_out, 2),
+        'btt_block_coupled': lambda: BTT(d_in, d_out, 2, (4, d_in // 4), (d_out // 4, 4), block_coupled=True),
+        'monarch': lambda: monarch(d_in, d_out),
+        'kronecker': lambda: kronecker(torch.randn(d_out // 4, d_in // 2), torch.randn(4, 2)),
+        'mlbtc': lambda: MLBTC(d_in, d_out, [
+            Level((2, d_in // 2), (d_out // 4, 4), 1, in_perm=torch.randperm(d_in)),
+            Level((4, d_in // 4), (d_out // 4, 4), 2, block_coupled=True, out_perm=torch.randperm(d_out)),
+            Level((d_in // 4, 4), (2, d_out // 2), 1)]),
+    }[family]()
+    assert g % 4 == 0
+    return m.double()
+
+
+FAMILIES = ['dense', 'low_rank', 'block_diagonal', 'low_rank_block_diagonal', 'mlr', 'btt',
+            'btt_block_coupled', 'monarch', 'kronecker', 'mlbtc']
+SHAPES = [(16, 16), (12, 24), (24, 8), (64, 64)]
+
+
+# -----------------------------------------------------------------------------
+# forward == x @ to_dense().T, any leading batch shape; gradients too
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('d_in,d_out', SHAPES)
+def test_forward_matches_dense(family, d_in, d_out):
+    m = make(family, d_in, d_out)
+    W = m.to_dense()
+    assert W.shape == (d_out, d_in)
+    for batch in [(), (5,), (2, 3, 4)]:
+        x = torch.randn(*batch, d_in, dtype=torch.float64)
+        y = m(x)
+        assert y.shape == (*batch, d_out)
+        assert_exact(y, x @ W.T, msg=f"{family} {d_in}->{d_out} batch {batch}")
+    # bilinear form x^T W y
+    a, b = torch.randn(7, d_out, dtype=torch.float64), torch.randn(7, d_in, dtype=torch.float64)
+    assert_exact(m.bilinear(a, b), torch.einsum('no,oi,ni->n', a, W, b))
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_gradients_match_dense(family):
+    m = make(family, 12, 24)
+    x, g = torch.randn(6, 12, dtype=torch.float64), torch.randn(6, 24, dtype=torch.float64)
+    grads = torch.autograd.grad((m(x) * g).sum(), list(m.parameters()))
+    grads_ref = torch.autograd.grad((x @ m.to_dense().T * g).sum(), list(m.parameters()))
+    for a, b in zip(grads, grads_ref):
+        assert_exact(a, b)
+
+
+# -----------------------------------------------------------------------------
+# to_dense is the paper's definition (built here independently)
+
+def test_block_diagonal_layout():
+    m = BlockDiagonal(12, 24, 3).double()
+    assert m.weight.shape == (3, 8, 4)
+    W = torch.zeros(24, 12, dtype=torch.float64)
+    for k in range(3):   # block k's outputs contiguous: rows k*8 .. k*8+7
+        W[k * 8:(k + 1) * 8, k * 4:(k + 1) * 4] = m.weight[k]
+    assert_exact(m.to_dense(), W)
+
+
+def test_mlr_is_sum_of_low_rank_block_diagonals():
+    m = MLR(16, 32, [2, 3, 1], n_blocks=[1, 2, 4]).double()
+    W = torch.zeros(32, 16, dtype=torch.float64)
+    for lv, p in zip(m.levels, [1, 2, 4]):
+        bo, bi = 32 // p, 16 // p
+        for k in range(p):
+            W[k * bo:(k + 1) * bo, k * bi:(k + 1) * bi] += lv.L[k] @ lv.R[k].T
+    assert_exact(m.to_dense(), W)
+
+
+def perm_matrix(perm):
+    """P with (P v)[o] = v[perm[o]]."""
+    return torch.eye(len(perm), dtype=torch.float64)[perm]
+
+
+@pytest.mark.parametrize('d_in,d_out,s,cf,ef', [(16, 16, 1, (4, 4), (4, 4)), (12, 24, 2, (3, 4), (6, 4)),
+                                                (24, 8, 3, (6, 4), (2, 4))])
+def test_btt_is_PL_blockdiag_PR_blockdiag(d_in, d_out, s, cf, ef):
+    """W = P_L (⊕_i L_i) P_R (⊕_k R_k^T), the paper's form (Eq. 5 / App. A.2), built with explicit
+    permutation matrices; s = 1 is Monarch."""
+    (c1, c2), (e1, e2) = cf, ef
+    m = BTT(d_in, d_out, s, cf, ef).double()
+    right = torch.block_diag(*[m.R[k].reshape(e2 * s, c2) for k in range(c1)])           # rows (k, i, ρ)
+    P_R = perm_matrix(torch.arange(c1 * e2 * s).view(c1, e2, s).transpose(0, 1).reshape(-1))  # -> (i, k, ρ)
+    left = torch.block_diag(*[m.L[i].reshape(e1, c1 * s) for i in range(e2)])            # rows (i, m)
+    P_L = perm_matrix(transpose_perm(e2, e1))                                              # -> (m, i)
+    assert_exact(m.to_dense(), P_L @ left @ P_R @ right)
+
+
+# -----------------------------------------------------------------------------
+# ranks: numerical rank of to_dense() for random cores equals the .rank property
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('d_in,d_out', SHAPES)
+def test_rank_property_is_generic_rank(family, d_in, d_out):
+    m = make(family, d_in, d_out, seed=1)
+    with torch.no_grad():
+        rank = torch.linalg.matrix_rank(m.to_dense()).item()
+    if family == 'kronecker':   # not a generic BTT: rank(A ⊗ B) = rank(A) rank(B), below BTT's generic rank
+        assert rank == min(d_out // 4, d_in // 2) * 2 <= m.rank
+    else:
+        assert rank == m.rank
+
+
+def test_named_ranks():
+    torch.manual_seed(0)
+    rank = lambda m: torch.linalg.matrix_rank(m.double().to_dense().detach()).item()
+    assert rank(LowRank(64, 64, 5)) == 5 == LowRank(64, 64, 5).rank
+    assert rank(LowRankBlockDiagonal(64, 64, 4, 3)) == 12
+    assert rank(MLR(64, 64, [4, 2, 2, 1])) == 4 * 1 + 2 * 2 + 2 * 4 + 1 * 8 == 24
+    assert rank(MLR(48, 96, [3, 2, 2])) == 3 + 4 + 8 == 15          # rectangular
+    assert rank(MLR(16, 16, [2, 4, 2])) == 16                        # Σ r_l p_l = 18 capped at D
+    assert MLR(16, 16, [2, 4, 2]).rank == 16
+    for D in (64, 128, 144):                                         # BTT full rank at s = 1
+        m = BTT(D, D, 1)
+        assert rank(m) == D == m.rank
+    assert rank(BTT(64, 128, 1)) == 64
+    assert rank(BTT(64, 64, 1, (4, 16), (16, 4))) == 16 == BTT(64, 64, 1, (4, 16), (16, 4)).rank  # c1 e2 s < D
+
+
+# -----------------------------------------------------------------------------
+# exact reductions (SPEC §2): MLBTC ⊇ MLR, BTT; BTT ⊇ Monarch, Kronecker, low rank; low rank ⊇ dense
+
+@pytest.mark.parametrize('d_in,d_out,ranks,n_blocks', [(64, 64, [4, 2, 2, 1], None), (48, 96, [3, 2, 2], None),
+                                                        (24, 12, [2, 1, 3], [1, 3, 2])])
+def test_mlbtc_from_mlr(d_in, d_out, ranks, n_blocks):
+    torch.manual_seed(0)
+    mlr = MLR(d_in, d_out, ranks, n_blocks).double()
+    m = MLBTC.from_mlr(mlr)
+    assert all(btt.block_coupled for btt in m.levels)
+    assert_exact(m.to_dense(), mlr.to_dense())
+    x = torch.randn(3, d_in, dtype=torch.float64)
+    assert_exact(m(x), mlr(x))
+    assert m.num_params == mlr.num_params and m.flops == mlr.flops and m.rank == mlr.rank
+
+
+@pytest.mark.parametrize('args', [(16, 16, 2, None, None), (12, 24, 3, (3, 4), (6, 4)), (64, 32, 1, None, None)])
+def test_mlbtc_from_btt(args):
+    torch.manual_seed(0)
+    btt = BTT(*args).double()
+    m = MLBTC.from_btt(btt)
+    assert len(m.levels) == 1
+    assert_exact(m.to_dense(), btt.to_dense())
+    x = torch.randn(3, args[0], dtype=torch.float64)
+    assert_exact(m(x), btt(x))
+
+
+def test_monarch_is_btt_rank_one():
+    torch.manual_seed(0)
+    mon = monarch(36, 36).double()
+    assert isinstance(mon, BTT) and mon.s == 1 and mon.num_params == 2 * 36 ** 1.5
+    torch.manual_seed(0)
+    assert_exact(mon.to_dense(), BTT(36, 36, rank=1).double().to_dense())
+
+
+@pytest.mark.parametrize('shapes', [((3, 4), (5, 2)), ((4, 4), (4, 4)), ((1, 6), (7, 1))])
+def test_kronecker(shapes):
+    torch.manual_seed(0)
+    A, B = torch.randn(*shapes[0], dtype=torch.float64), torch.randn(*shapes[1], dtype=torch.float64)
+    m = kronecker(A, B)
+    assert m.s == 1
+    assert_exact(m.to_dense(), torch.kron(A, B))
+    x = torch.randn(2, m.d_in, dtype=torch.float64)
+    assert_exact(m(x), x @ torch.kron(A, B).T)
+
+
+@pytest.mark.parametrize('d_in,d_out,r', [(16, 16, 3), (12, 20, 5), (20, 12, 20)])
+def test_btt_with_c1_e2_one_is_low_rank(d_in, d_out, r):
+    torch.manual_seed(0)
+    lr = LowRank(d_in, d_out, r).double()
+    btt = BTT(d_in, d_out, rank=r, in_factors=(1, d_in), out_factors=(d_out, 1)).double()
+    with torch.no_grad():
+        btt.L.copy_(lr.L[None, :, None, :])      # L[0, m, 0, ρ] = L_lowrank[m, ρ]
+        btt.R.copy_(lr.R.T[None, None])          # R[0, 0, ρ, j] = R_lowrank[j, ρ]
+    assert_exact(btt.to_dense(), lr.to_dense())
+    assert btt.num_params == lr.num_params and btt.rank == lr.rank
+
+
+@pytest.mark.parametrize('d_in,d_out', [(16, 16), (10, 14)])
+def test_low_rank_full_rank_spans_dense(d_in, d_out):
+    torch.manual_seed(0)
+    target = torch.randn(d_out, d_in, dtype=torch.float64)
+    # r = D: L = target, R = I recovers it exactly
+    lr = LowRank(d_in, d_out, d_in).double()
+    with torch.no_grad():
+        lr.L.copy_(target)
+        lr.R.copy_(torch.eye(d_in, dtype=torch.float64))
+    assert_exact(lr.to_dense(), target)
+    # r = min(d_in, d_out) suffices: factors from the SVD
+    U, S, Vh = torch.linalg.svd(target, full_matrices=False)
+    lr = LowRank(d_in, d_out, min(d_in, d_out)).double()
+    with torch.no_grad():
+        lr.L.copy_(U * S)
+        lr.R.copy_(Vh.T)
+    assert_exact(lr.to_dense(), target, atol=1e-10)
+
+
+# -----------------------------------------------------------------------------
+# FLOPs: what the flop counter measures is the analytic count, which is the parameter count
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('d_in,d_out', [(16, 16), (12, 24), (64, 64)])
+def test_measured_flops(family, d_in, d_out):
+    m = make(family, d_in, d_out)
+    for batch in [(1,), (6,), (2, 3)]:
+        x = torch.randn(*batch, d_in, dtype=torch.float64)
+        with FlopCounterMode(display=False) as counter:
+            m(x)
+        n = math.prod(batch)
+        assert counter.get_total_flops() == 2 * m.flops * n, f"{family} batch {batch}"  # counter: 2 per MAC
+    assert m.flops == m.num_params   # every family uses each stored number once per vector
+    if family != 'dense' and d_in >= 64:
+        assert m.flops < d_in * d_out
+
+
+def test_paper_param_counts():
+    D = 256
+    assert LowRank(D, D, 16).num_params == 2 * D * 16
+    assert BlockDiagonal(D, D, 4).num_params == D * D // 4
+    assert LowRankBlockDiagonal(D, D, 4, 16).num_params == 2 * D * 16
+    assert MLR(D, D, [8, 4, 2, 2]).num_params == 2 * D * 16
+    assert BTT(D, D, 2).num_params == 2 * D ** 1.5 * 2
+
+
+# -----------------------------------------------------------------------------
+# bad input -> ValueError naming the bad value and what is valid
+
+@pytest.mark.parametrize('build,pattern', [
+    (lambda: BlockDiagonal(256, 256, 3), r"n_blocks=3 .*d_in=256.*valid block counts: \[1, 2, 4"),
+    (lambda: BlockDiagonal(12, 16, 3), r"n_blocks=3.*d_out=16.*\[1, 2, 4\]"),
+    (lambda: LowRank(16, 16, 0), r"rank=0"),
+    (lambda: LowRankBlockDiagonal(16, 16, 4, -2), r"rank=-2"),
+    (lambda: Dense(0, 16), r"d_in=0"),
+    (lambda: MLR(64, 64, [4, -1]), r"rank=-1"),
+    (lambda: MLR(12, 12, [1, 1, 1, 1]), r"level 3.*n_blocks=8 must divide.*d_in=12.*\[1, 2, 3, 4, 6, 12\]"),
+    (lambda: MLR(16, 16, [2, 2], n_blocks=[1]), r"n_blocks=\[1\].*one entry per level"),
+    (lambda: MLR(16, 16, []), r"ranks=\[\]"),
+    (lambda: MLR(16, 16, '4|x'), r"ranks='4\|x'"),
+    (lambda: BTT(256, 256, 1, (16, 15)), r"in_factors=\(16, 15\).*d_in=256"),
+    (lambda: BTT(256, 256, 1, None, (3, 85)), r"out_factors=\(3, 85\).*d_out=256"),
+    (lambda: BTT(64, 64, 0), r"rank=0"),
+    (lambda: BTT(64, 64, 1, (4, 16), (8, 8), block_coupled=True), r"c1 == e2.*\(4, 16\).*\(8, 8\)"),
+    (lambda: kronecker(torch.randn(3), torch.randn(2, 2)), r"\(3,\)"),
+    (lambda: MLBTC(16, 16, []), r"levels=\[\]"),
+    (lambda: MLBTC(16, 16, [Level((4, 4), (4, 4), 1, in_perm=[0] * 16)]), r"level 0.*in_perm=\[0, 0.*range\(16\)"),
+    (lambda: MLBTC(16, 16, [Level((4, 4), (4, 4)), Level((2, 8), (5, 3))]), r"level 1.*out_factors=\(5, 3\)"),
+    (lambda: Dense(16, 16, base_width=0), r"base_width=0"),
+])
+def test_bad_input_raises(build, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build()
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_wrong_input_width_raises(family):
+    m = make(family, 16, 16)
+    with pytest.raises(ValueError, match=re.escape('d_in=16') + r".*\(3, 12\)"):
+        m(torch.randn(3, 12, dtype=torch.float64))
+
+
+def test_registry():
+    assert set(STRUCTURED) >= {'dense', 'low_rank', 'block_diagonal', 'low_rank_block_diagonal', 'mlr', 'btt', 'mlbtc'}
+    assert STRUCTURED['mlr'] is MLR and STRUCTURED['btt'] is BTT
+
+
+# -----------------------------------------------------------------------------
+# muP init: each core N(0, 1/fan_in) with its own fan_in, p.lr_mult = base_width / fan_in
+
+def expected_fan_ins(m):
+    """Fan-in of every core, from the definitions (the index each core contracts)."""
+    if isinstance(m, Dense):
+        return {'weight': m.d_in}
+    if isinstance(m, LowRank):
+        return {'R': m.d_in, 'L': m.r}
+    if isinstance(m, BlockDiagonal):
+        return {'weight': m.d_in // m.p}
+    if isinstance(m, LowRankBlockDiagonal):
+        return {'R': m.d_in // m.p, 'L': m.r}
+    if isinstance(m, BTT):
+        return {'R': m.c2, 'L': m.s if m.block_coupled else m.c1 * m.s}
+    sub = m.levels
+    return {f'levels.{l}.{k}': v for l, lv in enumerate(sub) for k, v in expected_fan_ins(lv).items()}
+
+
+@pytest.mark.parametrize('build', [
+    lambda bw: Dense(256, 128, base_width=bw),
+    lambda bw: LowRank(256, 256, 16, base_width=bw),
+    lambda bw: BlockDiagonal(256, 512, 4, base_width=bw),
+    lambda bw: LowRankBlockDiagonal(256, 256, 4, 16, base_width=bw),
+    lambda bw: MLR(256, 256, [8, 8, 16, 32], base_width=bw),
+    lambda bw: BTT(256, 256, 4, base_width=bw),
+    lambda bw: BTT(256, 256, 8, (16, 16), (16, 16), block_coupled=True, base_width=bw),
+    lambda bw: MLBTC(256, 256, [Level((16, 16), (16, 16), 2), Level((8, 32), (32, 8), 8, True)], base_width=bw),
+])
+@pytest.mark.parametrize('base_width', [None, 64])
+def test_mup_init(build, base_width):
+    torch.manual_seed(0)
+    m = build(base_width).double()   # .double() keeps the Parameter objects and their lr_mult
+    fan_ins = expected_fan_ins(m)
+    params = dict(m.named_parameters())
+    assert set(params) == set(fan_ins)
+    bw = m.d_in if base_width is None else base_width
+    for name, p in params.items():
+        assert p.lr_mult == pytest.approx(bw / fan_ins[name]), name
+        assert p.numel() >= 2000   # enough samples for a 5% check
+        assert p.std().item() * math.sqrt(fan_ins[name]) == pytest.approx(1.0, rel=0.05), name
+        assert abs(p.mean().item()) < 4 / math.sqrt(fan_ins[name] * p.numel())
+    if isinstance(m, Dense) and base_width is None:
+        assert m.weight.lr_mult == 1.0
+
+
+# -----------------------------------------------------------------------------
+# kernels.py: fast paths equal their dense references, forward and gradients
+
+def _grads(fn, q, k, v, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, **kw)
+    out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize('causal', [True, False])
+@pytest.mark.parametrize('T,ranks,block_sizes', [
+    (64, [16], None), (96, [8, 4, 2, 2], None), (48, [4, 4, 4, 4], None), (120, [6, 5, 5], [120, 40, 8]),
+    (64, [10, 6], [256, 32]), (72, [2, 6, 8], [72, 24, 12]),
+])
+def test_mlr_fast_equals_reference(causal, T, ranks, block_sizes):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 3, T, sum(ranks), generator=g, dtype=torch.float64) for _ in range(3))
+    for divide in (False, True):
+        kw = dict(ranks=ranks, causal=causal, block_sizes=block_sizes, divide_by_levels=divide)
+        for a, b, name in zip(_grads(K.mlr_attention, q, k, v, **kw), _grads(K.mlr_attention_reference, q, k, v, **kw),
+                              ['out', 'dq', 'dk', 'dv']):
+            assert_close(a, b, what=f"mlr {name} T={T} ranks={ranks} causal={causal} divide={divide}")
+
+
+def test_mlr_key_mask_equals_reference():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 32, generator=g) > 0.3
+    mask[:, 0] = True
+    kw = dict(ranks=[4, 2, 2], causal=False, key_mask=mask)
+    assert_close(K.mlr_attention(q, k, v, **kw), K.mlr_attention_reference(q, k, v, **kw), what='masked mlr')
+
+
+@pytest.mark.parametrize('causal', [True, False])
+@pytest.mark.parametrize('T,window', [(37, 1), (64, 5), (100, 33), (50, 64), (130, 40)])
+def test_swa_fast_equals_reference(causal, T, window):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = None if causal else torch.rand(2, T, generator=g) > 0.2
+    kw = dict(window=window, causal=causal, key_mask=mask)
+    for a, b, name in zip(_grads(K.sliding_window_attention, q, k, v, **kw),
+                          _grads(K.sliding_window_attention_reference, q, k, v, **kw), ['out', 'dq', 'dk', 'dv']):
+        assert_close(a, b, what=f"swa {name} T={T} w={window} causal={causal}")
+
+
+@pytest.mark.parametrize('causal', [True, False])
+@pytest.mark.parametrize('T', [1, 63, 64, 150])
+def test_linear_fast_equals_reference(causal, T):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for a, b, name in zip(_grads(K.linear_attention, q, k, v, causal=causal),
+                          _grads(K.linear_attention_reference, q, k, v, causal=causal), ['out', 'dq', 'dk', 'dv']):
+        assert_close(a, b, what=f"linear {name} T={T} causal={causal}")
+
+
+def test_mlr_measured_flops_equal_formula():
+    for causal in (True, False):
+        for T, ranks, sizes in [(256, [8, 8, 8, 8], None), (96, [16, 8, 8], [96, 32, 8])]:
+            q, k, v = (torch.randn(1, 2, T, 32) for _ in range(3))
+            with FlopCounterMode(display=False) as fc:
+                K.mlr_attention(q, k, v, ranks, causal=causal, block_sizes=sizes)
+            assert fc.get_total_flops() == 2 * K.mlr_attention_flops(T, ranks, causal, sizes)
+    # and the structure really saves: T = 1024, the paper's ranks, causal: under 45% of a dense-mask
+    # attention (full T x T scores and A.V), against the 50% that causal tile skipping alone would give
+    T, ranks = 1024, [32, 8, 6, 4, 4, 4, 4, 2]
+    assert K.mlr_attention_flops(T, ranks) < 0.45 * 2 * 2 * T * T * 64
+
+
+def test_mlr_one_level_is_standard_attention():
+    """MLR with one level and c = 1/d is softmax attention with the muP scale alpha/d at alpha = 1."""
+    torch.manual_seed(0)
+    for causal in (True, False):
+        std = randomize_(A.StandardAttention(small_config(logit_scale='mup', mup_alpha=1.0, causal=causal)).double())
+        mlr = A.MLRAttention(small_config(ranks='16', causal=causal)).double()
+        mlr.load_state_dict(std.state_dict())
+        x = torch.randn(2, 64, 64, dtype=torch.float64)
+        assert_close(mlr(x), std(x), what=f'one-level MLR vs standard, causal={causal}')
+
+
+# -----------------------------------------------------------------------------
+# attention.py: causality, decoding caches, costs, errors
+
+CAUSAL_KINDS = ['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl', 'global_swa']
+
+
+@pytest.mark.parametrize('kind', CAUSAL_KINDS)
+def test_no_future_leak(kind):
+    torch.manual_seed(0)
+    model = randomize_(A.Transformer(small_config(attn=kind)).double())
+    x = torch.randn(2, 64, 64, dtype=torch.float64)
+    y = model(x)
+    for t in (0, 17, 40):   # 17, 40: inside BRL blocks of 8, and past block boundaries
+        x2 = x.clone()
+        x2[:, t + 1:] += torch.randn_like(x2[:, t + 1:])
+        y2 = model(x2)
+        assert_close(y2[:, :t + 1], y[:, :t + 1], what=f'{kind}: outputs <= {t} moved when later tokens changed')
+        assert (y2[:, t + 1:] - y[:, t + 1:]).abs().max() > 1e-3, f'{kind}: later outputs should change'
+
+
+@pytest.mark.parametrize('kind', ['standard', 'mlr', 'swa', 'linear', 'brl', 'global_swa'])
+def test_cached_decoding_equals_full_forward(kind):
+    torch.manual_seed(0)
+    extra = dict(rope=True) if kind in ('standard', 'swa') else {}
+    model = randomize_(A.Transformer(small_config(attn=kind, **extra)).double())
+    x = torch.randn(2, 64, 64, dtype=torch.float64)
+    full = model(x)
+    cache = model.new_cache()
+    steps = torch.cat([model(x[:, t:t + 1], cache=cache) for t in range(64)], dim=1)
+    assert_close(steps, full, what=f'{kind}: cached decoding vs full forward')
+
+
+def test_mlr_key_cache_is_smaller():
+    """T = 1024, L = 8 levels with equal ranks d/8: the MLR key cache is >= 3.5x smaller (SPEC §4)."""
+    T, d = 1024, 16
+    cfgs = {k: A.ModelConfig(n_layer=1, n_head=1, n_embd=d, block_size=T, attn=k, ranks='|'.join(['2'] * 8))
+            for k in ('standard', 'mlr')}
+    numel = {}
+    for kind, cfg in cfgs.items():
+        model = A.Transformer(cfg)
+        cache = model.new_cache()
+        with torch.no_grad():
+            for t in range(T):
+                model(torch.randn(1, 1, d), cache=cache)
+        numel[kind] = model.key_cache_numel(cache)
+    assert numel['standard'] == T * d
+    assert numel['standard'] >= 3.5 * numel['mlr'], numel
+
+
+def test_gqa_and_rope_run_and_stay_causal():
+    model = randomize_(A.Transformer(small_config(n_kv_head=2, rope=True)).double())
+    x = torch.randn(1, 64, 64, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, 30:] += 1
+    assert_close(model(x)[:, :30], model(x2)[:, :30], what='gqa+rope causality')
+
+
+def test_flops_reported_and_structured_variants_cheaper():
+    T = 1024
+    flops = {k: A.Transformer(A.ModelConfig(n_layer=1, n_head=16, n_embd=1024, block_size=T, attn=k,
+                                            ranks='32|8|6|4|4|4|4|2', window=128)).forward_flops(T)
+             for k in ('standard', 'mlr', 'swa', 'linear', 'bilinear_btt')}
+    assert all(f > 0 for f in flops.values())
+    assert flops['swa'] < flops['mlr'] < flops['standard'] < flops['bilinear_btt']
+
+
+@pytest.mark.parametrize('kw,match', [
+    (dict(attn='mlr', ranks='8|4|2'), 'sum to the head width'),
+    (dict(attn='mlr', ranks='8|0|8'), 'positive'),
+    (dict(attn='mlr', ranks='8|a'), 'integers'),
+    (dict(attn='swa', window=0), 'window'),
+    (dict(n_head=3), 'n_head'),
+    (dict(attn='flash'), 'unknown attention'),
+    (dict(attn='global_swa', global_layers='7'), 'out of range'),
+    (dict(attn='mlr', block_size=60, ranks='4|4|4|4'), 'divisible by 8'),
+    (dict(attn='brl', n_compressed=0), 'n_compressed'),
+    (dict(attn='brl', brl_block=-1), 'brl_block'),
+    (dict(attn='linear', rope=True), 'rope'),
+])
+def test_bad_config_raises_clear_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        A.Transformer(small_config(**kw))
+
+
+def test_bad_sequence_lengths_raise():
+    bidir = A.Transformer(small_config(attn='mlr', causal=False))
+    with pytest.raises(ValueError, match='does not tile'):
+        bidir(torch.randn(1, 60, 64))
+    with pytest.raises(ValueError, match='exceeds block_size'):
+        bidir(torch.randn(1, 128, 64))
+    with pytest.raises(ValueError, match='T must be divisible'):
+        K.mlr_attention(*(torch.randn(1, 1, 30, 8) for _ in range(3)), ranks=[4, 2, 2])
+    # a causal MLR pads on the right instead, which cannot change earlier outputs
+    causal = randomize_(A.Transformer(small_config(attn='mlr')).double())
+    x = torch.randn(1, 64, 64, dtype=torch.float64)
+    assert_close(causal(x[:, :45]), causal(x)[:, :45], what='causal MLR on a short sequence')
+
+
+# -----------------------------------------------------------------------------
+# BRL attention (SPEC §7)
+
+def test_brl_lambda_zero_is_local_attention():
+    for causal in (True, False):
+        layer = randomize_(A.BRLAttention(small_config(attn='brl', causal=causal, brl_lambda_init=0.0)).double())
+        with torch.no_grad():
+            layer.lam.zero_()
+        x = torch.randn(2, 64, 64, dtype=torch.float64)
+        N = 8 if causal else 1
+        y, _ = layer(x, torch.randn(2, N, 4, 64, dtype=torch.float64))
+        assert_close(y, layer.local(x), what=f'BRL with lambda = 0 vs its local attention, causal={causal}')
+
+
+def test_brl_gamma_zero_is_softmax_cross_attention():
+    layer = randomize_(A.BRLAttention(small_config(attn='brl', causal=False, brl_gamma=False)).double())
+    x_ct, hist = torch.randn(2, 1, 4, 64, dtype=torch.float64), torch.randn(2, 1, 20, 64, dtype=torch.float64)
+    got = layer.compress(x_ct, hist)
+    # by hand: per head softmax(Q K1^T / (m sqrt(d_ct))) V, group norm, then the beta update
+    H, dh = 4, 16
+    q = layer.f_q(x_ct).view(2, 1, 4, H, dh).transpose(2, 3)
+    k = layer.f_k1(hist).view(2, 1, 20, H, dh).transpose(2, 3)
+    v = layer.f_v(hist).view(2, 1, 20, H, dh).transpose(2, 3)
+    att = torch.softmax(q @ k.transpose(-2, -1) / (4 * math.sqrt(64)), dim=-1) @ v
+    comp = layer.comp_norm(att.transpose(2, 3).reshape(8, 64)).view(2, 1, 4, 64)
+    want = 0.5 * layer.ct_ln(comp) + 0.5 * layer.f_m(x_ct)
+    assert_close(got, want, what='F_comp with gamma = 0')
+    assert layer.gamma().item() == 0.0
+
+
+def test_brl_gradients_reach_compressed_tokens_gamma_lambda():
+    model = randomize_(A.Transformer(small_config(attn='brl')))
+    model(torch.randn(2, 64, 64)).square().sum().backward()
+    att = model.blocks[0].attn
+    for name, p in [('x_ct', model.compressed_tokens), ('gamma_q', att.gamma_q), ('gamma_k1', att.gamma_k1),
+                    ('lambda', att.lam)]:
+        assert p.grad is not None and p.grad.abs().sum() > 0, f'no gradient reaches {name}'
+
+
+def test_brl_first_block_does_not_compress_and_blocks_use_history():
+    """Block 0 of a causal BRL has no history; block b's compressed tokens change with block b-1 only."""
+    model = randomize_(A.Transformer(small_config(attn='brl', n_layer=1)).double())
+    att = model.blocks[0].attn
+    x = torch.randn(1, 32, 64, dtype=torch.float64)
+    ct = torch.randn(1, 4, 4, 64, dtype=torch.float64)
+    _, new = att(x, ct)
+    x2 = x.clone()
+    x2[:, 8:16] += 1   # block 1 changes: block 2's compressed tokens must change, blocks 0, 1, 3 must not
+    _, new2 = att(x2, ct)
+    moved = [(new2[:, b] - new[:, b]).abs().max().item() > 1e-9 for b in range(4)]
+    assert moved == [False, False, True, False], moved
+
+
+if __name__ == '__main__':
+    sys.exit(pytest.main([__file__, '-q', *sys.argv[1:]]))
