@@ -13,8 +13,9 @@ Each variant maps (B, T, D) -> (B, T, D), causal or bidirectional, reports its f
 length-T sequence, and (causal ones) decodes token by token with a cache. The heavy math lives in
 kernels.py. The backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (SPEC §9).
 
-    python attention.py            # benchmark: fwd+bwd time and peak memory of each variant vs SDPA
-    python attention.py --brl      # BRL vs full attention, n = 1k ... 16k (seed 004 Figs. 5-6)
+    python attention.py            # attention cores: fwd+bwd time and peak memory vs SDPA, T = 512 ... 4096
+    python attention.py --layers   # one full layer of every variant, projections included
+    python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
 """
 
 import math
@@ -637,65 +638,102 @@ class Transformer(nn.Module):
 # -----------------------------------------------------------------------------
 # benchmark: python attention.py
 
-def _bench_child(kind, Ts, D, H, causal, window, ranks, reps):
-    """Runs in a fresh process: fwd+bwd time and peak RSS growth for each T (increasing, so ru_maxrss
-    after each T is the peak of that T)."""
-    import resource
+def _proc_kb(key):
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def measure(step, reps=2):
+    """Wall time (ms, best of reps) and peak memory (MB) of step(). On a GPU the peak is CUDA's allocator
+    peak; on Linux CPUs it is the growth of peak RSS, after resetting the peak via /proc/self/clear_refs."""
     import time
-    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:  # hand freed heap memory back to the OS first, so that RSS is the memory in use
+        import ctypes
+        import gc
+        gc.collect()
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        base = _proc_kb('VmRSS') * 1024
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() if cuda else _proc_kb('VmHWM') * 1024) - base
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times), peak / 2 ** 20
+
+
+def dense_mask_attention(q, k, v, causal=True):
+    """Standard attention written in plain torch, the way kernels.py writes its paths: T x T scores."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        T = q.shape[2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float('-inf'))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def benchmark_cores(Ts, BH=16, d=64, window=128, ranks=(32, 8, 6, 4, 4, 4, 4, 2)):
+    """fwd+bwd of each attention core on (1, BH, T, d) q, k, v (causal), against SDPA in the same run."""
+    dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    cores = {
+        'sdpa': lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        'dense_mask': dense_mask_attention,
+        'mlr': lambda q, k, v: kernels.mlr_attention(q, k, v, list(ranks), causal=True),
+        'swa': lambda q, k, v: kernels.sliding_window_attention(q, k, v, window, causal=True),
+        'linear': lambda q, k, v: kernels.linear_attention(q, k, v, causal=True),
+    }
+    print(f"attention cores, fwd+bwd, causal, (B*H, d) = ({BH}, {d}), window {window}, MLR ranks "
+          f"{'|'.join(map(str, ranks))}, on {dev}")
+    print(f"{'core':11s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'x dense':>8s} {'peak MB':>8s} {'x sdpa':>7s}")
     rows = []
     for T in Ts:
-        cfg = ModelConfig(n_layer=1, n_head=H, n_embd=D, block_size=T, causal=causal, attn=kind, window=window,
-                          ranks=ranks, n_compressed=64)
-        if kind == 'dense_mask':
-            cfg.attn = 'mlr'
-        layer = ATTENTION[cfg.attn](cfg)
-        x = torch.randn(1, T, D, requires_grad=True)
-        ct = torch.randn(1, -(-T // (cfg.brl_block or window)) if causal else 1, 64, D)
-
-        def step():
-            if kind == 'brl':
-                y, u = layer(x, ct)
-                (y.sum() + u.sum()).backward()
-            elif kind == 'dense_mask':  # MLR written as the reference: dense T x T per level, masked
-                B = x.shape[0]
-                q, k, v = (p(x).view(B, T, H, D // H).transpose(1, 2) for p in (layer.q_proj, layer.k_proj,
-                                                                                   layer.v_proj))
-                kernels.mlr_attention_reference(q, k, v, layer.ranks, causal).sum().backward()
-            else:
-                layer(x).sum().backward()
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        step()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            step()
-        rows.append((T, 1e3 * (time.perf_counter() - t0) / reps, peak / 1024, layer.flops(T)))
+        q, k, v = (torch.randn(1, BH, T, d, device=dev, requires_grad=True) for _ in range(3))
+        res = {name: measure(lambda: fn(q, k, v).sum().backward()) for name, fn in cores.items()}
+        for name, (ms, mb) in res.items():
+            print(f"{name:11s} {T:5d} {ms:9.1f} {ms / res['sdpa'][0]:7.2f} {ms / res['dense_mask'][0]:8.2f} "
+                  f"{mb:8.1f} {mb / max(res['sdpa'][1], 1e-3):7.2f}")
+            rows.append(dict(core=name, T=T, ms=ms, peak_mb=mb))
     return rows
 
 
-def benchmark(kinds, Ts, D=1024, H=16, causal=True, window=128, ranks='32|8|6|4|4|4|4|2', reps=1):
-    import json
-    import subprocess
-    import sys
-    results = {}
-    for kind in kinds:
-        code = (f"import json, attention; print(json.dumps(attention._bench_child({kind!r}, {Ts}, {D}, {H}, "
-                f"{causal}, {window}, {ranks!r}, {reps})))")
-        out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
-        if out.returncode:
-            print(f"{kind}: failed\n{out.stderr[-2000:]}")
-            continue
-        results[kind] = {T: (ms, mb, fl) for T, ms, mb, fl in json.loads(out.stdout.strip().splitlines()[-1])}
-    base = results.get('standard', {})
-    print(f"\n{'variant':14s} {'T':>6s} {'fwd+bwd ms':>11s} {'x SDPA':>7s} {'peak MB':>8s} {'x SDPA':>7s} "
-          f"{'GFLOP fwd':>10s}")
-    for kind, rows in results.items():
-        for T, (ms, mb, fl) in rows.items():
-            b = base.get(T, (float('nan'), float('nan')))
-            print(f"{kind:14s} {T:6d} {ms:11.1f} {ms / b[0]:7.2f} {mb:8.1f} {mb / max(b[1], 1e-9):7.2f} "
-                  f"{fl / 1e9:10.2f}")
-    return results
+def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', n_compressed=64):
+    """fwd+bwd of one full attention layer of each kind (projections included), same input."""
+    dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    print(f"one attention layer, fwd+bwd, D = {D}, {H} heads, window {window}, m = {n_compressed}, "
+          f"causal = {causal}, on {dev}")
+    print(f"{'layer':13s} {'T':>6s} {'ms':>9s} {'x std':>6s} {'peak MB':>8s} {'x std':>6s} {'GFLOP fwd':>10s}")
+    rows = []
+    for T in Ts:
+        res = {}
+        for kind in kinds:
+            cfg = ModelConfig(n_layer=1, n_head=H, n_embd=D, block_size=T, causal=causal, attn=kind,
+                              window=window, ranks=ranks, n_compressed=n_compressed)
+            layer = ATTENTION[kind](cfg).to(dev)
+            x = torch.randn(1, T, D, device=dev, requires_grad=True)
+            if kind == 'brl':
+                N = -(-T // layer.block_size(T))
+                ct = torch.randn(1, N, n_compressed, D, device=dev, requires_grad=True)
+                step = lambda: sum(t.sum() for t in layer(x, ct)).backward()
+            else:
+                step = lambda: layer(x).sum().backward()
+            res[kind] = measure(step, reps=1) + (layer.flops(T),)
+            del layer
+        for kind, (ms, mb, fl) in res.items():
+            b = res[kinds[0]]
+            print(f"{kind:13s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} {fl / 1e9:10.2f}")
+            rows.append(dict(layer=kind, T=T, ms=ms, peak_mb=mb, gflop=fl / 1e9))
+    return rows
 
 
 def mlr_flop_check(T=1024, ranks=(32, 8, 6, 4, 4, 4, 4, 2), BH=16):
@@ -707,23 +745,23 @@ def mlr_flop_check(T=1024, ranks=(32, 8, 6, 4, 4, 4, 4, 2), BH=16):
     formula = BH * kernels.mlr_attention_flops(T, list(ranks), causal=True)
     dense = BH * 2 * 2 * T * T * sum(ranks)
     print(f"MLR T={T} ranks {'|'.join(map(str, ranks))}: measured {fc.get_total_flops() / 1e9:.3f} GFLOP, "
-          f"formula {formula / 1e9:.3f} GFLOP, dense causal-by-masking {dense / 1e9:.3f} GFLOP")
+          f"formula {formula / 1e9:.3f} GFLOP, dense-mask attention {dense / 1e9:.3f} GFLOP")
     return fc.get_total_flops(), formula
 
 
 if __name__ == '__main__':
     import argparse
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--brl', action='store_true', help='BRL vs full and local attention, n = 1k ... 16k')
-    p.add_argument('--Ts', type=str, default='', help="comma list of sequence lengths to benchmark")
+    p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
+    p.add_argument('--layers', action='store_true', help='one full layer of every variant (D=256, 4 heads)')
+    p.add_argument('--Ts', type=str, default='', help="comma list of sequence lengths")
     args = p.parse_args()
     if args.brl:
-        Ts = parse_ints(args.Ts or '1024,2048,4096,8192,16384', 'Ts', ',')
-        print("BRL scaling: one layer, D=512, 8 heads, window 128, m=64, bidirectional, fwd+bwd")
-        benchmark(['standard', 'swa', 'brl'], Ts, D=512, H=8, causal=False)
+        benchmark_layers(['standard', 'swa', 'brl'], parse_ints(args.Ts or '1024,2048,4096,8192,16384', 'Ts', ','))
+    elif args.layers:
+        benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
+                         parse_ints(args.Ts or '256,512,1024', 'Ts', ','), D=256, H=4, causal=True,
+                         ranks='32|16|8|8', n_compressed=16)
     else:
-        Ts = parse_ints(args.Ts or '512,1024,2048,4096', 'Ts', ',')
         mlr_flop_check()
-        print("one causal layer, B*H = 16 heads of width 64 (D = 1024), window 128, fwd+bwd; "
-              "'x SDPA' = ratio to torch SDPA causal attention in this run")
-        benchmark(['standard', 'dense_mask', 'mlr', 'swa', 'linear', 'brl', 'bilinear_mlr'], Ts)
+        benchmark_cores(parse_ints(args.Ts or '512,1024,2048,4096', 'Ts', ','))
