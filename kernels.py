@@ -7,7 +7,7 @@ The heavy math of the attention variants, on (B, H, T, d) tensors.
     linear_attention          causal linear attention with phi(u) = ReLU(u)^2 (SPEC §6).
 
 Each public function has a `*_reference` twin that builds the dense T×T mask and is short enough to read;
-the tests hold the two equal (forward and gradients). The fast paths here are plain torch:
+the tests hold them equal (forward and gradients). The torch fast paths (`*_torch`):
 
 - MLR is computed as a hierarchy of tiles. For a block at level l with children at level l+1, the pairs
   (query in child a, key in child a' != a) share level l but not l+1, so they are scored with the first
@@ -18,13 +18,31 @@ the tests hold the two equal (forward and gradients). The fast paths here are pl
   around it.
 - Linear attention is chunked: quadratic inside a chunk, a running d×d state between chunks.
 
-Run `python kernels.py` for a correctness check and a small benchmark of the torch paths.
+MLR and SWA also have Triton kernels (`*_triton`): one FlashAttention-2 style forward and backward whose
+tiles know their MLR level (how many leading features to use) and skip what lies outside the window or
+after the diagonal. mlr_attention and sliding_window_attention take them for CUDA tensors when triton
+imports (see `backend`), the torch paths otherwise. They have been checked on CPU under Triton's
+interpreter and compiled for sm_80/sm_90, but never run or timed on a GPU.
+
+    python kernels.py                                  # correctness check + benchmark (torch paths on CPU)
+    python kernels.py --selftest-interpret             # Triton kernels vs references, interpreter, ~1 min
+    python kernels.py --compile-check                  # compile the kernels for sm_80 / sm_90, no GPU needed
 """
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # no triton: the kernels below are defined as plain functions and never called
+    from types import SimpleNamespace
+    triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=None)
+    HAS_TRITON = False
 
 
 # -----------------------------------------------------------------------------
@@ -41,6 +59,18 @@ def _check_qkv(q, k, v):
                          f"got {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_key_mask(key_mask, q):
+    B, T = q.shape[0], q.shape[2]
+    if key_mask is None:
+        return
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, T):
+        got = (f"{key_mask.dtype} of shape {tuple(key_mask.shape)}" if isinstance(key_mask, torch.Tensor)
+               else type(key_mask).__name__)
+        raise ValueError(f"key_mask must be a (B, T) = {(B, T)} bool tensor (True = keep), got {got}")
+    if key_mask.device != q.device:
+        raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}")
 
 
 def mlr_block_sizes(T, n_levels, block_sizes=None):
@@ -224,13 +254,6 @@ def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
     return 2 * (qk + av)
 
 
-def mlr_attention(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
-                  key_mask=None):
-    """MLR attention, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv). ranks sum to d; level l has
-    blocks of size T/2^l (or block_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep."""
-    return mlr_attention_torch(q, k, v, ranks, causal, block_sizes, scales, divide_by_levels, key_mask)
-
-
 # -----------------------------------------------------------------------------
 # sliding-window attention (SPEC §5)
 
@@ -296,12 +319,6 @@ def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
     return 2 * n * c * span * (d + dv)
 
 
-def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w < j <= i
-    (|i-j| < w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep."""
-    return sliding_window_attention_torch(q, k, v, window, causal, scale, key_mask)
-
-
 # -----------------------------------------------------------------------------
 # causal linear attention (SPEC §6)
 
@@ -362,11 +379,567 @@ def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None):
 
 
 # -----------------------------------------------------------------------------
-# self-check and benchmark
+# Triton kernels: FlashAttention-2 with tiles that know their MLR level and window
+#
+# One kernel family serves both MLR and SWA. A program owns one query tile (BLOCK_M rows) of one
+# (batch, head) and streams key tiles (BLOCK_N rows) through an online softmax; nothing T×T exists.
+# - Window: key tiles wholly outside i-w < j <= i (|i-j| < w bidirectional) are never visited. MLR runs
+#   with window = T, which leaves only the causal skip (no key tile after the query tile).
+# - MLR levels: for a (query tile, key tile) pair, n_all = number of levels whose block holds both tiles
+#   whole. The pair is scored with the first R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only.
+#   When the tile size divides the finest block size, that is the whole story (one prefix product per
+#   tile). A tile larger than the finest block (the paper's T=1024, L=8 setting has 8-token finest blocks,
+#   below tl.dot's 16) straddles block boundaries: each straddled level l then adds its own r_l features
+#   under a same-block mask. This happens only on tiles near the diagonal.
+# - SWA is the one-level case: FEAT = [0, d], so every tile uses all features, plus a window.
+# The per-level scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernel, as
+# mlr_attention_torch does, so autograd carries them and the kernels see plain prefix dot products.
+#
+# Verified here only under TRITON_INTERPRET=1 (numpy on CPU, float32 in tl.dot) and by compiling for
+# sm_80/sm_90 without running (`python kernels.py --compile-check`); never timed on a GPU.
+
+@triton.jit
+def _shared_levels(start_m, start_n, T, SIZES, N_LEVELS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """(n_all, n_any): how many levels have a block holding every (query, key) pair of the two tiles, and
+    at least one pair. Levels nest, so these are levels 0..n_all-1 and 0..n_any-1; level 0 is global."""
+    m_last = tl.minimum(start_m + BLOCK_M, T) - 1
+    n_last = tl.minimum(start_n + BLOCK_N, T) - 1
+    n_all = 1
+    n_any = 1
+    for l in tl.static_range(1, N_LEVELS):
+        b = tl.load(SIZES + l)                                  # block size of level l
+        q0, q1, k0, k1 = start_m // b, m_last // b, start_n // b, n_last // b
+        n_all += ((q0 == q1) & (k0 == k1) & (q0 == k0)).to(tl.int32)
+        n_any += ((q0 <= k1) & (k0 <= q1)).to(tl.int32)
+    return n_all, n_any
+
+
+@triton.jit
+def _feature_dot(Q, K, offs_m, offs_n, f_lo, f_hi, T, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) tile of sum_{f_lo <= f < f_hi} q[i, f] k[j, f], CHUNK features at a time.
+    A tile scored with R features costs ceil(R / CHUNK) chunk products instead of d-wide ones: that is
+    where MLR saves its QK FLOPs on a GPU. The price: q chunks are re-read for every key tile (L1/L2
+    hits on a GPU) rather than held in registers. CHUNK = BLOCK_D reads q whole once per key tile; the
+    autotuner picks. Features outside [f_lo, f_hi) of the boundary chunks are masked to zero in q."""
+    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    offs_c = tl.arange(0, CHUNK)
+    for c in range(f_lo // CHUNK * CHUNK, f_hi, CHUNK):
+        f = c + offs_c
+        q = tl.load(Q + offs_m[:, None] * D + f[None, :],
+                    mask=(offs_m[:, None] < T) & (f[None, :] >= f_lo) & (f[None, :] < f_hi), other=0.0)
+        k = tl.load(K + offs_n[:, None] * D + f[None, :], mask=(offs_n[:, None] < T) & (f[None, :] < D),
+                    other=0.0)
+        s += tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS: tl.constexpr,
+                DIVIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Scores of one tile pair, and per entry the number of levels covering it (divide_by_levels)."""
+    s = _feature_dot(Q, K, offs_m, offs_n, 0, tl.load(FEAT + n_all), T, D, BLOCK_M, BLOCK_N, CHUNK)
+    cover = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + n_all
+    for l in tl.static_range(1, N_LEVELS):
+        if (l >= n_all) & (l < n_any):  # level l straddles the tiles: only same-block entries get r_l
+            b = tl.load(SIZES + l)
+            same = (offs_m[:, None] // b) == (offs_n[None, :] // b)                  # (BLOCK_M, BLOCK_N)
+            s_l = _feature_dot(Q, K, offs_m, offs_n, tl.load(FEAT + l), tl.load(FEAT + l + 1), T, D,
+                               BLOCK_M, BLOCK_N, CHUNK)
+            s += tl.where(same, s_l, 0.0)
+            cover += same.to(tl.float32)
+    if DIVIDE:
+        s = s / cover
+    return s, cover
+
+
+@triton.jit
+def _feature_grad(ds, x, pos_a, pos_b, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS: tl.constexpr):
+    """sum_b ds[a, b] x[b, :], where entry (a, b) reaches only the features of the levels a and b share:
+    dq from (ds, k), dk from (ds^T, q). Full-width products with the other features zeroed, so these are
+    d-wide MACs on a GPU (chunking them would need an accumulator per feature chunk)."""
+    x_all = tl.where(offs_d[None, :] < tl.load(FEAT + n_all), x, 0.0).to(x.dtype)
+    g = tl.dot(ds.to(x.dtype), x_all)
+    for l in tl.static_range(1, N_LEVELS):
+        if (l >= n_all) & (l < n_any):
+            b = tl.load(SIZES + l)
+            same = (pos_a[:, None] // b) == (pos_b[None, :] // b)
+            in_l = (offs_d >= tl.load(FEAT + l)) & (offs_d < tl.load(FEAT + l + 1))
+            g += tl.dot(tl.where(same, ds, 0.0).to(x.dtype), tl.where(in_l[None, :], x, 0.0).to(x.dtype))
+    return g
+
+
+@triton.jit
+def _keep(offs_m, offs_n, T, window, KEEP, CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr):
+    """Which entries of a tile are real: both positions < T, key inside the window (and not in the future
+    when causal), key not padding (key_mask)."""
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    keep = (i < T) & (j < T) & (j > i - window)
+    if CAUSAL:
+        keep = keep & (j <= i)
+    else:
+        keep = keep & (j < i + window)
+    if HAS_KEEP:
+        keep = keep & (tl.load(KEEP + offs_n, mask=offs_n < T, other=0) != 0)[None, :]
+    return keep
+
+
+@triton.jit
+def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the keys a query tile can see. Key tiles outside are skipped, not masked."""
+    lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, T)
+    else:
+        hi = tl.minimum(start_m + BLOCK_M + window - 1, T)
+    return lo, hi
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
+              N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)                          # (batch, head); int64: B*H*T*d may pass 2^31
+    Q += bh * T * D
+    K += bh * T * D
+    V += bh * T * DV
+    O += bh * T * DV
+    LSE += bh * T
+    KEEP += (bh // H) * T
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)  # running row max
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)       # running sum of exp(s - m_i) v
+    lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
+        s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
+                               BLOCK_M, BLOCK_N, CHUNK)
+        s = tl.where(_keep(offs_m, offs_n, T, window, KEEP, CAUSAL, HAS_KEEP), s, float('-inf'))
+        # online softmax; a row that has seen no key yet keeps m = -inf, so shift it by 0 instead
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)
+        p = tl.exp(s - m_shift[:, None])                        # (BLOCK_M, BLOCK_N)
+        alpha = tl.exp(m_i - m_shift)                           # rescales what was summed so far
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + offs_n[:, None] * DV + offs_dv[None, :],
+                    mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # rows with no key at all (every key masked) output 0 and get lse = +inf, so the backward's p is 0
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float('inf'), m_i + tl.log(l_safe))
+    tl.store(O + offs_m[:, None] * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < T) & (offs_dv[None, :] < DV))
+    tl.store(LSE + offs_m, lse, mask=offs_m < T)
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D, DV, window,
+                   N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """dk, dv of one key tile: stream the query tiles that can see it, recompute p = exp(s - lse)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    Q += bh * T * D
+    K += bh * T * D
+    DK += bh * T * D
+    V += bh * T * DV
+    DO += bh * T * DV
+    DVAL += bh * T * DV
+    LSE += bh * T
+    DELTA += bh * T
+    KEEP += (bh // H) * T
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    v = tl.load(V + offs_n[:, None] * DV + offs_dv[None, :],
+                mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)        # (BLOCK_N, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # queries that see these keys: i >= j (causal) or i > j - w (bidirectional), and i < j + w
+    if CAUSAL:
+        lo = start_n // BLOCK_M * BLOCK_M
+    else:
+        lo = tl.maximum(start_n - window + 1, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(start_n + BLOCK_N + window - 1, T)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :],
+                    mask=(offs_m[:, None] < T) & (offs_d[None, :] < D), other=0.0)      # (BLOCK_M, BLOCK_D)
+        do = tl.load(DO + offs_m[:, None] * DV + offs_dv[None, :],
+                     mask=(offs_m[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)   # (BLOCK_M, BLOCK_DV)
+        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+        n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
+        s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
+                               BLOCK_M, BLOCK_N, CHUNK)
+        keep = _keep(offs_m, offs_n, T, window, KEEP, CAUSAL, HAS_KEEP)
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)                              # (BLOCK_M, BLOCK_N)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])     # softmax backward: p (dp - rowsum(do o))
+        if DIVIDE:
+            ds = ds / cover
+        dk += _feature_grad(tl.trans(ds), q, offs_n, offs_m, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
+    tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=(offs_n[:, None] < T) & (offs_d[None, :] < D))
+    tl.store(DVAL + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DVAL.dtype.element_ty),
+             mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, window,
+                 N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """dq of one query tile: stream the key tiles it sees, as the forward does."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    Q += bh * T * D
+    K += bh * T * D
+    DQ += bh * T * D
+    V += bh * T * DV
+    DO += bh * T * DV
+    LSE += bh * T
+    DELTA += bh * T
+    KEEP += (bh // H) * T
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    do = tl.load(DO + offs_m[:, None] * DV + offs_dv[None, :],
+                 mask=(offs_m[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)       # (BLOCK_M, BLOCK_DV)
+    lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
+    delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + offs_n[:, None] * D + offs_d[None, :],
+                    mask=(offs_n[:, None] < T) & (offs_d[None, :] < D), other=0.0)      # (BLOCK_N, BLOCK_D)
+        v = tl.load(V + offs_n[:, None] * DV + offs_dv[None, :],
+                    mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)    # (BLOCK_N, BLOCK_DV)
+        n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
+        s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
+                               BLOCK_M, BLOCK_N, CHUNK)
+        keep = _keep(offs_m, offs_n, T, window, KEEP, CAUSAL, HAS_KEEP)
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        if DIVIDE:
+            ds = ds / cover
+        dq += _feature_grad(ds, k, offs_m, offs_n, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
+    tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < T) & (offs_d[None, :] < D))
+
+
+# -----------------------------------------------------------------------------
+# launching the kernels: autograd.Function and the *_triton functions
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, CHUNK=16)  # tl.dot's smallest tile; numpy is slow enough
+_AUTOTUNED = {}
+
+
+def _interpreting():
+    """True when the kernels were defined under TRITON_INTERPRET=1 (they then run on CPU tensors, in numpy)."""
+    return HAS_TRITON and type(_attn_fwd).__name__ == 'InterpretedFunction'
+
+
+def _gpu_configs():
+    """A small set (each MLR config compiles in seconds; 8 levels unroll): tile height x feature chunk."""
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=64, CHUNK=ch), num_warps=bm // 16, num_stages=2)
+            for bm in (64, 128) for ch in (16, 64)]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Feature chunks wider than the (padded) head width only waste loads."""
+    return [c for c in configs if c.kwargs['CHUNK'] <= kwargs['BLOCK_D']] or configs[:1]
+
+
+def _launch(kernel, grid, *args, **consts):
+    """Fixed small tiles under the interpreter; on a GPU the autotuner picks tiles and feature chunk."""
+    if _interpreting():
+        return kernel[grid](*args, **consts, **_INTERPRET_CONFIG)
+    if kernel not in _AUTOTUNED:
+        _AUTOTUNED[kernel] = triton.autotune(_gpu_configs(), key=['T', 'D', 'DV', 'window', 'N_LEVELS', 'CAUSAL'],
+                                             prune_configs_by={'early_config_prune': _prune_configs})(kernel)
+    return _AUTOTUNED[kernel][grid](*args, **consts)
+
+
+def _pow2(n):
+    return max(16, triton.next_power_of_2(n))
+
+
+class _TritonAttention(torch.autograd.Function):
+    """softmax over the kept tiles of MLR-level scores, times v. Levels: block sizes `sizes` (level 0 = T)
+    and feature prefixes `feats` = [0, r_0, r_0 + r_1, ..., d]; SWA passes one level and its window, MLR
+    window = T. q arrives with its scales applied. Inputs are checked by the *_triton functions."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, sizes, feats, window, causal, divide_by_levels):
+        dtype = q.dtype
+        if _interpreting():  # the interpreter's tl.dot is numpy: keep it in float32
+            q, k, v = q.float(), k.float(), v.float()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        B, H, T, d = q.shape
+        dv = v.shape[-1]
+        sizes = torch.tensor(sizes, dtype=torch.int32, device=q.device)
+        feats = torch.tensor(feats, dtype=torch.int32, device=q.device)
+        keep = q if key_mask is None else key_mask.to(torch.int8).contiguous()  # q: a pointer never read
+        consts = dict(N_LEVELS=len(sizes), CAUSAL=bool(causal), DIVIDE=bool(divide_by_levels),
+                      HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv))
+        o = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)      # log-sum-exp of each row
+        _launch(_attn_fwd, lambda META: (triton.cdiv(T, META['BLOCK_M']), B * H),
+                q, k, v, keep, o, lse, sizes, feats, T, H, d, dv, window, **consts)
+        ctx.save_for_backward(q, k, v, keep, o, lse, sizes, feats)
+        ctx.window, ctx.consts, ctx.dtype = window, consts, dtype
+        return o.to(dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, keep, o, lse, sizes, feats = ctx.saved_tensors
+        B, H, T, d = q.shape
+        dv_width = v.shape[-1]
+        do = do.to(q.dtype).contiguous()
+        delta = (do.float() * o.float()).sum(-1)                             # (B, H, T) rowsum(do * o)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        shared = (sizes, feats, T, H, d, dv_width, ctx.window)
+        _launch(_attn_bwd_dkdv, lambda META: (triton.cdiv(T, META['BLOCK_N']), B * H),
+                q, k, v, keep, do, lse, delta, dk, dv, *shared, **ctx.consts)
+        _launch(_attn_bwd_dq, lambda META: (triton.cdiv(T, META['BLOCK_M']), B * H),
+                q, k, v, keep, do, lse, delta, dq, *shared, **ctx.consts)
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None, None, None, None, None
+
+
+def _check_triton(q, k, v, key_mask):
+    _check_qkv(q, k, v)
+    _check_key_mask(key_mask, q)
+    if not HAS_TRITON:
+        raise ValueError("the Triton kernels need triton (pip install triton); use the *_torch functions")
+    if q.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
+    if not (q.is_cuda or _interpreting()):
+        raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before importing "
+                         f"kernels, for CPU tensors), got a tensor on {q.device}")
+
+
+def mlr_attention_triton(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
+                         key_mask=None):
+    """MLR attention through the Triton kernels; same arguments and result as mlr_attention_torch."""
+    _check_triton(q, k, v, key_mask)
+    ranks, sizes = _mlr_check(q, ranks, block_sizes)
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    feats = [sum(ranks[:l]) for l in range(len(ranks) + 1)]                 # [0, R_0, R_1, ..., d]
+    return _TritonAttention.apply(_scale_levels(q, ranks, scales), k, v, key_mask, tuple(sizes), tuple(feats),
+                                  q.shape[2], causal, divide_by_levels)
+
+
+def sliding_window_attention_triton(q, k, v, window, causal=True, scale=None, key_mask=None):
+    """SWA through the Triton kernels; same arguments and result as sliding_window_attention_torch."""
+    _check_triton(q, k, v, key_mask)
+    _check_window(window)
+    T, d = q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return _TritonAttention.apply(q * scale, k, v, key_mask, (T,), (0, d), min(window, T), causal, False)
+
+
+# -----------------------------------------------------------------------------
+# public functions: one dispatch
+
+USE_TRITON = True  # tests (or a user) may set False to force the torch paths on a GPU
+
+
+def backend(x):
+    """Which path the public functions take for tensors like x: 'triton' for CUDA tensors of a dtype the
+    kernels take when triton imports, else 'torch' (always on CPU: Triton has no CPU backend)."""
+    return 'triton' if USE_TRITON and HAS_TRITON and x.is_cuda and x.dtype in _TRITON_DTYPES else 'torch'
+
+
+def mlr_attention(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
+                  key_mask=None):
+    """MLR attention, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv). ranks sum to d; level l has
+    blocks of size T/2^l (or block_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep.
+    Runs mlr_attention_triton or mlr_attention_torch, as backend(q) says."""
+    _check_qkv(q, k, v)
+    _check_key_mask(key_mask, q)
+    fn = mlr_attention_triton if backend(q) == 'triton' else mlr_attention_torch
+    return fn(q, k, v, ranks, causal, block_sizes, scales, divide_by_levels, key_mask)
+
+
+def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=None):
+    """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w < j <= i
+    (|i-j| < w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep.
+    Runs sliding_window_attention_triton or sliding_window_attention_torch, as backend(q) says."""
+    _check_qkv(q, k, v)
+    _check_key_mask(key_mask, q)
+    fn = sliding_window_attention_triton if backend(q) == 'triton' else sliding_window_attention_torch
+    return fn(q, k, v, window, causal, scale, key_mask)
+
+
+# -----------------------------------------------------------------------------
+# self-checks and benchmark
+
+def attention_io_bytes(T, d, dv, element_size):
+    """Compulsory memory traffic of one (batch, head) forward + backward, in bytes: the forward reads q, k, v
+    and writes o and the row log-sum-exp; the backward reads q, k, v, o, do, lse, delta and writes dq, dk,
+    dv. A lower bound: tiles re-read through L2 (or the torch paths' intermediate tiles) are not counted."""
+    forward = element_size * T * (2 * d + 2 * dv) + 4 * T
+    backward = element_size * T * (2 * d + 3 * dv) + 8 * T + element_size * T * (2 * d + dv)
+    return forward + backward
+
+
+def _selftest_interpret():
+    """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients,
+    at tiny shapes: tiles smaller and larger than the finest MLR block, T not a multiple of the tile."""
+    torch.manual_seed(0)
+    mask = torch.ones(2, 48, dtype=torch.bool)
+    mask[0, 40:] = False
+    mask[1, 10:21] = False  # with window 3 some queries see no key at all: their output must be 0
+    mlr = (mlr_attention_triton, mlr_attention_reference)
+    swa = (sliding_window_attention_triton, sliding_window_attention_reference)
+    cases = [  # name, (triton, reference), B, T, d, dv, kwargs; H = 2 throughout
+        ('mlr 8|4|2|2, blocks 64,32,16,8 (< tile)', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2])),
+        ('mlr 16|8|8, d=32, blocks 64,32,16 (= tile)', mlr, 1, 64, 32, 32, dict(ranks=[16, 8, 8])),
+        ('mlr 6|6|4, blocks 40,20,10, T=40', mlr, 1, 40, 16, 16, dict(ranks=[6, 6, 4], block_sizes=[40, 20, 10])),
+        ('mlr 16 (one level), T=50, dv=24', mlr, 1, 50, 16, 24, dict(ranks=[16])),
+        ('mlr 8|4|2|2, divide_by_levels', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2], divide_by_levels=True)),
+        ('mlr 8|8, key_mask, B=2', mlr, 2, 48, 16, 16, dict(ranks=[8, 8], key_mask=mask)),
+        ('swa w=5, T=72', swa, 1, 72, 16, 16, dict(window=5)),
+        ('swa w=20, d=32', swa, 1, 64, 32, 32, dict(window=20)),
+        ('swa w=100 > T=40', swa, 1, 40, 16, 16, dict(window=100)),
+        ('swa w=3, key_mask, B=2', swa, 2, 48, 16, 16, dict(window=3, key_mask=mask)),
+    ]
+    failed = 0
+    for name, (fast, ref), B, T, d, dv, kw in cases:
+        for causal in (True, False):
+            q, k, v = (torch.randn(B, 2, T, n, dtype=torch.float64) for n in (d, d, dv))
+            grad = torch.randn(B, 2, T, dv, dtype=torch.float64)
+            results, t0 = [], time.process_time()
+            for fn, dtype in ((fast, torch.float32), (ref, torch.float64)):
+                x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+                out = fn(*x, causal=causal, **kw)
+                out.backward(grad.to(dtype))
+                results.append([out] + [t.grad for t in x])
+            errs = [(a.double() - b).abs().max().item() for a, b in zip(*results)]
+            ok = max(errs) < 1e-4
+            failed += not ok
+            print(f"  {name:42s} causal={causal!s:5s} max err o {errs[0]:.1e} dq {errs[1]:.1e} dk {errs[2]:.1e} "
+                  f"dv {errs[3]:.1e} {'ok' if ok else 'FAIL'} ({time.process_time() - t0:.1f} s cpu)", flush=True)
+    print(f"interpreter self-test: {2 * len(cases) - failed}/{2 * len(cases)} cases match the references")
+    return failed == 0
+
+
+def _compile_check(archs=(80, 90), levels=(8, 1)):
+    """Compile every kernel for real GPUs (bf16, 64×64 tiles, for each level count: 8 = the paper's MLR with
+    divide_by_levels, 1 = SWA) without running it. This catches what the interpreter lets through (tile
+    shapes, dtypes, control flow). Needs no GPU, only triton's bundled ptxas."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    types = dict(KEEP='*i8', LSE='*fp32', DELTA='*fp32', SIZES='*i32', FEAT='*i32', T='i32', H='i32', D='i32',
+                 DV='i32', window='i32')                          # the rest are bf16 tensors
+    for arch in archs:
+        for n_levels in levels:
+            for kernel in (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq):
+                consts = dict(N_LEVELS=n_levels, CAUSAL=True, DIVIDE=n_levels > 1, HAS_KEEP=True, BLOCK_D=64,
+                              BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, CHUNK=16)
+                sig = {a: 'constexpr' if a in consts else types.get(a, '*bf16') for a in kernel.arg_names}
+                t0 = time.perf_counter()
+                triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget('cuda', arch, 32),
+                               options=dict(num_warps=4, num_stages=2))
+                print(f"  compiled {kernel.__name__:15s} with {n_levels} level(s) for sm_{arch} "
+                      f"in {time.perf_counter() - t0:.1f} s")
+
+
+def _time(fn, reps):
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def _benchmark(device, Ts, reps):
+    """Forward + backward of MLR ("32|8|6|4|4|4|4|2", the paper's d = 64 setting) and SWA (w = 128), causal,
+    B*H = 16. GFLOP = 3 x the forward count (backward = 2 x the forward matmuls; the Triton backward's
+    recomputed scores are not counted): *_attention_flops for the structured paths, the full T x T products
+    for the dense reference. MB = attention_io_bytes, the compulsory traffic (a lower bound)."""
+    dtype = torch.bfloat16 if device == 'cuda' else torch.float32
+    paths = [('torch', mlr_attention_torch, sliding_window_attention_torch)]
+    if device == 'cuda' and HAS_TRITON:
+        paths.append(('triton', mlr_attention_triton, sliding_window_attention_triton))
+    ranks, BH, d = [32, 8, 6, 4, 4, 4, 4, 2], 16, 64
+    print(f"benchmark on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {d}")
+    print(f"{'op':5s} {'path':9s} {'T':>6s} {'ms':>9s} {'GFLOP':>8s} {'GFLOP/s':>9s} {'MB':>7s} {'GB/s':>7s}")
+    rows = []
+    for T in Ts:
+        q, k, v = (torch.randn(1, BH, T, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        mb = BH * attention_io_bytes(T, d, d, q.element_size()) / 1e6
+        ops = [('mlr', 'reference', lambda: mlr_attention_reference(q, k, v, ranks), 2 * T * T * 2 * d)]
+        ops = ops if T <= 4096 else []  # the dense reference holds L (B, H, T, T) score tensors for autograd
+        ops += [('mlr', path, lambda f=f: f(q, k, v, ranks), mlr_attention_flops(T, ranks))
+                for path, f, _ in paths]
+        ops += [('swa', path, lambda f=f: f(q, k, v, 128), sliding_window_attention_flops(T, 128, d))
+                for path, _, f in paths]
+        for op, path, fn, flops in ops:
+            ms = _time(lambda: fn().sum().backward(), reps)
+            gflop = 3 * BH * flops / 1e9
+            print(f"{op:5s} {path:9s} {T:6d} {ms:9.1f} {gflop:8.2f} {gflop / ms * 1e3:9.1f} {mb:7.1f} "
+                  f"{mb / ms:7.2f}", flush=True)
+            rows.append(dict(op=op, path=path, T=T, ms=ms, gflop=gflop, mb=mb))
+    return rows
+
 
 if __name__ == '__main__':
-    import time
-    torch.manual_seed(0)
+    import argparse
+    import json
+    import os
+    import subprocess
+    import sys
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group('what to run (default: correctness check, then benchmark)')
+    g.add_argument('--selftest-interpret', action='store_true',
+                   help='check the Triton kernels against the references under TRITON_INTERPRET=1 on CPU '
+                        '(tiny shapes, about a minute) and exit; sets the variable in a subprocess if needed')
+    g.add_argument('--compile-check', action='store_true',
+                   help='compile the Triton kernels for sm_80 and sm_90 (no GPU needed, nothing runs) and exit')
+    g = p.add_argument_group('benchmark')
+    g.add_argument('--Ts', type=str, default='', help='comma list of sequence lengths (default 512,1024,2048 '
+                                                       'on CPU, 1024,2048,4096,8192 on a GPU)')
+    g.add_argument('--reps', type=int, default=1, help='timed repetitions per measurement (after one warm-up)')
+    g.add_argument('--device', type=str, default='auto', choices=['auto', 'cuda', 'cpu'],
+                   help='auto = cuda if available, else cpu')
+    g.add_argument('--seed', type=int, default=0, help='random seed')
+    g.add_argument('--out_dir', type=str, default='',
+                   help='write the benchmark rows to OUT_DIR/kernels_bench.json (default: print only)')
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+
+    if args.selftest_interpret:
+        if not HAS_TRITON:
+            sys.exit("triton is not installed: there are no Triton kernels to check")
+        if not _interpreting():  # the variable must be set before triton defines the kernels: start over
+            env = dict(os.environ, TRITON_INTERPRET='1')
+            sys.exit(subprocess.run([sys.executable, __file__, '--selftest-interpret'], env=env).returncode)
+        torch.set_num_threads(1)
+        sys.exit(0 if _selftest_interpret() else 1)
+    if args.compile_check:
+        if not HAS_TRITON or _interpreting():
+            sys.exit("--compile-check needs triton and TRITON_INTERPRET unset")
+        _compile_check()
+        sys.exit(0)
+
     print("correctness (float64, B=2, H=2, T=96, d=16):")
     q, k, v = (torch.randn(2, 2, 96, 16, dtype=torch.float64) for _ in range(3))
     for causal in (True, False):
@@ -377,17 +950,13 @@ if __name__ == '__main__':
         ]:
             err = (fast(q, k, v, causal=causal, **kw) - ref(q, k, v, causal=causal, **kw)).abs().max().item()
             print(f"  {name:12s} causal={causal!s:5s} max|fast - reference| = {err:.2e}")
-    print("\nbenchmark, torch path on", 'cuda' if torch.cuda.is_available() else 'cpu (no GPU here)',
-          "- forward+backward, B*H=16, d=64, causal, float32")
-    print(f"{'T':>6s} {'dense-mask ms':>14s} {'mlr ms':>8s} {'ratio':>6s} {'mlr GFLOP':>10s}")
-    ranks = [32, 8, 6, 4, 4, 4, 4, 2]
-    for T in (512, 1024, 2048):
-        q, k, v = (torch.randn(1, 16, T, 64, requires_grad=True) for _ in range(3))
-        times = []
-        for fn in (mlr_attention_reference, mlr_attention):
-            fn(q, k, v, ranks).sum().backward()
-            t0 = time.perf_counter()
-            fn(q, k, v, ranks).sum().backward()
-            times.append(1e3 * (time.perf_counter() - t0))
-        gflop = 16 * mlr_attention_flops(T, ranks) / 1e9
-        print(f"{T:6d} {times[0]:14.1f} {times[1]:8.1f} {times[1] / times[0]:6.2f} {gflop:10.2f}")
+    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    if device == 'cpu':
+        print("\nno GPU here: benchmarking the torch paths only (the Triton kernels need CUDA; "
+              "`--selftest-interpret` checks them on CPU)")
+    Ts = [int(t) for t in (args.Ts or ('512,1024,2048' if device == 'cpu' else '1024,2048,4096,8192')).split(',')]
+    rows = _benchmark(device, Ts, args.reps)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, 'kernels_bench.json'), 'w') as f:
+            json.dump(dict(device=device, rows=rows), f, indent=1)

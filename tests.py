@@ -8,7 +8,9 @@ Each test checks an invariant or a reference equality that would fail if the cod
 """
 
 import math
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -457,6 +459,115 @@ def test_mlr_one_level_is_standard_attention():
         mlr.load_state_dict(std.state_dict())
         x = torch.randn(2, 64, 64, dtype=torch.float64)
         assert_close(mlr(x), std(x), what=f'one-level MLR vs standard, causal={causal}')
+
+
+# -----------------------------------------------------------------------------
+# kernels.py Triton kernels: interpreter runs equal the references; torch path without triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
+
+
+def _run(args, env=None, timeout=600):
+    out = subprocess.run([sys.executable] + args, cwd=HERE, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    return out.returncode, out.stdout + out.stderr
+
+
+# -----------------------------------------------------------------------------
+# the kernels against the references, under the interpreter
+
+@needs_triton
+def test_interpreter_matches_reference():
+    """MLR (several rank allocations and block sizes, tiles smaller and larger than the finest block,
+    divide_by_levels, key_mask) and SWA (several windows, a window past T, key_mask leaving some queries
+    no key), causal and bidirectional, T not a multiple of the 16-token tile: o, dq, dk, dv within 1e-4 of
+    the float64 dense references."""
+    env = dict(os.environ, TRITON_INTERPRET='1')
+    rc, out = _run(['kernels.py', '--selftest-interpret'], env=env)
+    assert rc == 0, out[-4000:]
+    assert '20/20 cases match the references' in out, out[-4000:]
+    assert 'FAIL' not in out
+
+
+@needs_triton
+def test_kernels_compile_for_gpu():
+    """The forward and both backward kernels compile to sm_90 machine code (MLR with 3 levels; `python
+    kernels.py --compile-check` does 8 levels and SWA, for sm_80 and sm_90)."""
+    if K._interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is set in this process; the compile check needs the real kernels")
+    K._compile_check(archs=(90,), levels=(3,))
+
+
+@needs_triton
+def test_gpu_configs_prune_to_the_head_width():
+    """The autotuner's configs (GPU only, never run here): feature chunks wider than BLOCK_D are dropped."""
+    configs = K._gpu_configs()
+    assert {c.kwargs['CHUNK'] for c in K._prune_configs(configs, {}, BLOCK_D=16)} == {16}
+    assert K._prune_configs(configs, {}, BLOCK_D=64) == configs
+
+
+# -----------------------------------------------------------------------------
+# dispatch: torch path on CPU and without triton
+
+def test_cpu_tensors_take_the_torch_path():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    assert K.backend(q) == 'torch'
+    assert torch.equal(K.mlr_attention(q, k, v, [8, 4, 4]), K.mlr_attention_torch(q, k, v, [8, 4, 4]))
+    assert torch.equal(K.sliding_window_attention(q, k, v, 8),
+                       K.sliding_window_attention_torch(q, k, v, 8))
+
+
+NO_TRITON = """
+import sys
+sys.modules['triton'] = None  # 'import triton' now raises ImportError
+import torch, kernels as K
+assert not K.HAS_TRITON
+q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+assert K.backend(q) == 'torch'
+for causal in (True, False):
+    for f, ref, kw in ((K.mlr_attention, K.mlr_attention_reference, dict(ranks=[8, 4, 2, 2])),
+                       (K.sliding_window_attention, K.sliding_window_attention_reference,
+                        dict(window=9))):
+        a, b = f(q, k, v, causal=causal, **kw), ref(q, k, v, causal=causal, **kw)
+        assert (a - b).abs().max() < 1e-10, (f.__name__, causal)
+        a.sum().backward()
+try:
+    K.mlr_attention_triton(q, k, v, [8, 8])
+except ValueError as e:
+    assert 'need triton' in str(e), e
+else:
+    raise AssertionError('mlr_attention_triton ran without triton')
+print('torch path without triton: ok')
+"""
+
+
+def test_without_triton_the_torch_path_runs():
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    rc, out = _run(['-c', NO_TRITON], env=env)
+    assert rc == 0 and 'torch path without triton: ok' in out, out[-4000:]
+
+
+# -----------------------------------------------------------------------------
+# clear errors
+
+def test_bad_inputs_get_clear_errors():
+    q = torch.randn(2, 2, 32, 16)
+    with pytest.raises(ValueError, match='same shape'):
+        K.mlr_attention(q, torch.randn(2, 2, 32, 8), q, [8, 8])
+    with pytest.raises(ValueError, match='key_mask must be a'):
+        K.sliding_window_attention(q, q, q, 4, causal=False, key_mask=torch.ones(2, 31, dtype=torch.bool))
+    with pytest.raises(ValueError, match='key_mask must be a'):
+        K.mlr_attention(q, q, q, [8, 8], causal=False, key_mask=torch.ones(2, 32))
+    with pytest.raises(ValueError, match='sum to'):
+        K.mlr_attention(q, q, q, [8, 4])
+    if K.HAS_TRITON:
+        with pytest.raises(ValueError, match='float64'):
+            K.mlr_attention_triton(q.double(), q.double(), q.double(), [8, 8])
+        if not K._interpreting():
+            with pytest.raises(ValueError, match='CUDA'):
+                K.sliding_window_attention_triton(q, q, q, 4)
 
 
 # -----------------------------------------------------------------------------
