@@ -37,6 +37,7 @@ class ModelConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    mlp_hidden: int = 0            # MLP hidden width (0 = 4 * n_embd)
     block_size: int = 256          # longest sequence; MLR fixes its level blocks from it
     causal: bool = True
     attn: str = 'standard'         # a name in ATTENTION, or 'global_swa'
@@ -103,6 +104,8 @@ def check_config(cfg):
         raise ValueError(f"logit_scale must be 'sqrt' or 'mup', got {cfg.logit_scale!r}")
     if cfg.window <= 0:
         raise ValueError(f"window must be a positive number of keys, got {cfg.window}")
+    if cfg.mlp_hidden < 0:
+        raise ValueError(f"mlp_hidden must be >= 0 (0 = 4 * n_embd), got {cfg.mlp_hidden}")
     return cfg.layer_kinds()
 
 
@@ -543,10 +546,10 @@ ATTENTION = {
 # the backbone
 
 class MLP(nn.Module):
-    def __init__(self, D, base_width):
+    def __init__(self, D, hidden, base_width):
         super().__init__()
-        self.up = MupLinear(D, 4 * D, base_width)
-        self.down = MupLinear(4 * D, D, base_width, zero_init=True)
+        self.up = MupLinear(D, hidden, base_width)
+        self.down = MupLinear(hidden, D, base_width, zero_init=True)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
@@ -559,14 +562,14 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd, bias=False), nn.LayerNorm(cfg.n_embd, bias=False)
         self.attn = ATTENTION[kind](cfg)
-        self.mlp = MLP(cfg.n_embd, cfg.mup_base_width)
+        self.mlp = MLP(cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd, cfg.mup_base_width)
 
     def forward(self, x, x_ct, key_mask=None, cache=None):
         x = x + self.attn(self.ln1(x), key_mask, cache)
         return x + self.mlp(self.ln2(x)), x_ct
 
     def flops(self, T):
-        return self.attn.flops(T) + 16 * T * self.ln1.normalized_shape[0] ** 2
+        return self.attn.flops(T) + 2 * T * self.mlp.up.weight.numel() * 2
 
 
 class BRLBlock(Block):
@@ -575,7 +578,7 @@ class BRLBlock(Block):
     def __init__(self, cfg, kind):
         super().__init__(cfg, kind)
         self.ln_ct1, self.ln_ct2 = nn.LayerNorm(cfg.n_embd, bias=False), nn.LayerNorm(cfg.n_embd, bias=False)
-        self.mlp_ct = MLP(cfg.n_embd, cfg.mup_base_width)
+        self.mlp_ct = MLP(cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd, cfg.mup_base_width)
 
     def forward(self, x, x_ct, key_mask=None, cache=None):
         if cache is None:
@@ -587,7 +590,7 @@ class BRLBlock(Block):
 
     def flops(self, T):
         N = -(-T // self.attn.block_size(T))
-        return super().flops(T) + 16 * N * self.attn.m * self.ln1.normalized_shape[0] ** 2
+        return super().flops(T) + 2 * N * self.attn.m * self.mlp_ct.up.weight.numel() * 2
 
 
 class Transformer(nn.Module):

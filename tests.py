@@ -22,6 +22,12 @@ import kernels as K
 from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
 
+import collections
+import json
+import pickle
+import numpy as np
+import train_lra as lra
+from attention import ATTENTION
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -719,6 +725,374 @@ def test_brl_first_block_does_not_compress_and_blocks_use_history():
     _, new2 = att(x2, ct)
     moved = [(new2[:, b] - new[:, b]).abs().max().item() > 1e-9 for b in range(4)]
     assert moved == [False, False, True, False], moved
+
+
+# -----------------------------------------------------------------------------
+# train_lra.py: ListOps labels, Pathfinder connectivity, release loaders, padding, smoke runs
+
+# -----------------------------------------------------------------------------
+# ListOps
+
+def listops_eval_independent(source):
+    """Evaluate a release-format Source string with a stack, knowing nothing of the generator's trees."""
+    frames = [[]]
+    for tok in source.split():
+        if tok in ('(', ')'):
+            continue
+        if tok.startswith('['):
+            frames.append([tok])
+        elif tok == ']':
+            op, *args = frames.pop()
+            s = sorted(args)
+            med = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) // 2
+            frames[-1].append({'[MIN': min(args), '[MAX': max(args), '[SM': sum(args) % 10, '[MED': med}[op])
+        else:
+            frames[-1].append(int(tok))
+    assert len(frames) == 1 and len(frames[0]) == 1, f"malformed expression {source[:80]}"
+    return frames[0][0]
+
+
+def listops_structure(source):
+    """(max operator nesting depth, list of argument counts, parentheses balanced?)"""
+    depth, max_depth, counts, stack, paren = 0, 0, [], [], 0
+    for tok in source.split():
+        paren += (tok == '(') - (tok == ')')
+        if paren < 0:
+            return max_depth, counts, False
+        if tok.startswith('['):
+            depth += 1
+            max_depth = max(max_depth, depth)
+            stack.append(0)
+        elif tok == ']':
+            counts.append(stack.pop())
+            depth -= 1
+            if stack:
+                stack[-1] += 1
+        elif tok not in ('(', ')') and stack:
+            stack[-1] += 1
+    return max_depth, counts, paren == 0
+
+
+@pytest.fixture(scope='module')
+def listops_rows():
+    return lra.generate_listops(400, 20, 200, seed=3)
+
+
+def test_listops_labels_equal_independent_evaluation(listops_rows):
+    ops_seen = set()
+    for src, label in listops_rows:
+        assert label == listops_eval_independent(src), src
+        ops_seen.update(t for t in src.split() if t.startswith('['))
+    assert ops_seen == set(lra.OPERATORS)
+    # the median of an even number of arguments is the truncated mean of the middle two (LRA's int(np.median))
+    assert lra.listops_value(['[MED', 1, 2]) == 1 and lra.listops_value(['[MED', 3, 8, 0, 9]) == 5
+    assert lra.listops_value(['[SM', 9, 8, ['[MAX', 3, 7]]) == 4
+
+
+def test_listops_lengths_structure_and_dedup(listops_rows):
+    sources = [s for s, _ in listops_rows]
+    assert len(set(sources)) == len(sources)
+    for src in sources:
+        n = len(lra.listops_tokens(src))
+        assert 20 < n < 200, n
+        depth, counts, balanced = listops_structure(src)
+        assert balanced and depth <= 9 and all(2 <= c <= 10 for c in counts), (depth, counts)
+    lens = [len(lra.listops_tokens(s)) for s in sources]
+    assert max(lens) > 100 and min(lens) < 60          # the bounds are used, not some narrower band
+
+
+def test_listops_source_format():
+    # LRA's to_string of ((([MAX, 2), 9), ']')
+    assert lra.listops_source(['[MAX', 2, 9]) == '( ( ( [MAX 2 ) 9 ) ] )'
+    assert lra.listops_tokens('( ( ( [MAX 2 ) 9 ) ] )') == ['[MAX', '2', '9', ']']
+
+
+def test_listops_cache_splits_disjoint_and_loadable(tmp_path):
+    data = lra.listops_dataset(str(tmp_path), 60, 20, 20, 10, 64, seed=1)
+    d = next(tmp_path.iterdir())
+    srcs = {}
+    for split in ('train', 'val', 'test'):
+        lines = (d / f'basic_{split}.tsv').read_text().splitlines()
+        assert lines[0] == 'Source\tTarget'
+        srcs[split] = [ln.split('\t')[0] for ln in lines[1:]]
+        x, y = data[split]
+        assert x.shape == (len(srcs[split]), 64) and y.dtype == np.int64
+        for row, src, lab in zip(x, srcs[split], y):
+            toks = [lra.LISTOPS_VOCAB[i] for i in row if i != 0]
+            assert toks == lra.listops_tokens(src) and lab == listops_eval_independent(src)
+    assert not (set(srcs['train']) & set(srcs['test'])) and not (set(srcs['val']) & set(srcs['test']))
+    assert not (set(srcs['train']) & set(srcs['val']))
+    # the test split does not depend on n_train
+    other = lra.listops_dataset(str(tmp_path), 30, 20, 20, 10, 64, seed=1)
+    assert np.array_equal(other['test'][0], data['test'][0])
+
+
+# -----------------------------------------------------------------------------
+# Pathfinder
+
+def pf_solid_mask(curves, markers, scale=4, size=32, r_line=0.5, r_mark=1.5):
+    """Rasterize every curve as ONE solid polyline through all its paddle endpoints (the gaps bridged) and
+    the markers as discs, at scale x resolution. Independent of the generator's renderer."""
+    n = size * scale
+    yy, xx = np.mgrid[0:n, 0:n]
+    c = np.stack([xx, yy], -1).reshape(-1, 2) / scale + 0.5 / scale
+    mask = np.zeros(n * n, bool)
+    for curve in curves:
+        verts = curve.reshape(-1, 2)                       # a0, b0, a1, b1, ...
+        for p, q in zip(verts[:-1], verts[1:]):
+            pq = q - p
+            t = np.clip(((c - p) @ pq) / max(pq @ pq, 1e-12), 0, 1)
+            mask |= np.linalg.norm(c - p - t[:, None] * pq, axis=1) <= r_line
+    for m in markers:
+        mask |= np.linalg.norm(c - m, axis=1) <= r_mark
+    return mask.reshape(n, n)
+
+
+def pf_flood_fill(mask, start):
+    seen = np.zeros_like(mask)
+    q = collections.deque([start])
+    seen[start] = True
+    while q:
+        i, j = q.popleft()
+        for a, b in ((i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)):
+            if 0 <= a < mask.shape[0] and 0 <= b < mask.shape[1] and mask[a, b] and not seen[a, b]:
+                seen[a, b] = True
+                q.append((a, b))
+    return seen
+
+
+def test_pathfinder_connectivity_by_flood_fill():
+    rng = np.random.default_rng(7)
+    for i in range(8):
+        label = i % 2
+        curves, markers = lra.pathfinder_scene(rng, label)
+        assert len(curves) >= 2 and all(len(c) == 14 for c in curves[:2])
+        mask = pf_solid_mask(curves, markers)
+        (x0, y0), (x1, y1) = (np.floor(markers * 4)).astype(int)
+        reached = pf_flood_fill(mask, (y0, x0))
+        assert bool(reached[y1, x1]) == bool(label), f"sample {i}: label {label}, flood fill says {reached[y1, x1]}"
+        img = lra.render_pathfinder(curves, markers)
+        for mx, my in markers:                                   # markers are drawn, fully covering their pixel
+            assert img[int(my), int(mx)] == 255
+        for c in curves:                                         # every paddle leaves ink at its midpoint
+            mid = c.mean(1)
+            assert (img[mid[:, 1].astype(int), mid[:, 0].astype(int)] > 0).all()
+
+
+def test_pathfinder_shapes_range_balance(tmp_path):
+    x, y = lra.generate_pathfinder(24, seed=5)
+    assert x.shape == (24, 32, 32) and x.dtype == np.uint8 and y.dtype == np.int64
+    assert x.min() == 0 and x.max() == 255 and (x > 0).mean() > 0.1
+    assert set(y.tolist()) == {0, 1} and y.sum() == 12
+    data = lra.pathfinder_dataset(str(tmp_path), 10, 4, 6, seed=2)
+    assert data['train'][0].shape == (10, 1024) and data['test'][1].sum() == 3
+    lra.main(['--task', 'pathfinder', '--show', '--n_train', '10', '--n_val', '4', '--n_test', '6',
+              '--seed', '2', '--cache_dir', str(tmp_path), '--out_dir', str(tmp_path)])
+    assert (tmp_path / 'lra_pathfinder_samples.png').stat().st_size > 1000
+
+
+# -----------------------------------------------------------------------------
+# release-format loaders on fixture files written here in the exact layout
+
+def test_listops_release_loader(tmp_path):
+    rows = {'train': [('( ( ( [MAX 2 ) 9 ) ] )', 9), ('( ( [SM 4 ) 7 ) ] )', 1)],
+            'val': [('( ( ( [MED 1 ) 3 ) ] )', 2)], 'test': [('( ( ( [MIN 5 ) 6 ) ] )', 5)]}
+    for split, r in rows.items():
+        lra.write_tsv(str(tmp_path / f'basic_{split}.tsv'), ['Source', 'Target'], r)
+    data = lra.load_listops_release(str(tmp_path), 8)
+    x, y = data['train']
+    assert x.shape == (2, 8) and y.tolist() == [9, 1]
+    assert [lra.LISTOPS_VOCAB[i] for i in x[0] if i] == ['[MAX', '2', '9', ']']
+    (tmp_path / 'basic_test.tsv').write_text('Source\tTarget\n( ( [POW 2 ) ] )\t4\n')
+    with pytest.raises(ValueError, match='POW'):
+        lra.load_listops_release(str(tmp_path), 8)
+
+
+def write_imdb(root):
+    for split in ('train', 'test'):
+        for name, text in (('pos', 'Great film \u00e9'), ('neg', 'dull')):
+            d = root / 'aclImdb' / split / name
+            d.mkdir(parents=True)
+            (d / '0_9.txt').write_text(f'{text} ({split})', encoding='utf-8')
+    return root / 'aclImdb'
+
+
+def test_text_release_loader(tmp_path):
+    data = lra.load_text_release(str(write_imdb(tmp_path)), 12)
+    x, y = data['train']
+    assert x.shape == (2, 12) and y.tolist() == [0, 1]
+    assert bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12]
+    assert (x[0][len('dull (train)'):] == 0).all() and data['val'][0] is data['test'][0]
+
+
+def write_aan(root):
+    for name, n in (('train', 4), ('eval', 2), ('test', 2)):
+        lines = [f'{i % 2}\tid{i}a\tid{i}b\tpaper {i} text one\tsecond paper {i}' for i in range(n)]
+        (root / f'new_aan_pairs.{name}.tsv').write_text('\n'.join(lines) + '\n')
+    return root
+
+
+def test_retrieval_release_loader(tmp_path):
+    data = lra.load_retrieval_release(str(write_aan(tmp_path)), 16)
+    x, y = data['train']
+    assert x.shape == (4, 2, 16) and y.tolist() == [0, 1, 0, 1] and data['val'][0].shape == (2, 2, 16)
+    assert bytes((x[1, 0][x[1, 0] > 0] - 1).tolist()) == b'paper 1 text one'
+    assert bytes((x[1, 1][x[1, 1] > 0] - 1).tolist()) == b'second paper 1'
+
+
+def write_cifar(root):
+    d = root / 'cifar-10-batches-py'
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f'data_batch_{i}' for i in range(1, 6)] + ['test_batch']:
+        data = rng.integers(0, 256, (2, 3072), dtype=np.uint8)
+        data[0, :1024], data[0, 1024:] = 255, 0                  # image 0 of each batch: pure red
+        with open(d / name, 'wb') as f:
+            pickle.dump({b'batch_label': name.encode(), b'labels': [3, 7], b'data': data,
+                         b'filenames': [b'a.png', b'b.png']}, f, protocol=2)
+    return d
+
+
+def test_image_release_loader(tmp_path):
+    data = lra.load_image_release(str(write_cifar(tmp_path)))
+    x, y = data['train']
+    assert x.shape == (9, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (2, 1024)
+    assert (x[0] == int(0.2989 * 255)).all() and 0 <= x.min() and x.max() <= 255 and y[:2].tolist() == [3, 7]
+
+
+def write_pathfinder_release(root, n=10):
+    from PIL import Image
+    d = root / 'curv_contour_length_14'
+    (d / 'imgs' / '0').mkdir(parents=True)
+    (d / 'metadata').mkdir()
+    lines = []
+    for i in range(n):
+        img = np.zeros((32, 32), np.uint8)
+        img[i, :] = 200
+        Image.fromarray(img).save(d / 'imgs' / '0' / f'sample_{i}.png')
+        lines.append(f'imgs/0 sample_{i}.png {i} {i % 2} 1.0 14 4 2 0.5 1 1')
+    (d / 'metadata' / '0.npy').write_text('\n'.join(lines) + '\n')
+    return d
+
+
+def test_pathfinder_release_loader(tmp_path):
+    data = lra.load_pathfinder_release(str(write_pathfinder_release(tmp_path)))
+    x, y = data['train']
+    assert x.shape == (8, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (1, 1024)
+    assert y.tolist() == [0, 1] * 4 and (x[3].reshape(32, 32)[3] == 200).all() and x[3].sum() == 200 * 32
+
+
+# -----------------------------------------------------------------------------
+# model: padding mask, pooling
+
+@pytest.mark.parametrize('attn', ['standard', 'swa', 'brl', 'linear'])
+@pytest.mark.parametrize('pooling', ['mean', 'cls', 'max'])
+def test_padding_is_invisible(attn, pooling):
+    """Logits of a padded batch with its key_mask equal the logits of the unpadded sequences."""
+    torch.manual_seed(0)
+    cfg = lra.ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=65, causal=False, attn=attn, window=8,
+                          n_compressed=4)
+    model = lra.LRAClassifier(cfg, vocab=16, classes=10, pooling=pooling).eval()
+    x = torch.randint(1, 16, (2, 64))
+    x[0, 40:] = 0
+    xb, mask = lra.make_batch(x.numpy(), pad=True, trim=0, device='cpu')
+    with torch.no_grad():
+        full = model(xb, mask)
+        alone0 = model(x[:1, :40], None)
+        alone1 = model(x[1:], None)
+    assert_close(full[0], alone0[0], 1e-5, 1e-4, f'{attn}/{pooling} padded row')
+    assert_close(full[1], alone1[0], 1e-5, 1e-4, f'{attn}/{pooling} full row')
+
+
+def test_trim_keeps_results():
+    x = np.zeros((3, 256), np.int64)
+    x[:, :70] = 5
+    xb, mask = lra.make_batch(x, pad=True, trim=64, device='cpu')
+    assert xb.shape == (3, 128) and mask.sum().item() == 3 * 70
+
+
+# -----------------------------------------------------------------------------
+# smoke runs of the script
+
+LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
+         '--steps', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1', '--warmup', '1',
+         '--no-progress', '--threads', '1']
+
+
+@pytest.fixture(scope='module')
+def lra_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp('lra_cache'))
+
+
+@pytest.mark.parametrize('attn', list(ATTENTION))
+def test_smoke_listops_each_attention(attn, lra_cache, tmp_path):
+    extra = ['--ranks', '8|4|2|2'] if attn in ('mlr', 'bilinear_mlr') else []
+    out = tmp_path / attn
+    res = lra.main(['--task', 'listops', '--attn', attn, '--max_len', '64', '--min_len', '8', '--n_train', '48',
+                    '--n_val', '16', '--n_test', '16', '--cache_dir', lra_cache, '--out_dir', str(out)] + LRA_SMALL + extra)
+    assert 0.0 <= res['final_test_acc'] <= 1.0 and res['history'][-1]['step'] == 3
+    ck = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ck['step'] == 3 and ck['config']['attn'] == attn
+    assert json.loads((out / 'results.json').read_text())['attn'] == attn
+
+
+def test_smoke_resume(lra_cache, tmp_path):
+    args = ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
+            '--n_test', '16', '--cache_dir', lra_cache, '--out_dir', str(tmp_path)] + LRA_SMALL
+    lra.main(args)
+    res = lra.main([a if a != '3' else '6' for a in args] + ['--resume', '--n_embd', '64'])
+    assert [h['step'] for h in res['history']] == [3, 6] and res['config']['n_embd'] == 32
+
+
+def test_smoke_release_tasks(tmp_path):
+    common = ['--cache_dir', str(tmp_path / 'lra_cache')] + LRA_SMALL
+    r = lra.main(['--task', 'retrieval', '--data_dir', str(write_aan(tmp_path)), '--max_len', '32',
+                  '--out_dir', str(tmp_path / 'r')] + common)
+    assert r['params'] > 0
+    lra.main(['--task', 'text', '--data_dir', str(write_imdb(tmp_path)), '--max_len', '32', '--pooling', 'cls',
+              '--out_dir', str(tmp_path / 't')] + common)
+    lra.main(['--task', 'image', '--data_dir', str(write_cifar(tmp_path)), '--pooling', 'max', '--attn', 'swa',
+              '--out_dir', str(tmp_path / 'i')] + common)
+    lra.main(['--task', 'pathfinder', '--data_dir', str(write_pathfinder_release(tmp_path)), '--attn', 'brl',
+              '--pixel_embed', 'linear', '--out_dir', str(tmp_path / 'p')] + common)
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit):
+        lra.parse_args(['--attn', 'nope'])
+    with pytest.raises(SystemExit):
+        lra.parse_args(['--task', 'pathfinder', '--max_len', '500'])
+    with pytest.raises(SystemExit, match='n_head'):
+        lra.main(['--n_head', '3', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--max_len', '32',
+                  '--min_len', '4', '--cache_dir', str(tmp_path), '--out_dir', str(tmp_path)] + LRA_SMALL[6:])
+    with pytest.raises(SystemExit, match='data_dir'):
+        lra.main(['--task', 'text', '--out_dir', str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match='train.tsv'):
+        lra.load_retrieval_release(str(tmp_path), 8)
+    with pytest.raises(ValueError, match='min_len'):
+        lra.generate_listops(1, 50, 40, seed=0)
+    with pytest.raises(SystemExit, match='device'):
+        lra.pick_device('gpu0')
+
+
+def test_preset_lra_applies_table12_but_flags_win():
+    a = lra.parse_args(['--preset', 'lra', '--task', 'image'])
+    assert (a.n_layer, a.n_embd, a.batch_size, a.pooling, a.lr, a.max_len) == (3, 64, 16, 'max', 5e-4, 1024)
+    a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2'])
+    assert (a.n_layer, a.n_embd, a.max_len, a.min_len, a.steps, a.n_train) == (2, 512, 2000, 500, 5000, 96000)
+
+
+def test_bench_point_and_plot(tmp_path):
+    opts = dict(n_layer=1, n_head=2, n_embd=32, window=16, n_compressed=4, batch=1, reps=1, device='cpu', threads=1)
+    rows = [lra.bench_one(k, 128, opts) for k in ('standard', 'standard_unfused', 'swa', 'brl')]
+    assert all(r['ms'] > 0 and np.isfinite(r['peak_mb']) for r in rows)
+    lra.plot_bench(rows + [{'attn': 'standard', 'T': 256, 'skipped': 'x'}], str(tmp_path / 'b.png'), opts)
+    assert (tmp_path / 'b.png').exists()
+    # the CLI path: one fresh process per point, a memory guard, JSON and plot
+    rows = lra.main(['--bench', '--bench_lens', '64,4096', '--bench_attn', 'standard_unfused', '--bench_max_gb',
+                     '0.1', '--bench_max_sec', '1e9', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--out_dir', str(tmp_path)])
+    assert rows[0]['ms'] > 0 and 'GB' in rows[1]['skipped']
+    assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
 
 
 if __name__ == '__main__':

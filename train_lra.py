@@ -1,0 +1,948 @@
+"""
+Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ...
+(seed 004 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; SPEC §11).
+
+One bidirectional attention.Transformer (causal=False) reads token (or pixel) embeddings plus learned
+positions, with a padding mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval
+encodes both documents with the same encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
+
+Data. Without --data_dir two tasks are generated here and cached under --cache_dir (default data/lra/):
+  ListOps     the LRA recipe: [MIN [MAX [MED [SM (sum mod 10) trees over digits, depth <= 10, 2..10
+              arguments, a node below the maximum depth is a leaf with probability 0.75, kept when
+              min_len < #tokens < max_len (parentheses not counted), label = value, deduplicated across
+              splits; written once as basic_{train,val,test}.tsv in the release's Source/Target format.
+  Pathfinder  32x32 grayscale: two dashed curves of 14 paddles, short distractor curves and two round
+              markers on the two ends of one curve (label 1) or on ends of different curves (label 0).
+With --data_dir the official release layout is read instead (see the loaders' docstrings): ListOps TSVs,
+IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders.
+
+Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
+  python train_lra.py --attn standard      # ListOps, max_len 256, 2 layers x 64 wide
+  python train_lra.py --attn swa           # local attention, window 32
+  python train_lra.py --attn brl           # local attention + 16 compressed tokens
+  python train_lra.py --task pathfinder --show --n_train 16    # PNG grid of 16 generated samples to check
+  python train_lra.py --task pathfinder --attn brl             # 4000 generated 32 x 32 images (slow on CPU)
+  python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
+  python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
+GPU, the paper's Table 12 settings on the release files:
+  python train_lra.py --preset lra --task listops --data_dir lra_release/listops-1000 --attn brl
+"""
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import pickle
+import random
+import re
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
+
+TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
+
+# Table 12 of seed 004 (depth, features, heads, FF size, batch, pooling, lr) plus LRA's sequence lengths.
+# m = w = 256 is Table 1's best BRL row; ff is the MLP hidden width.
+LRA_PRESETS = {
+    'listops': dict(n_layer=6, n_embd=512, n_head=8, ff=1024, batch_size=64, pooling='mean', lr=1e-4, max_len=2000),
+    'text': dict(n_layer=6, n_embd=512, n_head=8, ff=1024, batch_size=64, pooling='mean', lr=1e-4, max_len=4000),
+    'retrieval': dict(n_layer=4, n_embd=128, n_head=8, ff=512, batch_size=16, pooling='mean', lr=5e-4, max_len=4000),
+    'image': dict(n_layer=3, n_embd=64, n_head=8, ff=128, batch_size=16, pooling='max', lr=5e-4, max_len=1024),
+    'pathfinder': dict(n_layer=4, n_embd=128, n_head=8, ff=128, batch_size=16, pooling='mean', lr=5e-4, max_len=1024),
+}
+PRESET_COMMON = dict(window=256, n_compressed=256, steps=5000, warmup=1000,   # 5000 steps: LRA's ListOps config
+                     min_len=500, n_train=96000, n_val=2000, n_test=2000)     # LRA's ListOps generator
+
+
+# -----------------------------------------------------------------------------
+# ListOps (LRA recipe; tokens: PAD 0, then digits, operators, ']')
+
+OPERATORS = ['[MIN', '[MAX', '[MED', '[SM']
+END = ']'
+LISTOPS_VOCAB = ['<pad>'] + [str(v) for v in range(10)] + OPERATORS + [END]
+LISTOPS_ID = {t: i for i, t in enumerate(LISTOPS_VOCAB)}
+
+
+class _TooLong(Exception):
+    pass
+
+
+def listops_tree(rng, max_len, depth=1, max_depth=10, max_args=10, count=None):
+    """One random tree: a digit, or [op, child, ...]. Below max_depth a node is an operator with probability
+    0.25 (LRA: leaf if random() > 0.25) with randint(2, max_args) children. Gives up (raises _TooLong) as
+    soon as the tree has max_len tokens: those trees are rejected anyway, so the kept ones are unchanged."""
+    count = [0] if count is None else count
+    if depth < max_depth and rng.random() <= 0.25:
+        count[0] += 2                                   # the operator and its ']'
+        children = [listops_tree(rng, max_len, depth + 1, max_depth, max_args, count)
+                    for _ in range(rng.randint(2, max_args))]
+        return [rng.choice(OPERATORS)] + children
+    count[0] += 1
+    if count[0] >= max_len:
+        raise _TooLong
+    return rng.randrange(10)
+
+
+def listops_value(tree):
+    if isinstance(tree, int):
+        return tree
+    op, args = tree[0], [listops_value(c) for c in tree[1:]]
+    if op == '[MIN':
+        return min(args)
+    if op == '[MAX':
+        return max(args)
+    if op == '[MED':
+        return int(np.median(args))                     # LRA: int(np.median), the mean of the middle two truncated
+    return sum(args) % 10
+
+
+def listops_source(tree):
+    """The release's Source string: ( ( ( [MAX 2 ) 9 ) ] ) for [MAX 2 9 ]."""
+    if isinstance(tree, int):
+        return str(tree)
+    s = f'( {tree[0]} {listops_source(tree[1])} )'
+    for child in tree[2:]:
+        s = f'( {s} {listops_source(child)} )'
+    return f'( {s} {END} )'
+
+
+def listops_tokens(source):
+    """Source string -> token strings without parentheses (what the model reads)."""
+    return [t for t in source.split() if t not in ('(', ')')]
+
+
+def generate_listops(n, min_len, max_len, seed, exclude=(), max_depth=10, max_args=10):
+    """n distinct (source, label) examples with min_len < #tokens < max_len, none of them in `exclude`."""
+    if not 0 <= min_len < max_len - 1:
+        raise ValueError(f"need 0 <= min_len < max_len - 1, got min_len={min_len}, max_len={max_len}")
+    rng, seen, rows = random.Random(seed), set(exclude), []
+    while len(rows) < n:
+        count = [0]
+        try:
+            tree = listops_tree(rng, max_len, 1, max_depth, max_args, count)
+        except _TooLong:
+            continue
+        src = listops_source(tree)
+        if min_len < count[0] < max_len and src not in seen:
+            seen.add(src)
+            rows.append((src, listops_value(tree)))
+    return rows
+
+
+def write_tsv(path, header, rows):
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        f.write('\t'.join(header) + '\n')
+        f.writelines('\t'.join(str(c) for c in r) + '\n' for r in rows)
+    os.replace(tmp, path)
+
+
+def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
+    """Generate once into <cache_dir>/listops_<...>/basic_*.tsv; the test split is drawn first (seed),
+    then val (seed+1), then train (seed+2), each avoiding the earlier ones, so the test set does not
+    depend on n_train."""
+    d = os.path.join(cache_dir, f'listops_len{min_len}-{max_len}_n{n_train}-{n_val}-{n_test}_seed{seed}')
+    if not os.path.exists(os.path.join(d, 'basic_train.tsv')):
+        os.makedirs(d, exist_ok=True)
+        seen = set()
+        for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
+            rows = generate_listops(n, min_len, max_len, seed + i, exclude=seen)
+            seen.update(r[0] for r in rows)
+            write_tsv(os.path.join(d, f'basic_{split}.tsv'), ['Source', 'Target'], rows)
+        print(f'wrote ListOps to {d}')
+    return load_listops_release(d, max_len)
+
+
+# -----------------------------------------------------------------------------
+# Pathfinder generator (numpy). Geometry in final-pixel units; everything is a capsule (segment + radius).
+
+PATHFINDER32 = dict(   # LRA's 32x32 setting: contour 14 paddles, distractors 14 // 3 long, 20 // 4 of them,
+    size=32, contour_length=14, distractor_length=4, n_distractors=5,  # marker radius 1.5, paddle 2 + margin 1
+    paddle_length=2.0, paddle_margin=1.0, line_radius=0.5, marker_radius=1.5, padding=1.0,
+    max_turn_deg=60.0,  # ours: the original's 'continuity' is not a turning angle; 60 deg lets 42 px fit in 32
+    clearance=1.0,      # ours: gap in pixels kept between different curves (and a curve and itself)
+    antialias=2)
+
+
+def point_segment_distance(p, a, b):
+    """p (M, 2), segments a-b (N, 2) -> (M, N) distances."""
+    ab, ap = b - a, p[:, None, :] - a[None]                                        # (N, 2), (M, N, 2)
+    t = np.clip((ap * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-12), 0.0, 1.0)
+    e = ap - t[..., None] * ab
+    return np.sqrt((e * e).sum(-1))
+
+
+class Scene:
+    """What is drawn so far: segments a-b of half-width rad, each owned by curve cid."""
+
+    def __init__(self):
+        self.a, self.b, self.rad, self.cid = np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0), np.zeros(0, int)
+        self.half = np.zeros(0)
+
+    def add(self, a, b, rad, cid):
+        self.a, self.b = np.vstack([self.a, a]), np.vstack([self.b, b])
+        self.rad, self.cid = np.append(self.rad, np.full(len(a), rad)), np.append(self.cid, np.full(len(a), cid))
+        self.half = np.sqrt(((self.b - self.a) ** 2).sum(1)) / 2
+
+    def clear_of(self, pts, rad, cid, clearance):
+        """For points (M, 2) of half-width rad: True where every other curve is >= clearance away."""
+        ctr = pts.mean(0)
+        d = self.a + self.b - 2 * ctr                                   # 2 x (segment midpoint - centre)
+        reach = np.abs(pts - ctr).max() * 1.5 + self.half + self.rad + rad + clearance
+        near = (self.cid != cid) & ((d * d).sum(1) <= 4 * reach * reach)   # cheap pre-filter
+        if not near.any():
+            return np.ones(len(pts), bool)
+        gap = point_segment_distance(pts, self.a[near], self.b[near]) - self.rad[near] - rad
+        return (gap >= clearance).all(1)
+
+
+def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
+    """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from
+    the last; of n_cand random turns the first one that stays inside and clear of the scene (and of the
+    curve's own paddles 3+ back) wins. Returns (n_paddles, 2, 2) paddle endpoints, or None."""
+    S, pad, r = cfg['size'], cfg['padding'], cfg['line_radius']
+    L, gap, turn = cfg['paddle_length'], cfg['paddle_margin'], math.radians(cfg['max_turn_deg'])
+    s = np.linspace(0, 1, int(math.ceil(L / 0.5)) + 1)          # centre-line samples every <= 0.5 px
+    for _ in range(tries):
+        pos, theta = rng.uniform(pad, S - pad, size=2), rng.uniform(0, 2 * math.pi)
+        pa, pb = np.zeros((0, 2)), np.zeros((0, 2))
+        for k in range(n_paddles):
+            th = theta + rng.uniform(-turn, turn, n_cand)
+            u = np.stack([np.cos(th), np.sin(th)], 1)                                  # (C, 2)
+            ends = pos + L * u
+            pts = (pos + (L * s)[None, :, None] * u[:, None, :]).reshape(-1, 2)        # (C * P, 2)
+            ok = scene.clear_of(pts, r, cid, cfg['clearance']).reshape(n_cand, -1).all(1)
+            if k >= 3:
+                own = point_segment_distance(pts, pa[:k - 2], pb[:k - 2]).min(1).reshape(n_cand, -1)
+                ok &= own.min(1) >= 2 * r + cfg['clearance']
+            ok &= ((ends >= pad) & (ends <= S - pad)).all(1)
+            good = np.flatnonzero(ok)
+            if len(good) == 0:
+                break
+            c = good[0]
+            pa, pb = np.vstack([pa, pos]), np.vstack([pb, ends[c]])
+            pos, theta = ends[c] + gap * u[c], th[c]
+        if len(pa) == n_paddles:
+            return np.stack([pa, pb], 1)
+    return None
+
+
+def pathfinder_scene(rng, label, cfg=PATHFINDER32):
+    """Two target curves, the two markers, then distractors. -> (curves [(n, 2, 2)], markers (2, 2))."""
+    r_line, r_mark, clear = cfg['line_radius'], cfg['marker_radius'], cfg['clearance']
+    while True:
+        scene, targets = Scene(), []
+        for cid in (1, 2):
+            c = grow_curve(rng, cfg['contour_length'], scene, cid, cfg)
+            if c is None:
+                break
+            scene.add(c[:, 0], c[:, 1], r_line, cid)
+            targets.append(c)
+        if len(targets) < 2:
+            continue
+        ends = [(c[0, 0], c[-1, 1]) for c in targets]
+        if label == 1:
+            markers = [(1, ends[0][0]), (1, ends[0][1])]
+        else:
+            markers = [(1, ends[0][rng.integers(2)]), (2, ends[1][rng.integers(2)])]
+        if not all(scene.clear_of(m[None], r_mark, cid, clear)[0] for cid, m in markers):
+            continue
+        for cid, m in markers:
+            scene.add(m[None], m[None], r_mark, cid)
+        curves = list(targets)
+        for i in range(cfg['n_distractors']):
+            c = grow_curve(rng, cfg['distractor_length'], scene, 3 + i, cfg)
+            if c is not None:
+                scene.add(c[:, 0], c[:, 1], r_line, 3 + i)
+                curves.append(c)
+        return curves, np.array([m for _, m in markers])
+
+
+def render_pathfinder(curves, markers, cfg=PATHFINDER32):
+    """Paddles (flat ends, so the gaps show) and marker discs at antialias x resolution, box-downsampled
+    to a (size, size) uint8 image, 0 = background, 255 = fully covered pixel."""
+    aa, S = cfg['antialias'], cfg['size']
+    canvas = np.zeros((S * aa, S * aa), bool)
+    for a, b, rad in [(p, q, cfg['line_radius']) for c in curves for p, q in c] + \
+                     [(m, m, cfg['marker_radius']) for m in markers]:
+        lo = np.clip(np.floor((np.minimum(a, b) - rad) * aa), 0, S * aa - 1).astype(int)
+        hi = np.clip(np.ceil((np.maximum(a, b) + rad) * aa), 0, S * aa - 1).astype(int)
+        ys, xs = np.mgrid[lo[1]:hi[1] + 1, lo[0]:hi[0] + 1]
+        p = (np.stack([xs, ys], -1) + 0.5) / aa                                     # pixel centres
+        ab = b - a
+        t = ((p - a) @ ab) / max(ab @ ab, 1e-12)
+        d = np.linalg.norm(p - a - np.clip(t, 0, 1)[..., None] * ab, axis=-1)
+        on = (d <= rad) & ((t >= 0) & (t <= 1) if ab @ ab > 0 else True)
+        canvas[lo[1]:hi[1] + 1, lo[0]:hi[0] + 1] |= on
+    return np.round(canvas.reshape(S, aa, S, aa).mean((1, 3)) * 255).astype(np.uint8)
+
+
+def generate_pathfinder(n, seed, cfg=PATHFINDER32):
+    """n images (n, 32, 32) uint8 and labels (n,) int64, exactly balanced, shuffled."""
+    rng = np.random.default_rng(seed)
+    labels = rng.permutation(np.arange(n) % 2)
+    images = np.stack([render_pathfinder(*pathfinder_scene(rng, int(y), cfg), cfg) for y in
+                       tqdm(labels, desc=f'pathfinder seed {seed}', leave=False, disable=n < 500)])
+    return images, labels.astype(np.int64)
+
+
+def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
+    path = os.path.join(cache_dir, f'pathfinder32_n{n_train}-{n_val}-{n_test}_seed{seed}.npz')
+    if not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        arrays = {}
+        for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
+            arrays[f'{split}_x'], arrays[f'{split}_y'] = generate_pathfinder(n, seed + i)
+        save_npz(path, arrays)
+        print(f'wrote Pathfinder to {path}')
+    z = np.load(path)
+    return {s: (z[f'{s}_x'].reshape(len(z[f'{s}_x']), -1), z[f'{s}_y']) for s in ('train', 'val', 'test')}
+
+
+def save_npz(path, arrays):
+    tmp = path + '.tmp.npz'
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def show_pathfinder(data, path, n=16):
+    plt = _plt()
+    x, y = data['train']
+    fig, axes = plt.subplots(2, n // 2, figsize=(1.6 * n // 2, 3.6))
+    for ax in axes.flat:
+        ax.axis('off')
+    for ax, img, lab in zip(axes.flat, x[:n], y[:n]):
+        ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
+        ax.set_title('connected (1)' if lab else 'not (0)', fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    print(f'saved {path}')
+
+
+# -----------------------------------------------------------------------------
+# loaders for the official release layout (each split -> (x int array, y int64 array))
+
+def _bytes_ids(text, max_len):
+    """LRA's byte-level encoding: UTF-8 bytes + 1 (0 is padding), truncated to max_len."""
+    return np.frombuffer(text.encode('utf-8'), np.uint8)[:max_len].astype(np.int64) + 1
+
+
+def _pad_rows(rows, max_len):
+    x = np.zeros((len(rows), max_len), np.int64)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = r[:max_len]
+    return x
+
+
+def _one(pattern):
+    hits = sorted(glob.glob(pattern))
+    if len(hits) != 1:
+        raise FileNotFoundError(f"expected exactly one file matching {pattern}, found {hits or 'none'}")
+    return hits[0]
+
+
+def load_listops_release(data_dir, max_len):
+    """lra_release/listops-1000/basic_{train,val,test}.tsv: header Source<TAB>Target."""
+    out = {}
+    for split in ('train', 'val', 'test'):
+        with open(_one(os.path.join(data_dir, f'*_{split}.tsv'))) as f:
+            header = f.readline().rstrip('\n').split('\t')
+            if header[:2] != ['Source', 'Target']:
+                raise ValueError(f"{f.name}: expected header Source<TAB>Target, got {header}")
+            rows = [line.rstrip('\n').split('\t') for line in f if line.strip()]
+        ids = []
+        for src, _ in rows:
+            try:
+                ids.append([LISTOPS_ID[t] for t in listops_tokens(src)])
+            except KeyError as e:
+                raise ValueError(f"{f.name}: unknown ListOps token {e.args[0]!r}; valid: {LISTOPS_VOCAB[1:]}") from None
+        out[split] = (_pad_rows(ids, max_len), np.array([int(float(t)) for _, t in rows], np.int64))
+    return out
+
+
+def load_text_release(data_dir, max_len):
+    """IMDB reviews as bytes (LRA Text): aclImdb/{train,test}/{pos,neg}/*.txt, label pos = 1. LRA has no
+    IMDB validation split and validates on test; so do we."""
+    out = {}
+    for split in ('train', 'test'):
+        rows, labels = [], []
+        for lab, name in ((0, 'neg'), (1, 'pos')):
+            files = sorted(glob.glob(os.path.join(data_dir, split, name, '*.txt')))
+            if not files:
+                raise FileNotFoundError(f"no reviews in {os.path.join(data_dir, split, name)}/*.txt")
+            for fn in files:
+                with open(fn, encoding='utf-8') as f:
+                    rows.append(_bytes_ids(f.read(), max_len))
+                labels.append(lab)
+        out[split] = (_pad_rows(rows, max_len), np.array(labels, np.int64))
+    out['val'] = out['test']
+    return out
+
+
+def load_retrieval_release(data_dir, max_len):
+    """AAN pairs (LRA Retrieval): *.{train,eval,test}.tsv, no header, tab-separated, no quoting:
+    label, id1, id2, text1, text2. x is (N, 2, max_len) byte ids."""
+    out = {}
+    for split, name in (('train', 'train'), ('val', 'eval'), ('test', 'test')):
+        pairs, labels = [], []
+        with open(_one(os.path.join(data_dir, f'*.{name}.tsv')), encoding='utf-8') as f:
+            for n, line in enumerate(f, 1):
+                cols = line.rstrip('\n').split('\t')
+                if len(cols) != 5:
+                    raise ValueError(f"{f.name} line {n}: expected 5 tab-separated columns "
+                                     f"(label, id1, id2, text1, text2), got {len(cols)}")
+                labels.append(int(float(cols[0])))
+                pairs.append(np.stack([_pad_rows([_bytes_ids(t, max_len)], max_len)[0] for t in cols[3:5]]))
+        out[split] = (np.stack(pairs), np.array(labels, np.int64))
+    return out
+
+
+def load_image_release(data_dir):
+    """CIFAR-10 python batches (LRA Image): data_batch_1..5 and test_batch, pickled dicts with b'data'
+    (N, 3072 uint8, RGB planes) and b'labels'. Grayscale as tf.image.rgb_to_grayscale, cast to int (LRA);
+    train = first 90% of the training batches, val = last 10% (LRA's split), test = test_batch."""
+    def read(names):
+        xs, ys = [], []
+        for name in names:
+            with open(os.path.join(data_dir, name), 'rb') as f:
+                d = pickle.load(f, encoding='bytes')
+            rgb = d[b'data'].reshape(-1, 3, 1024).astype(np.float32)
+            xs.append((rgb * np.array([0.2989, 0.5870, 0.1140], np.float32)[None, :, None]).sum(1).astype(np.int64))
+            ys.append(np.array(d[b'labels'], np.int64))
+        return np.concatenate(xs), np.concatenate(ys)
+    x, y = read([f'data_batch_{i}' for i in range(1, 6)])
+    cut = int(0.9 * len(x))
+    return {'train': (x[:cut], y[:cut]), 'val': (x[cut:], y[cut:]), 'test': read(['test_batch'])}
+
+
+def load_pathfinder_release(data_dir):
+    """lra_release/pathfinder32/curv_contour_length_14/: metadata/<i>.npy are text files whose lines read
+    '<imgs/i> <sample_j.png> <n> <label> ...'; images at data_dir/<imgs/i>/<sample_j.png>. Split 80/10/10
+    in file order (LRA)."""
+    from PIL import Image   # Pillow comes with matplotlib
+    metas = sorted(glob.glob(os.path.join(data_dir, 'metadata', '*.npy')),
+                   key=lambda p: int(re.sub(r'\D', '', os.path.basename(p)) or 0))
+    if not metas:
+        raise FileNotFoundError(f"no metadata/*.npy under {data_dir}")
+    xs, ys = [], []
+    for meta in metas:
+        with open(meta) as f:
+            for line in f.read().splitlines():
+                m = line.split()
+                if len(m) < 4:
+                    continue
+                xs.append(np.asarray(Image.open(os.path.join(data_dir, m[0], m[1])).convert('L'), np.int64).ravel())
+                ys.append(int(m[3]))
+    x, y = np.stack(xs), np.array(ys, np.int64)
+    a, b = int(0.8 * len(x)), int(0.9 * len(x))
+    return {'train': (x[:a], y[:a]), 'val': (x[a:b], y[a:b]), 'test': (x[b:], y[b:])}
+
+
+def load_task(args):
+    """-> (splits {train, val, test: (x, y)}, meta {vocab, classes, pixels, dual})."""
+    pixels = args.task in ('image', 'pathfinder')
+    meta = dict(vocab=256 if pixels else (len(LISTOPS_VOCAB) if args.task == 'listops' else 257),
+                classes={'listops': 10, 'image': 10}.get(args.task, 2), pixels=pixels, dual=args.task == 'retrieval')
+    if args.data_dir:
+        key = hashlib.md5(os.path.abspath(args.data_dir).encode()).hexdigest()[:8]
+        path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_{key}.npz')
+        if os.path.exists(path):
+            z = np.load(path)
+            return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
+        loader = {'listops': lambda d: load_listops_release(d, args.max_len),
+                  'text': lambda d: load_text_release(d, args.max_len),
+                  'retrieval': lambda d: load_retrieval_release(d, args.max_len),
+                  'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
+        data = loader(args.data_dir)
+        os.makedirs(args.cache_dir, exist_ok=True)
+        save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
+    elif args.task == 'listops':
+        data = listops_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.min_len, args.max_len,
+                               args.seed)
+    elif args.task == 'pathfinder':
+        data = pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.seed)
+    else:
+        raise SystemExit(f"--task {args.task} has no generator here: pass --data_dir with the release files")
+    return data, meta
+
+
+# -----------------------------------------------------------------------------
+# model
+
+class LRAClassifier(nn.Module):
+    """Embedding + learned positions -> bidirectional Transformer -> pooling -> MLP head.
+    Init: token / position embeddings N(0, 1) (nn.Embedding default; the body is pre-LN), CLS vector N(0, 1),
+    the body as attention.py (muP), head nn.Linear defaults."""
+
+    def __init__(self, cfg, vocab, classes, pooling='mean', dual=False, pixel_embed='token', learned_pos=True):
+        super().__init__()
+        if pooling not in ('mean', 'cls', 'max'):
+            raise ValueError(f"pooling must be mean, cls or max, got {pooling!r}")
+        D = cfg.n_embd
+        self.pooling, self.dual, self.pixel_linear = pooling, dual, pixel_embed == 'linear'
+        self.embed = nn.Linear(1, D) if self.pixel_linear else nn.Embedding(vocab, D)
+        self.cls = nn.Parameter(torch.randn(D)) if pooling == 'cls' else None
+        self.pos = nn.Embedding(cfg.block_size, D) if learned_pos else None
+        self.body = Transformer(cfg)
+        self.head = nn.Sequential(nn.Linear(4 * D if dual else D, D), nn.GELU(), nn.Linear(D, classes))
+
+    def encode(self, x, mask):
+        """x (B, T) token ids or pixel values, mask (B, T) bool (True = real) or None -> (B, D)."""
+        h = self.embed(x.float().unsqueeze(-1) / 255.0) if self.pixel_linear else self.embed(x)   # (B, T, D)
+        if self.cls is not None:
+            h = torch.cat([self.cls.expand(len(h), 1, -1), h], 1)                                # (B, 1+T, D)
+            mask = None if mask is None else F.pad(mask, (1, 0), value=True)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(h.shape[1], device=h.device))
+        h = self.body(h, key_mask=mask)
+        if self.pooling == 'cls':
+            return h[:, 0]
+        if mask is None:
+            return h.mean(1) if self.pooling == 'mean' else h.max(1).values
+        m = mask.unsqueeze(-1)
+        if self.pooling == 'mean':
+            return (h * m).sum(1) / m.sum(1).clamp(min=1)
+        return h.masked_fill(~m, float('-inf')).max(1).values
+
+    def forward(self, x, mask=None):
+        if not self.dual:
+            return self.head(self.encode(x, mask))
+        u = self.encode(x[:, 0], None if mask is None else mask[:, 0])
+        v = self.encode(x[:, 1], None if mask is None else mask[:, 1])
+        return self.head(torch.cat([u, v, u * v, u - v], -1))
+
+
+def build_model(args, meta):
+    extra = 1 if args.pooling == 'cls' else 0
+    cfg = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, mlp_hidden=args.ff,
+                      block_size=args.max_len + extra,
+                      causal=False, attn=args.attn, window=args.window, n_compressed=args.n_compressed,
+                      ranks=args.ranks, rope=args.pos == 'rope', brl_gamma=not args.no_diff)
+    model = LRAClassifier(cfg, meta['vocab'], meta['classes'], args.pooling, meta['dual'], args.pixel_embed,
+                          learned_pos=args.pos == 'learned')
+    return model, cfg
+
+
+def make_batch(x, pad, trim, device):
+    """x (B, [2,] T) int64 -> tokens, mask. Text tasks: 0 is padding; the batch is cut to its longest row
+    rounded up to `trim` (a no-op for the result: padded keys are masked, pooling ignores them)."""
+    x = torch.as_tensor(x)
+    if not pad:
+        return x.to(device), None
+    if trim:
+        T = int((x != 0).sum(-1).max())
+        x = x[..., :min(x.shape[-1], -(-T // trim) * trim)]
+    mask = x != 0
+    return x.to(device), (None if bool(mask.all()) else mask.to(device))
+
+
+# -----------------------------------------------------------------------------
+# training and evaluation
+
+def pick_device(name):
+    if name == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    try:
+        torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name!r}: not a torch device (valid: auto, cpu, cuda, cuda:N)") from None
+    if name.startswith('cuda') and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: CUDA is not available here (valid: auto, cpu)")
+    return name
+
+
+@torch.no_grad()
+def evaluate(model, x, y, args, pad, device):
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), args.eval_batch_size):
+        xb, mb = make_batch(x[i:i + args.eval_batch_size], pad, args.trim, device)
+        correct += (model(xb, mb).argmax(-1).cpu() == torch.as_tensor(y[i:i + args.eval_batch_size])).sum().item()
+    model.train()
+    return correct / max(len(x), 1)
+
+
+def save_checkpoint(path, ckpt):
+    tmp = path + '.tmp'
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)    # atomic: a crash never leaves half a checkpoint
+
+
+def lr_at(step, args):
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    p = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
+def train(args):
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    state = None
+    if args.resume:
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        for k in ('task', 'data_dir', 'attn', 'n_layer', 'n_head', 'n_embd', 'ff', 'max_len', 'window', 'n_compressed',
+                  'ranks', 'pooling', 'pos', 'pixel_embed', 'no_diff'):
+            setattr(args, k, state['config'][k])      # shape-defining settings come from the checkpoint
+    data, meta = load_task(args)
+    if args.show:
+        os.makedirs(args.out_dir, exist_ok=True)
+        return show_pathfinder(data, os.path.join(args.out_dir, 'lra_pathfinder_samples.png'))
+    (xtr, ytr), (xva, yva), (xte, yte) = data['train'], data['val'], data['test']
+    if xtr.shape[-1] > args.max_len:
+        raise SystemExit(f"sequences of length {xtr.shape[-1]} exceed --max_len {args.max_len}")
+    pad = not meta['pixels']
+    try:
+        model, cfg = build_model(args, meta)
+    except ValueError as e:      # bad model settings: attention.py's message names the value and what is valid
+        raise SystemExit(f"error: {e}") from None
+    model.to(device)
+    opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
+    if state is not None:
+        model.load_state_dict(state['model'])
+        opt.load_state_dict(state['optimizer'])
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
+          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device}")
+    print('config: ' + json.dumps(vars(args), sort_keys=True))
+    os.makedirs(args.out_dir, exist_ok=True)
+    start, history = (state['step'], state['history']) if state else (0, [])
+    best = state['best'] if state else {'val': -1.0, 'test': None, 'step': 0}
+    gen = torch.Generator().manual_seed(args.seed + start)   # a resumed run draws a new batch order
+    order, pos = torch.randperm(len(xtr), generator=gen), 0
+    t_train = history[-1]['train_seconds'] if history else 0.0
+    t_start, n_tokens, losses, hits, seen = t_train, 0, [], 0, 0
+    bar = tqdm(range(start, args.steps), disable=not args.progress, desc=f'{args.task}/{args.attn}', leave=False)
+    for step in bar:
+        if pos + args.batch_size > len(order):
+            order, pos = torch.randperm(len(xtr), generator=gen), 0
+        idx = order[pos:pos + args.batch_size].numpy()
+        pos += args.batch_size
+        xb, mb = make_batch(xtr[idx], pad, args.trim, device)
+        yb = torch.as_tensor(ytr[idx]).to(device)
+        for g in opt.param_groups:
+            g['lr'] = lr_at(step, args) * g.get('lr_mult', 1.0)
+        t0 = time.perf_counter()
+        logits = model(xb, mb)
+        loss = F.cross_entropy(logits, yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        if device.startswith('cuda'):
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        t_train += dt
+        n_tokens += int(mb.sum()) if mb is not None else xb.numel()
+        losses.append(loss.item())
+        hits += (logits.argmax(-1) == yb).sum().item()
+        seen += len(yb)
+        if (step + 1) % args.log_interval == 0:
+            msg = (f"step {step + 1}/{args.steps} | loss {np.mean(losses):.4f} | train acc {hits / seen:.3f} | "
+                   f"lr {lr_at(step, args):.2e} | {1e3 * dt:.0f} ms | {n_tokens / (t_train - t_start):.0f} tok/s")
+            tqdm.write(msg) if args.progress else print(msg)
+            bar.set_postfix(loss=f'{np.mean(losses):.3f}')
+            losses, hits, seen = [], 0, 0
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            val = evaluate(model, xva, yva, args, pad, device)
+            if val > best['val']:
+                best = {'val': val, 'test': evaluate(model, xte, yte, args, pad, device), 'step': step + 1}
+            history.append({'step': step + 1, 'val_acc': val, 'train_seconds': t_train})
+            msg = f"eval step {step + 1}: val acc {val:.4f} | best val {best['val']:.4f} (test {best['test']:.4f})"
+            tqdm.write(msg) if args.progress else print(msg)
+            if args.save:
+                save_checkpoint(ckpt_path, {'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                                            'config': vars(args), 'step': step + 1, 'history': history,
+                                            'best': best})
+    bar.close()
+    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': vars(args),
+               'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
+               'final_test_acc': evaluate(model, xte, yte, args, pad, device),
+               'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
+               'majority_test_acc': float(np.bincount(yte).max() / len(yte)),      # always guess the commonest class
+               'train_seconds': t_train, 'ms_per_step': 1e3 * (t_train - t_start) / max(1, args.steps - start),
+               'tokens_per_second': n_tokens / max(t_train - t_start, 1e-9), 'history': history}
+    with open(os.path.join(args.out_dir, 'results.json'), 'w') as f:
+        json.dump(results, f, indent=2)
+    print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
+          f"{best['val']:.4f} -> test {best['test']:.4f} | {t_train:.0f} s training | {args.out_dir}/results.json")
+    return results
+
+
+# -----------------------------------------------------------------------------
+# --bench: forward+backward time and peak memory against T on the same model (seed 004 Figs. 5-6)
+
+def _rss_kb(field):
+    with open('/proc/self/status') as f:
+        return int(re.search(field + r':\s+(\d+)', f.read()).group(1))
+
+
+def bench_one(attn, T, opts):
+    """Runs in a fresh process. One fwd+bwd step of the classifier on a random length-T batch: the peak
+    memory above what was held before the step (CUDA: max_memory_allocated; CPU: the kernel's resident-set
+    high-water mark VmHWM, reset through /proc/self/clear_refs, minus VmRSS before), then the median time
+    of `reps` more steps. 'standard_unfused' is standard attention forced onto SDPA's plain math backend,
+    which forms the T x T scores like a textbook implementation (the full attention of seed 004 Fig. 5)."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    unfused = attn == 'standard_unfused'
+    torch.manual_seed(0)
+    torch.set_num_threads(opts['threads'])
+    dev = opts['device']
+    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'max_len': T, 'pooling': 'mean', 'pos': 'learned',
+                              'pixel_embed': 'token', 'ranks': '', 'no_diff': False})
+    model = build_model(a, dict(vocab=len(LISTOPS_VOCAB), classes=10, dual=False))[0].to(dev)
+    x = torch.randint(1, len(LISTOPS_VOCAB), (opts['batch'], T), device=dev)
+    y = torch.randint(0, 10, (opts['batch'],), device=dev)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with sdpa_kernel(SDPBackend.MATH) if unfused else nullcontext():
+            F.cross_entropy(model(x), y).backward()
+        if dev.startswith('cuda'):
+            torch.cuda.synchronize()
+    if dev.startswith('cuda'):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    else:
+        model.zero_grad(set_to_none=True)
+        before = _rss_kb('VmRSS')
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')                      # resets VmHWM to the current RSS
+        step()
+        peak_mb = (_rss_kb('VmHWM') - before) / 1024
+    times = []
+    for _ in range(opts['reps']):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {'attn': attn, 'T': T, 'ms': 1e3 * float(np.median(times)), 'peak_mb': peak_mb}
+
+
+def bench(args):
+    import multiprocessing as mp
+    device = pick_device(args.device)
+    Ts = args.bench_lens_list
+    kinds = [k.strip() for k in args.bench_attn.split(',')]
+    for k in kinds:
+        if k not in ATTENTION and k != 'standard_unfused':
+            raise SystemExit(f"--bench_attn: unknown attention {k!r}; valid: {', '.join(ATTENTION)}, standard_unfused")
+    opts = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, window=args.window,
+                n_compressed=args.n_compressed, batch=args.bench_batch, reps=args.bench_reps, device=device,
+                threads=args.threads or torch.get_num_threads())
+    print(f"bench: {args.n_layer} layers, D={args.n_embd}, {args.n_head} heads, window {args.window}, "
+          f"m={args.n_compressed}, batch {args.bench_batch}, fwd+bwd, device {device}")
+    rows, ctx = [], mp.get_context('spawn')
+    for kind in kinds:
+        for T in Ts:
+            last = [r for r in rows if r['attn'] == kind and 'ms' in r]
+            scores_gb = 3 * args.n_layer * args.bench_batch * args.n_head * T * T * 4 / 2 ** 30   # scores, probs, grad
+            skip = None
+            if kind == 'standard_unfused' and scores_gb > args.bench_max_gb:
+                skip = f'T x T scores ~{scores_gb:.1f} GB > --bench_max_gb'
+            elif last and last[-1]['ms'] / 1e3 * (T / last[-1]['T']) ** 2 > args.bench_max_sec:
+                skip = f'predicted > {args.bench_max_sec:g} s per step'
+            if skip is None:
+                try:
+                    with ctx.Pool(1) as pool:        # a fresh process per point: clean allocator and peak
+                        r = pool.apply(bench_one, (kind, T, opts))
+                except Exception as e:               # e.g. CUDA out of memory: recorded, not fatal
+                    skip = f'{type(e).__name__}: {str(e)[:120]}'
+            rows.append(r if skip is None else {'attn': kind, 'T': T, 'skipped': skip})
+            print(f"{kind:16s} T={T:6d}  " + (f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB" if skip is None
+                                               else f"skipped ({skip})"))
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, 'bench.json'), 'w') as f:
+        json.dump({'options': opts, 'rows': rows}, f, indent=2)
+    plot_bench(rows, os.path.join(args.out_dir, 'lra_bench.png'), opts)
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# plots
+
+def _plt():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_bench(rows, path, opts):
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for kind in dict.fromkeys(r['attn'] for r in rows):
+        ok = [r for r in rows if r['attn'] == kind and 'ms' in r]
+        for ax, key in zip(axes, ('ms', 'peak_mb')):
+            label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
+            ax.plot([r['T'] for r in ok], [r[key] for r in ok], 'o-', label=label)
+    for ax, lab in zip(axes, ('fwd+bwd time per step (ms)', 'peak memory above model (MB)')):
+        ax.set_xscale('log', base=2)
+        ax.set_yscale('log')
+        ax.set_xlabel('sequence length T')
+        ax.set_ylabel(lab)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{opts['n_layer']} layers, D={opts['n_embd']}, w={opts['window']}, m={opts['n_compressed']}, "
+                 f"batch {opts['batch']}, {opts['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f'saved {path}')
+
+
+def compare(dirs, path):
+    """Validation accuracy against training time for several runs (their results.json)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for d in dirs:
+        with open(os.path.join(d, 'results.json')) as f:
+            r = json.load(f)
+        h = r['history']
+        ax.plot([e['train_seconds'] for e in h], [e['val_acc'] for e in h], 'o-', ms=3,
+                label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
+    ax.axhline(r['majority_test_acc'], color='gray', ls=':', label='commonest class')
+    ax.set_xlabel('training time (s)')
+    ax.set_ylabel('validation accuracy')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f'saved {path}')
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group('task and data')
+    g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
+    g.add_argument('--data_dir', default='', help='folder with the official release files of --task (see the '
+                   'loaders); empty = generate ListOps / Pathfinder here')
+    g.add_argument('--cache_dir', default='data/lra', help='where generated data and parsed release data are cached')
+    g.add_argument('--max_len', type=int, default=None, help='sequence length; default ListOps 256 (CPU size; '
+                   'LRA 2000), Text 4000, Retrieval 4000 per document, Image / Pathfinder 1024 (fixed)')
+    g.add_argument('--min_len', type=int, default=64, help='ListOps generator: keep trees with > min_len tokens (LRA: 500)')
+    g.add_argument('--n_train', type=int, default=4000, help='generated training examples (LRA ListOps: 96000)')
+    g.add_argument('--n_val', type=int, default=500, help='generated validation examples (LRA: 2000)')
+    g.add_argument('--n_test', type=int, default=500, help='generated test examples (LRA: 2000)')
+    g.add_argument('--show', action='store_true', help='pathfinder: save a PNG grid of 16 training samples with '
+                   'labels to <out_dir>/lra_pathfinder_samples.png, then exit')
+    g = p.add_argument_group('model (attention.py, bidirectional)')
+    g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': seed 004 Table 12 settings "
+                   "for --task (depth, width, heads, batch, pooling, lr), w = m = 256, LRA lengths, 5000 steps; "
+                   "flags given explicitly still win")
+    g.add_argument('--attn', default='standard', help=f"attention variant: {', '.join(ATTENTION)}")
+    g.add_argument('--n_layer', type=int, default=2, help='number of blocks')
+    g.add_argument('--n_embd', type=int, default=64, help='model width D')
+    g.add_argument('--ff', type=int, default=0, help='MLP hidden width (0 = 4 x n_embd; Table 12 FF size with --preset lra)')
+    g.add_argument('--n_head', type=int, default=4, help='number of heads')
+    g.add_argument('--window', type=int, default=32, help='swa / brl: local window w (|i - j| < w)')
+    g.add_argument('--n_compressed', type=int, default=16, help='brl: number of compressed tokens m')
+    g.add_argument('--no_diff', action='store_true', help='brl: gamma = 0, no differential compression (Table 2)')
+    g.add_argument('--ranks', default='', help="mlr: rank allocation like '8|4|2|2' (sums to the head width)")
+    g.add_argument('--pooling', choices=['mean', 'cls', 'max'], default='mean', help='sequence pooling')
+    g.add_argument('--pos', choices=['learned', 'rope', 'none'], default='learned',
+                   help='positions: learned absolute embedding, RoPE (standard / swa / brl only), or none')
+    g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
+                   help='image / pathfinder: pixel value as a token (LRA, 256 entries) or Linear(1 -> D) of value/255')
+    g = p.add_argument_group('optimization')
+    g.add_argument('--steps', type=int, default=600, help='training steps')
+    g.add_argument('--batch_size', type=int, default=32, help='training batch size')
+    g.add_argument('--lr', type=float, default=1e-3, help='peak learning rate (AdamW, muP multipliers)')
+    g.add_argument('--weight_decay', type=float, default=0.01, help='AdamW weight decay on matrices')
+    g.add_argument('--warmup', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
+    g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip (0 = off)')
+    g.add_argument('--trim', type=int, default=64, help='cut each padded batch to its longest row rounded up to '
+                   'this multiple (0 = always use max_len; mlr needs T divisible by its finest block)')
+    g = p.add_argument_group('evaluation and logging')
+    g.add_argument('--eval_interval', type=int, default=100, help='steps between validation passes')
+    g.add_argument('--eval_batch_size', type=int, default=128, help='batch size of evaluation')
+    g.add_argument('--log_interval', type=int, default=50, help='steps between log lines')
+    g.add_argument('--compare', default='', help='comma list of run dirs: plot their validation accuracy vs '
+                   'training time to <out_dir>/lra_compare.png and exit')
+    g = p.add_argument_group('benchmark (--bench: the model above, random tokens, one fwd+bwd per point)')
+    g.add_argument('--bench', action='store_true', help='time and peak memory vs sequence length, then exit')
+    g.add_argument('--bench_lens', default='1024,2048,4096,8192,16384', help='comma list of sequence lengths')
+    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl', help='comma list of attention '
+                   'variants; standard_unfused = standard on SDPA\'s math backend (forms T x T, like Fig. 5)')
+    g.add_argument('--bench_batch', type=int, default=1, help='batch size of the benchmark')
+    g.add_argument('--bench_reps', type=int, default=2, help='timed steps per point (median reported)')
+    g.add_argument('--bench_max_sec', type=float, default=30.0, help='skip a point when the last one of that '
+                   'variant, scaled by (T/T_last)^2, predicts more seconds per step than this')
+    g.add_argument('--bench_max_gb', type=float, default=4.0, help='skip standard_unfused where its T x T '
+                   'scores, probabilities and their gradient would take more than this (GB)')
+    g = p.add_argument_group('system / io')
+    g.add_argument('--out_dir', default='', help='output folder (default out/lra_<task>_<attn>)')
+    g.add_argument('--device', default='auto', help='auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...')
+    g.add_argument('--seed', type=int, default=0, help='seed of data generation, init and batch order')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default)')
+    g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt (its model settings win)')
+    g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write ckpt.pt at each eval')
+    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
+    return p
+
+
+def parse_args(argv=None):
+    p = get_parser()
+    args = p.parse_args(argv)
+    if args.preset == 'lra':     # preset values become defaults, so explicit flags still override them
+        p.set_defaults(**{**PRESET_COMMON, **LRA_PRESETS[args.task]})
+        args = p.parse_args(argv)
+    if args.max_len is None:
+        args.max_len = {'listops': 256, 'text': 4000, 'retrieval': 4000}.get(args.task, 1024)
+    if args.task in ('image', 'pathfinder') and args.max_len != 1024:
+        p.error(f"--max_len {args.max_len}: {args.task} images are 32 x 32 = 1024 pixels, use 1024")
+    if args.show and args.task != 'pathfinder':
+        p.error("--show draws Pathfinder samples: use it with --task pathfinder")
+    if args.attn not in ATTENTION:
+        p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}")
+    for name in ('max_len', 'steps', 'batch_size', 'n_layer', 'n_embd', 'n_head', 'eval_interval', 'log_interval',
+                 'n_train', 'n_val', 'n_test', 'eval_batch_size'):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.warmup < 0 or args.trim < 0:
+        p.error(f"--warmup and --trim must be >= 0, got {args.warmup} and {args.trim}")
+    try:
+        args.bench_lens_list = [int(t) for t in args.bench_lens.split(',')]
+    except ValueError:
+        p.error(f"--bench_lens must be comma-separated integers, got {args.bench_lens!r}")
+    if args.attn == 'mlr':
+        args.trim = 0            # MLR's level blocks are fixed from block_size: keep every batch at max_len
+    args.out_dir = args.out_dir or os.path.join('out', f'lra_{args.task}_{args.attn}')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.compare:
+        os.makedirs(args.out_dir, exist_ok=True)
+        return compare([d.strip() for d in args.compare.split(',')], os.path.join(args.out_dir, 'lra_compare.png'))
+    if args.bench:
+        return bench(args)
+    return train(args)
+
+
+if __name__ == '__main__':
+    main()
