@@ -42,7 +42,7 @@ class ModelConfig:
     causal: bool = True
     attn: str = 'standard'         # a name in ATTENTION, or 'global_swa'
     layer_pattern: str = ''        # optional comma list of per-layer variants, overrides attn
-    global_layers: str = '1,4'     # global_swa: 0-based layers with standard attention, the rest SWA
+    global_layers: str = '0,3'     # global_swa: 0-based layers with standard attention (the paper's 1 and 4)
     # scores
     qk_ln: bool = False
     logit_scale: str = 'sqrt'      # 'sqrt': 1/sqrt(d); 'mup': mup_alpha/d

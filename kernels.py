@@ -351,6 +351,7 @@ def linear_attention_torch(q, k, v, causal=True, eps=1e-6, key_mask=None, chunk=
         return (qf @ S) / ((qf * z).sum(-1, keepdim=True) + eps)
     B, H, T, d = q.shape
     dv = v.shape[-1]
+    chunk = min(chunk, T)                                                    # short sequences: one chunk
     n = -(-T // chunk)
     pad = n * chunk - T
     qc = F.pad(qf, (0, 0, 0, pad)).reshape(B, H, n, chunk, d)                # (B, H, n, c, d)
@@ -370,7 +371,7 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
     dv = d if dv is None else dv
     if not causal:
         return 2 * T * d * (2 * dv + 1)
-    return 2 * T * (chunk * (d + dv) + 2 * d * dv)
+    return 2 * T * (min(chunk, T) * (d + dv) + 2 * d * dv)
 
 
 def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None):

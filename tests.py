@@ -26,8 +26,10 @@ import collections
 import json
 import pickle
 import numpy as np
+import train_icl as icl
 import train_lra as lra
 from attention import ATTENTION
+import argparse
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -1036,7 +1038,7 @@ def test_smoke_listops_each_attention(attn, lra_cache, tmp_path):
     assert json.loads((out / 'results.json').read_text())['attn'] == attn
 
 
-def test_smoke_resume(lra_cache, tmp_path):
+def test_lra_smoke_resume(lra_cache, tmp_path):
     args = ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
             '--n_test', '16', '--cache_dir', lra_cache, '--out_dir', str(tmp_path)] + LRA_SMALL
     lra.main(args)
@@ -1057,7 +1059,7 @@ def test_smoke_release_tasks(tmp_path):
               '--pixel_embed', 'linear', '--out_dir', str(tmp_path / 'p')] + common)
 
 
-def test_bad_input_is_a_clear_error(tmp_path):
+def test_lra_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit):
         lra.parse_args(['--attn', 'nope'])
     with pytest.raises(SystemExit):
@@ -1093,6 +1095,175 @@ def test_bench_point_and_plot(tmp_path):
                      '0.1', '--bench_max_sec', '1e9', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--out_dir', str(tmp_path)])
     assert rows[0]['ms'] > 0 and 'GB' in rows[1]['skipped']
     assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
+
+
+# -----------------------------------------------------------------------------
+# train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
+
+
+
+def assert_close_abs(a, b, atol, rtol=0.0, what=''):
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    diff = (a - b).abs()
+    ok = bool((diff <= atol + rtol * b.abs()).all())
+    assert ok, f'{what}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e} (atol {atol}, rtol {rtol})'
+
+
+def icl_tiny_argv(attn, tmp_path, *extra):
+    """Settings small enough for a few-second smoke run of any attention kind."""
+    kind = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1'],
+            'swa': ['--window', '4'], 'global_swa': ['--window', '4'], 'brl': ['--window', '4']}.get(attn, [])
+    return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
+            '--steps', '4', '--batch_size', '4', '--warmup', '2', '--eval_interval', '2', '--log_interval', '2',
+            '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(tmp_path),
+            '--assets_dir', '', '--no-progress', '--threads', '1', *kind, *extra]
+
+
+def icl_tiny_args(attn, tmp_path, *extra):
+    return icl.resolve(icl.build_parser().parse_args(icl_tiny_argv(attn, tmp_path, *extra)))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# smoke runs
+
+
+@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
+def test_icl_smoke_every_attention(attn, tmp_path):
+    r = icl.main(icl_tiny_argv(attn, tmp_path))
+    m = r['model']
+    assert len(m['mean']) == 8 and all(torch.isfinite(torch.tensor(m['mean'])))
+    assert m['lo'][3] <= m['mean'][3] <= m['hi'][3]
+    # the FLOP count is exactly 3 x forward x batch summed over the steps actually taken (curriculum: N = 8 here)
+    body = r['_model'].body
+    assert r['train_flops'] == 4 * 3 * 4 * body.forward_flops(16) > 0
+    assert [h['flops'] for h in r['history']] == sorted(h['flops'] for h in r['history'])
+    ckpt = torch.load(os.path.join(tmp_path, f'icl_{attn}_H2_D16.pt'), weights_only=True)
+    assert ckpt['step'] == 4 and ckpt['config']['attn'] == attn
+    model = icl.ICLModel(icl.model_config(argparse.Namespace(**ckpt['config'])), ckpt['config']['d'])
+    model.load_state_dict(ckpt['model'])   # the checkpoint rebuilds the model from its own config
+    assert os.path.exists(os.path.join(tmp_path, 'icl_position.png'))
+    assert r['_model'].read_out.weight.abs().sum() > 0     # the zero-init read-out was trained
+
+
+def test_curriculum_schedule(tmp_path):
+    a = icl_tiny_args('standard', tmp_path, '--d', '8', '--n_points', '17', '--curr_interval', '10', '--steps', '100')
+    assert icl.curriculum(0, a) == (5, 11)
+    assert icl.curriculum(10, a) == (6, 13)
+    assert icl.curriculum(29, a) == (7, 15)
+    assert icl.curriculum(1000, a) == (8, 17)
+    a.curriculum = False
+    assert icl.curriculum(0, a) == (8, 17)
+    # the curriculum zeroes the inactive dimensions of x
+    xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(0), 3, 8, 5, d_active=5)
+    assert (xs[:, :, 5:] == 0).all()
+    assert_close_abs(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), 1e-5, what='y with inactive dims')
+
+# ---------------------------------------------------------------------------------------------------------------------
+# task, baselines, evaluation
+
+
+def test_least_squares_recovers_w_exactly():
+    gen = torch.Generator().manual_seed(1)
+    xs, ys, ws = icl.sample_prompts(gen, 5, 6, 20)
+    w_hat = icl.least_squares_w(xs.double(), ys.double())
+    assert_close_abs(w_hat, ws, 1e-5, what='least squares w with N > d')
+    pred = icl.predict_least_squares(xs, ys)
+    assert_close_abs(pred[:, 7:], ys[:, 7:], 1e-4, what='least-squares predictions once i > d')
+    assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
+    # with N < d: the minimum-norm solution fits the data and lies in the row space of X
+    X, y = xs[:, :3].double(), ys[:, :3].double()
+    w3 = icl.least_squares_w(X, y)
+    assert_close_abs(torch.einsum('nid,nd->ni', X, w3), y, 1e-8, what='min-norm fit')
+    proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
+    assert_close_abs(proj.squeeze(-1), w3, 1e-8, what='min-norm w in row space')
+
+
+def test_baselines_use_only_earlier_pairs():
+    gen = torch.Generator().manual_seed(2)
+    xs, ys, _ = icl.sample_prompts(gen, 4, 5, 12)
+    i = 7
+    xs2, ys2 = xs.clone(), ys.clone()
+    ys2[:, i:] += 10.0                       # change y_i and everything after x_i
+    xs2[:, i + 1:] += 3.0
+    for name, fn in icl.BASELINES.items():
+        p1, p2 = fn(xs, ys), fn(xs2, ys2)
+        assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{name} at positions <= {i}')
+    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(3), 2000, 4, 40)
+    err = ((icl.predict_averaging(xs, ys) - ys) ** 2).mean(0) / 4
+    assert err[39] < 0.5 * err[5]
+    # 3-NN at position 1 has only one earlier point: it predicts y_1
+    assert_close_abs(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], 1e-6, what='1 neighbour')
+
+
+def test_eval_prompts_are_never_training_prompts(tmp_path):
+    a = icl_tiny_args('standard', tmp_path, '--steps', '200', '--batch_size', '16', '--n_eval', '300')
+    ex, ey, ew = icl.eval_set(a, a.n_eval, a.train_cov)
+    ex2, _, ew2 = icl.eval_set(a, a.n_eval, a.train_cov)
+    assert torch.equal(ex, ex2) and torch.equal(ew, ew2)               # a fixed held-out set
+    held_out = {tuple(x.tolist()) for x in ex.reshape(-1, a.d)}
+    seen = 0
+    for step, d_active, n_points, xs, ys in icl.training_batches(a):
+        seen += xs.shape[0]
+        assert not held_out & {tuple(x.tolist()) for x in xs.reshape(-1, a.d)}, f'eval x seen in training step {step}'
+    assert seen == 200 * 16
+    # the shifted (anisotropic) test set is different again
+    sx, _, _ = icl.eval_set(a, a.n_eval, a.test_cov)
+    assert not held_out & {tuple(x.tolist()) for x in sx.reshape(-1, a.d)}
+    with pytest.raises(ValueError, match='eval_seed'):
+        icl_tiny_args('standard', tmp_path, '--seed', '5', '--eval_seed', '5')
+    with pytest.raises(ValueError, match='eval_seed'):     # the shifted test set's stream is taken too
+        icl_tiny_args('standard', tmp_path, '--seed', str(5 + icl.SHIFTED_SEED_OFFSET), '--eval_seed', '5')
+
+
+def test_bootstrap_interval():
+    errs = torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0])
+    mean, lo, hi = icl.bootstrap(errs, 500)
+    for k in range(3):
+        assert lo[k] < mean[k] < hi[k]
+        assert 0.02 < hi[k] - lo[k] < 0.1     # sd of the mean of U(0,1) over 500 draws ≈ 0.013 -> 95% width ≈ 0.05
+
+
+@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
+def test_icl_prediction_is_causal(attn, tmp_path):
+    """ŷ_i must not change when y_i or any later token changes. (T = 22 also checks that MLR's level blocks,
+    which need a power-of-two multiple, get a rounded-up block_size and a causally padded sequence.)"""
+    a = icl_tiny_args(attn, tmp_path, '--n_points', '11')
+    torch.manual_seed(0)
+    model = icl.ICLModel(icl.model_config(a), a.d).eval()
+    torch.nn.init.normal_(model.read_out.weight)      # the zero-init read-out would make every prediction 0
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(4), 3, a.d, a.n_points)
+    i = 4
+    xs2, ys2 = xs.clone(), ys.clone()
+    ys2[:, i:] = torch.randn(3, a.n_points - i)
+    xs2[:, i + 1:] = torch.randn(3, a.n_points - i - 1, a.d)
+    with torch.no_grad():
+        p1, p2 = model(xs, ys), model(xs2, ys2)
+    assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{attn}: predictions up to position {i}')
+    assert (p1[:, i + 1:] - p2[:, i + 1:]).abs().max() > 1e-4     # and later predictions do see the change
+
+
+def test_icl_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit):
+        icl.main(icl_tiny_argv('no_such_attention', tmp_path))
+    with pytest.raises(SystemExit):
+        icl.main(icl_tiny_argv('standard', tmp_path, '--test_cov', '1,2'))   # needs d = 4 variances
+    with pytest.raises(ValueError, match='covariance'):
+        icl.covariance_scale('1,2,x', 3)
+
+
+def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
+    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2',
+                     '--workers', '1', '--assets_dir', str(tmp_path / 'assets'))
+    first = icl.main(argv)
+    assert len(first['table']) == 3 and not first['reused']
+    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
+    for name in ('icl_bottleneck.png', 'icl_bottleneck.json', 'icl_position.png'):
+        assert os.path.exists(tmp_path / 'assets' / name)
+    again = icl.main(argv)                                                  # same settings: nothing retrained
+    assert len(again['reused']) == 3
+    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
+    changed = icl.main(argv + ['--lr', '2e-3'])                            # other settings: retrained
+    assert not changed['reused']
 
 
 if __name__ == '__main__':

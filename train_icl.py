@@ -1,0 +1,770 @@
+"""
+In-context linear regression (Garg et al. 2022) with any attention from the registry: the low-rank
+bottleneck of multi-head attention (Kuang et al. ICML 2025, §2.2 and §4, Figs. 2-3) and linear vs
+quadratic attention (seed 003). Task: SPEC.md §8; muP: §9.
+
+Each prompt draws a fresh w ~ N(0, I_d); x_i ~ N(0, Σ); y_i = w·x_i (+ optional label noise). The
+tokens interleave x_1, [y_1, 0, .., 0], x_2, [y_2, 0, .., 0], ...; one Linear(d -> D) reads them in,
+the causal Transformer body mixes them, and a zero-init Linear(D -> 1) reads out at every x position,
+so ŷ_i predicts y_i from (x_1, y_1, .., x_{i-1}, y_{i-1}, x_i). Training loss: MSE over all positions,
+with Garg's curriculum (d and N grow during training). Evaluation: normalized squared error
+(ŷ - y)² / d per position on held-out prompts from a separate generator seed, with bootstrap
+intervals, next to the classical baselines on the same prompts (least squares, averaging, 3-NN, zero).
+
+Run (CPU, from this directory; the defaults are the CPU-scale setting: d = 5, 2 layers, 2000 steps):
+  python train_icl.py --attn standard --n_head 1 --n_embd 32             # one model (about 25 s of CPU)
+  python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --steps 20000   # a bigger one
+  python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT)
+  python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
+  python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
+  python train_icl.py --help
+Results land in --out_dir (a JSON and a checkpoint per run); sweeps also copy their PNG and JSON to
+--assets_dir, and reuse finished runs with the same training settings (--no-reuse to retrain).
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ATTN_NAMES = list(ATTENTION) + ['global_swa']
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group('task (SPEC §8)')
+    g.add_argument('--d', type=int, default=5, help='input dimension of x and w')
+    g.add_argument('--n_points', type=int, default=0, help='(x, y) pairs per prompt N; 0 = 2d + 1')
+    g.add_argument('--train_cov', type=str, default='iso',
+                   help="covariance of x in training: 'iso' (I_d), 'aniso' (seed 003's diag(0.5,1,1.5,1,1.75), "
+                        "cycled to length d) or comma-separated variances, one per dimension")
+    g.add_argument('--test_cov', type=str, default='aniso',
+                   help="second (shifted) test covariance, same syntax as --train_cov; '' = none")
+    g.add_argument('--noise_std', type=float, default=0.0, help='label noise y = w·x + noise_std·ε (train and test)')
+    g = p.add_argument_group('curriculum (Garg et al.: d 5->20 by +1 and N 11->41 by +2 every 2000 steps; here '
+                             '+1 dimension and +2 points every --curr_interval steps)')
+    g.add_argument('--curriculum', action=argparse.BooleanOptionalAction, default=True,
+                   help='grow the active dimensions and the prompt length during training')
+    g.add_argument('--curr_d_start', type=int, default=5, help='active dimensions at step 0 (capped at --d)')
+    g.add_argument('--curr_n_start', type=int, default=11, help='prompt length at step 0 (capped at N)')
+    g.add_argument('--curr_interval', type=int, default=0,
+                   help='steps between curriculum increments; 0 = auto: the curriculum ends at 40%% of --steps')
+    g = p.add_argument_group('model (attention.py)')
+    g.add_argument('--attn', type=str, default='standard', help=f'attention kind: {" | ".join(ATTN_NAMES)}')
+    g.add_argument('--n_layer', type=int, default=2, help='transformer blocks')
+    g.add_argument('--n_head', type=int, default=8, help='attention heads H (head width = n_embd / n_head)')
+    g.add_argument('--n_embd', type=int, default=32, help='model width D')
+    g.add_argument('--ranks', type=str, default='',
+                   help="MLR / bilinear-MLR rank allocation, e.g. '2|1|1' ('' = the backbone's default)")
+    g.add_argument('--window', type=int, default=16, help='SWA / BRL local window (tokens)')
+    g.add_argument('--global_layers', type=str, default='0', help="global_swa: 0-based layers with standard attention")
+    g.add_argument('--btt_rank', type=int, default=1, help='bilinear BTT: BTT rank s')
+    g.add_argument('--qk_ln', action=argparse.BooleanOptionalAction, default=False, help='QK-LayerNorm')
+    g.add_argument('--pos_std', type=float, default=1.0, help='init std of the learned position embedding')
+    g.add_argument('--logit_scale', type=str, default='mup', choices=['sqrt', 'mup'],
+                   help="attention logit scale: 'sqrt' = 1/sqrt(d), 'mup' = alpha/d (paper App. E)")
+    g = p.add_argument_group('optimization')
+    g.add_argument('--steps', type=int, default=2000, help='training steps')
+    g.add_argument('--batch_size', type=int, default=32, help='prompts per step')
+    g.add_argument('--lr', type=float, default=1e-3, help='base AdamW learning rate (at --mup_base_width under muP)')
+    g.add_argument('--mup', action=argparse.BooleanOptionalAction, default=True,
+                   help='per-parameter muP learning rates lr * base_width / fan_in (optimizer_groups); off = one lr')
+    g.add_argument('--mup_base_width', type=int, default=64, help='width at which --lr is the hidden-layer lr')
+    g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
+    g.add_argument('--warmup', type=int, default=100, help='linear warmup steps')
+    g.add_argument('--schedule', type=str, default='cosine', choices=['cosine', 'constant'],
+                   help='after warmup: cosine decay to 10%% of lr, or constant')
+    g.add_argument('--grad_clip', type=float, default=1.0, help='max grad norm (0 = off)')
+    g = p.add_argument_group('evaluation')
+    g.add_argument('--eval_seed', type=int, default=-1, help='seed of the held-out prompts; -1 = seed + 1000003')
+    g.add_argument('--n_eval', type=int, default=1000, help='held-out prompts for the final evaluation')
+    g.add_argument('--eval_interval', type=int, default=100, help='steps between evaluations in training (0 = end only)')
+    g.add_argument('--n_eval_during', type=int, default=256, help='held-out prompts used during training')
+    g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
+    g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and assets/icl_<name>.png)')
+    g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
+                   help='run a figure-reproducing sweep instead of a single model')
+    g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck sweep: model widths D')
+    g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
+    g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
+    g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
+    g.add_argument('--mlr_ranks', type=str, default='2|2|2|2,4|4',
+                   help='compute sweep: bilinear-MLR rank allocations, comma-separated (one run each)')
+    g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes')
+    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
+                   help='sweeps: take a run from --out_dir instead of retraining when its training settings match')
+    g = p.add_argument_group('system / io')
+    g.add_argument('--out_dir', type=str, default='out/icl', help='where JSON results and checkpoints go')
+    g.add_argument('--assets_dir', type=str, default=os.path.join(HERE, 'assets'),
+                   help="sweeps copy their PNG and JSON here ('' = don't)")
+    g.add_argument('--device', type=str, default='auto', help="'auto' (cuda if available else cpu), 'cpu', 'cuda'")
+    g.add_argument('--seed', type=int, default=0, help='seed of the model init and the training prompts')
+    g.add_argument('--threads', type=int, default=1,
+                   help='torch CPU threads (0 = torch default; tiny models gain little from more)')
+    g.add_argument('--log_interval', type=int, default=100, help='steps between log lines')
+    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
+    g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write a checkpoint at the end')
+    return p
+
+
+def resolve(args):
+    """Fill the derived defaults and check the task settings (the backbone checks its own)."""
+    args = copy.copy(args)
+    for name in ('d', 'steps', 'batch_size', 'n_eval', 'n_eval_during', 'n_layer', 'n_head', 'n_embd'):
+        if getattr(args, name) < 1:
+            raise ValueError(f'--{name} must be >= 1, got {getattr(args, name)}')
+    if args.attn not in ATTN_NAMES:
+        raise ValueError(f'--attn {args.attn!r} is not in the registry; valid: {", ".join(ATTN_NAMES)}')
+    args.n_points = args.n_points or 2 * args.d + 1
+    if args.eval_seed < 0:
+        args.eval_seed = args.seed + 1000003
+    if args.seed in (args.eval_seed, args.eval_seed + SHIFTED_SEED_OFFSET):
+        raise ValueError(f'--eval_seed {args.eval_seed} collides with --seed {args.seed}: held-out prompts need '
+                         f'their own stream (eval_seed and eval_seed + {SHIFTED_SEED_OFFSET} are taken)')
+    covariance_scale(args.train_cov, args.d), covariance_scale(args.test_cov, args.d)  # validate early
+    if args.noise_std < 0:
+        raise ValueError(f'--noise_std must be >= 0, got {args.noise_std}')
+    return args
+
+# -----------------------------------------------------------------------------
+# The task: prompts, tokens, curriculum
+
+
+SEED003_ANISO = (0.5, 1.0, 1.5, 1.0, 1.75)   # seed 003's anisotropic test covariance (variances, d = 5)
+SHIFTED_SEED_OFFSET = 7919                    # the shifted test set's generator: eval_seed + this
+
+
+def covariance_scale(spec, d):
+    """Per-dimension standard deviation of x for a covariance spec (see --train_cov); None = isotropic."""
+    if spec in ('', 'iso'):
+        return None
+    if spec == 'aniso':
+        var = [SEED003_ANISO[i % len(SEED003_ANISO)] for i in range(d)]
+    else:
+        try:
+            var = [float(v) for v in spec.split(',')]
+        except ValueError:
+            raise ValueError(f"covariance {spec!r}: expected 'iso', 'aniso' or {d} comma-separated variances") from None
+        if len(var) != d or min(var) <= 0:
+            raise ValueError(f'covariance {spec!r}: need {d} positive variances, got {len(var)}')
+    return torch.tensor(var).sqrt()
+
+
+def sample_prompts(gen, n, d, n_points, d_active=None, x_scale=None, noise_std=0.0):
+    """n prompts with a fresh w each. Returns xs (n, N, d), ys (n, N), ws (n, d).
+    Dimensions >= d_active are zeroed in x (Garg's curriculum), so only the first d_active of w matter."""
+    xs = torch.randn(n, n_points, d, generator=gen)        # (n, N, d)
+    ws = torch.randn(n, d, generator=gen)                  # (n, d)
+    if x_scale is not None:
+        xs = xs * x_scale
+    if d_active is not None and d_active < d:
+        xs[:, :, d_active:] = 0.0
+    ys = torch.einsum('nid,nd->ni', xs, ws)                # (n, N)
+    if noise_std > 0:
+        ys = ys + noise_std * torch.randn(ys.shape, generator=gen)
+    return xs, ys, ws
+
+
+def interleave(xs, ys):
+    """x_1, [y_1, 0..0], x_2, [y_2, 0..0], ... as one token sequence (B, 2N, d)."""
+    B, N, d = xs.shape
+    y_tok = torch.zeros_like(xs)
+    y_tok[:, :, 0] = ys
+    return torch.stack([xs, y_tok], dim=2).view(B, 2 * N, d)  # (B, N, 2, d) -> (B, 2N, d)
+
+
+def training_batches(args):
+    """The training stream: one fresh batch of prompts per step from the generator seeded --seed.
+    Yields (step, d_active, n_points, xs, ys)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    x_scale = covariance_scale(args.train_cov, args.d)
+    for step in range(args.steps):
+        d_active, n_points = curriculum(step, args)
+        xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
+        yield step, d_active, n_points, xs, ys
+
+
+def curriculum(step, args):
+    """(active dimensions, prompt length) at this step: +1 dimension and +2 points every interval."""
+    if not args.curriculum:
+        return args.d, args.n_points
+    d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
+    k = step // curriculum_interval(args)
+    return min(d0 + k, args.d), min(n0 + 2 * k, args.n_points)
+
+
+def curriculum_interval(args):
+    if args.curr_interval > 0:
+        return args.curr_interval
+    d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
+    increments = max(args.d - d0, math.ceil((args.n_points - n0) / 2), 1)
+    return max(1, int(0.4 * args.steps / increments))
+
+# -----------------------------------------------------------------------------
+# Baselines: each maps a prompt to predictions ŷ_i that use only (x_j, y_j), j < i, and x_i
+
+
+def least_squares_w(X, y):
+    """Minimum-norm least squares ŵ = pinv(X) y, batched: X (B, n, d), y (B, n) -> (B, d).
+    Exact (ŵ = w) on a noiseless prompt with n >= d points in general position."""
+    return (torch.linalg.pinv(X) @ y.unsqueeze(-1)).squeeze(-1)
+
+
+def predict_least_squares(xs, ys):
+    xs, ys = xs.double(), ys.double()
+    preds = torch.zeros_like(ys)
+    for i in range(1, xs.shape[1]):
+        w_hat = least_squares_w(xs[:, :i], ys[:, :i])        # (B, d) from the first i pairs
+        preds[:, i] = (xs[:, i] * w_hat).sum(-1)
+    return preds.float()
+
+
+def predict_averaging(xs, ys):
+    """ŵ_i = mean_{j<i} x_j y_j (exact in expectation for isotropic x)."""
+    xy = torch.cumsum(xs * ys.unsqueeze(-1), dim=1)          # (B, N, d): sum_{j<=i} x_j y_j
+    w_hat = torch.zeros_like(xs)
+    counts = torch.arange(1, xs.shape[1], device=xs.device, dtype=xs.dtype).view(1, -1, 1)
+    w_hat[:, 1:] = xy[:, :-1] / counts                       # uses j < i only
+    return (xs * w_hat).sum(-1)
+
+
+def predict_nearest_neighbours(xs, ys, k=3):
+    """Mean of the y's of the k nearest earlier x's (fewer when fewer are there; 0 at i = 0)."""
+    B, N, _ = xs.shape
+    dist = torch.cdist(xs, xs)                               # (B, N, N): |x_i - x_j|
+    earlier = torch.ones(N, N, dtype=torch.bool, device=xs.device).tril(-1)  # j < i
+    dist = dist.masked_fill(~earlier, float('inf'))
+    kk = min(k, N)
+    d_k, idx = dist.topk(kk, dim=-1, largest=False)          # (B, N, k)
+    valid = torch.isfinite(d_k).to(xs.dtype)
+    y_k = torch.gather(ys.unsqueeze(1).expand(B, N, N), 2, idx)  # (B, N, k)
+    return (y_k * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+
+
+BASELINES = {
+    'least_squares': predict_least_squares,
+    'averaging': predict_averaging,
+    '3-NN': predict_nearest_neighbours,
+    'zero': lambda xs, ys: torch.zeros_like(ys),
+}
+
+# -----------------------------------------------------------------------------
+# The model: read-in, Transformer body, zero-init read-out at the x positions
+
+
+class ICLModel(nn.Module):
+    def __init__(self, cfg, d, pos_std=1.0):
+        super().__init__()
+        D = cfg.n_embd
+        self.read_in = MupLinear(d, D, base_width=cfg.mup_base_width)   # init N(0, 1/d)
+        self.read_in.weight.lr_mult = 1.0   # muP: the input layer's Adam lr does not scale with width
+        # learned positions, as in Garg's GPT-2, but init N(0, 1) by default rather than GPT-2's 0.02: in my
+        # one side-by-side trial (d = 5, 1500 steps) the 0.02 model never left the "predict 0" plateau
+        self.wpe = nn.Embedding(cfg.block_size, D)
+        nn.init.normal_(self.wpe.weight, std=pos_std)
+        self.body = Transformer(cfg)
+        self.read_out = MupLinear(D, 1, base_width=cfg.mup_base_width, zero_init=True)  # ŷ = 0 at init
+
+    def forward(self, xs, ys):
+        tokens = interleave(xs, ys)                                       # (B, 2N, d)
+        T = tokens.shape[1]
+        h = self.read_in(tokens) + self.wpe(torch.arange(T, device=tokens.device))  # (B, 2N, D)
+        h = self.body(h)                                                  # (B, 2N, D)
+        return self.read_out(h[:, 0::2]).squeeze(-1)                      # (B, N): read out at x_i
+
+
+def model_config(args):
+    T = 2 * args.n_points
+    if args.attn == 'mlr':   # MLR fixes its level blocks from block_size: round up so they tile (causal pads)
+        levels = len([r for r in args.ranks.split('|') if r.strip()]) or 1
+        T = -(-T // 2 ** (levels - 1)) * 2 ** (levels - 1)
+    return ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T, causal=True,
+                       attn=args.attn, ranks=args.ranks, window=args.window, global_layers=args.global_layers,
+                       btt_rank=args.btt_rank, qk_ln=args.qk_ln, logit_scale=args.logit_scale,
+                       mup_base_width=args.mup_base_width)
+
+# -----------------------------------------------------------------------------
+# Evaluation: normalized squared error per position, bootstrap intervals, baselines on the same prompts
+
+
+def eval_set(args, n, cov):
+    """Held-out prompts from their own generator (seeded --eval_seed, never the training one), full d and N."""
+    gen = torch.Generator().manual_seed(args.eval_seed + (0 if cov == args.train_cov else SHIFTED_SEED_OFFSET))
+    return sample_prompts(gen, n, args.d, args.n_points, x_scale=covariance_scale(cov, args.d),
+                          noise_std=args.noise_std)
+
+
+@torch.no_grad()
+def model_errors(model, xs, ys, d, device, chunk=250):
+    """(n, N) normalized squared errors (ŷ - y)² / d of the model on these prompts."""
+    was_training = model.training
+    model.eval()
+    errs = []
+    for i in range(0, xs.shape[0], chunk):
+        x, y = xs[i:i + chunk].to(device), ys[i:i + chunk].to(device)
+        errs.append(((model(x, y) - y) ** 2 / d).float().cpu())
+    model.train(was_training)
+    return torch.cat(errs)
+
+
+def bootstrap(errs, n_boot, seed=0):
+    """Per-position mean and 95% percentile interval over prompts: errs (n, N) -> three lists of N."""
+    errs = errs.double().numpy()
+    n = errs.shape[0]
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)     # (n_boot, n) resampling weights
+    means = counts @ errs / n                                          # (n_boot, N)
+    lo, hi = np.percentile(means, [2.5, 97.5], axis=0)
+    return errs.mean(0).tolist(), lo.tolist(), hi.tolist()
+
+
+def summarize(errs, args):
+    """Per-position curve with CI, plus the paper's error at N = 2d (predicting y_{2d} from 2d - 1 pairs)."""
+    mean, lo, hi = bootstrap(errs, args.n_boot)
+    i2d = min(2 * args.d, errs.shape[1]) - 1
+    return {'mean': mean, 'lo': lo, 'hi': hi, 'at_2d': mean[i2d], 'at_2d_ci': [lo[i2d], hi[i2d]],
+            'query': mean[-1], 'query_ci': [lo[-1], hi[-1]]}
+
+
+def baseline_summaries(xs, ys, args):
+    return {name: summarize((fn(xs, ys) - ys) ** 2 / args.d, args) for name, fn in BASELINES.items()}
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+def lr_at(step, args):
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    if args.schedule == 'constant':
+        return 1.0
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def pick_device(name):
+    if name == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    if name not in ('cpu', 'cuda') and not name.startswith('cuda:'):
+        raise ValueError(f"--device {name!r}: use 'auto', 'cpu' or 'cuda'")
+    return name
+
+
+def steps_to_90(history, key='query'):
+    """First evaluated step at which 90% of the drop from the first to the final eval error is done (seed 003)."""
+    if len(history) < 2:
+        return None
+    start, final = history[0][key], history[-1][key]
+    if final >= start:
+        return None                     # no drop to speak of
+    target = start - 0.9 * (start - final)
+    return next(h['step'] for h in history if h[key] <= target)
+
+
+def save_checkpoint(path, ckpt):
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    tmp = path + '.tmp'
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)   # atomic: a crash never leaves a half-written checkpoint
+
+
+def train(args, run_name='run'):
+    """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json)."""
+    args = resolve(args)
+    torch.manual_seed(args.seed)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    cfg = model_config(args)
+    model = ICLModel(cfg, args.d, args.pos_std).to(device)
+    if args.mup:
+        groups = optimizer_groups(model, args.lr, args.weight_decay)
+    else:   # one lr for everything: ignore the lr_mult tags
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{'params': [p for p in params if p.ndim >= 2], 'weight_decay': args.weight_decay, 'lr': args.lr},
+                  {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0, 'lr': args.lr}]
+    for g in groups:
+        g['base_lr'] = g['lr']
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    n_params = sum(p.numel() for p in model.body.parameters())
+
+    ex, ey, _ = eval_set(args, args.n_eval, args.train_cov)  # held-out prompts (own generator)
+    flops_per_T = {}                                        # T -> body.forward_flops(T)
+    flops, history, t0, cpu0, step_ms = 0, [], time.time(), time.process_time(), 0.0
+
+    def evaluate(step, loss):
+        errs = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device)
+        mean = errs.mean(0)
+        i2d = min(2 * args.d, mean.numel()) - 1
+        history.append({'step': step, 'flops': flops, 'train_loss': loss, 'at_2d': mean[i2d].item(),
+                        'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': time.time() - t0})
+
+    print(f'[{run_name}] attn={args.attn} L={args.n_layer} H={args.n_head} D={args.n_embd} '
+          f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} body_params={n_params} '
+          f'device={device}')
+    model.train()
+    loss_ema = None
+    bar = tqdm(training_batches(args), total=args.steps, disable=not args.progress, leave=False, desc=run_name,
+               mininterval=2.0)
+    for step, d_active, n_points, xs, ys in bar:
+        if args.eval_interval and step % args.eval_interval == 0:
+            evaluate(step, loss_ema)
+        xs, ys = xs.to(device), ys.to(device)
+        t = time.time()
+        for g in opt.param_groups:
+            g['lr'] = g['base_lr'] * lr_at(step, args)
+        loss = F.mse_loss(model(xs, ys), ys)                 # MSE over all positions
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        step_ms = 0.9 * step_ms + 0.1 * (time.time() - t) * 1e3 if step else (time.time() - t) * 1e3
+        T = 2 * n_points
+        if T not in flops_per_T:
+            flops_per_T[T] = model.body.forward_flops(T)
+        flops += 3 * flops_per_T[T] * args.batch_size       # training ≈ 3× forward, non-embedding
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if (step + 1) % args.log_interval == 0 or step + 1 == args.steps:
+            last = f' | eval@2d {history[-1]["at_2d"]:.4f}' if history else ''
+            tqdm.write(f'[{run_name}] step {step + 1}/{args.steps} | d {d_active} N {n_points} | '
+                       f'loss {loss.item():.4f} '
+                       f'(ema {loss_ema:.4f}){last} | lr {opt.param_groups[0]["lr"]:.2e} | {step_ms:.1f} ms/step | '
+                       f'{args.batch_size * T / step_ms * 1e3:.0f} tok/s | train FLOPs {flops:.3e}')
+    evaluate(args.steps, loss_ema)
+    train_time, cpu_time = time.time() - t0, time.process_time() - cpu0   # wall vs this process's CPU
+
+    # final evaluation on the full held-out set, with baselines on the same prompts
+    results = {'run': run_name, 'config': {k: v for k, v in vars(args).items()}, 'body_params': n_params,
+               'train_flops': flops, 'train_time_s': train_time, 'cpu_time_s': cpu_time, 'history': history,
+               'steps_to_90': steps_to_90(history), 'final_train_loss_ema': loss_ema}
+    results['model'] = summarize(model_errors(model, ex, ey, args.d, device), args)
+    results['baselines'] = baseline_summaries(ex, ey, args)
+    if args.test_cov:
+        ax, ay, _ = eval_set(args, args.n_eval, args.test_cov)
+        results['model_shifted'] = summarize(model_errors(model, ax, ay, args.d, device), args)
+        results['baselines_shifted'] = baseline_summaries(ax, ay, args)
+    m = results['model']
+    print(f'[{run_name}] done in {train_time:.0f}s ({cpu_time:.0f}s CPU) | error at N=2d {m["at_2d"]:.4f} '
+          f'[{m["at_2d_ci"][0]:.4f}, {m["at_2d_ci"][1]:.4f}] | query {m["query"]:.4f} | '
+          + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {flops:.3e}')
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f'{run_name}.json'), 'w') as f:
+        json.dump(results, f, indent=1)
+    if args.save:
+        save_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'),
+                        {'model': model.state_dict(), 'optimizer': opt.state_dict(), 'config': results['config'],
+                         'step': args.steps, 'train_flops': flops, 'error_at_2d': m['at_2d']})
+    results['_model'] = model   # handy for in-process callers (tests); not serialized
+    return results
+
+# -----------------------------------------------------------------------------
+# Plots
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+BASELINE_STYLE = {'least_squares': ('k', ':'), 'averaging': ('C7', '--'), '3-NN': ('C8', '-.'), 'zero': ('C9', ':')}
+MODEL_COLOR = {'standard, 8 heads': 'C0', 'standard, 1 head': 'C1', 'bilinear BTT, 8 heads': 'C2',
+               'bilinear MLR': 'C3'}
+
+
+def color(label):
+    return next((c for k, c in MODEL_COLOR.items() if label.startswith(k)), None)
+
+
+def plot_positions(runs, path, title):
+    """Error per position (number of in-context examples) for each run, with the baselines of the first."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in runs.items():
+        m = r['model']
+        k = np.arange(len(m['mean']))
+        ax.plot(k, m['mean'], label=name, color=color(name))
+        ax.fill_between(k, m['lo'], m['hi'], alpha=0.25, color=color(name))
+    base = next(iter(runs.values()))
+    for name, b in base['baselines'].items():
+        ax.plot(np.arange(len(b['mean'])), np.maximum(b['mean'], 1e-4), color=BASELINE_STYLE[name][0],
+                ls=BASELINE_STYLE[name][1], label=name)
+    d = base['config']['d']
+    ax.axvline(d, color='gray', lw=0.5)
+    ax.axvline(2 * d - 1, color='gray', lw=0.5, ls='--')
+    ax.set(yscale='log', ylim=(1e-3, 3), xlabel='in-context examples (i - 1)', ylabel='normalized squared error',
+           title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_sweep(args, name, payload, plot_fn):
+    os.makedirs(args.out_dir, exist_ok=True)
+    jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
+    with open(jpath, 'w') as f:
+        json.dump(payload, f, indent=1)
+    plot_fn(ppath)
+    if args.assets_dir:
+        os.makedirs(args.assets_dir, exist_ok=True)
+        shutil.copy(ppath, os.path.join(args.assets_dir, f'icl_{name}.png'))
+        shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
+    print(f'wrote {jpath} and {ppath}')
+
+# -----------------------------------------------------------------------------
+# Sweeps (the papers' figures at CPU scale; every model gets the same steps and batch)
+
+
+NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
+                'widths', 'compute_width', 'linear_width', 'depths', 'mlr_ranks', 'reuse'}
+
+
+def finished_run(args):
+    """A run in out_dir whose training settings equal these (another sweep may have trained it already)."""
+    want = {k: v for k, v in vars(resolve(args)).items() if k not in NOT_TRAINING}
+    for name in sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []:
+        if name.endswith('.json') and not name.startswith('sweep_'):
+            with open(os.path.join(args.out_dir, name)) as f:
+                r = json.load(f)
+            have = {k: v for k, v in r.get('config', {}).items() if k not in NOT_TRAINING}
+            if have == want:
+                return r
+    return None
+
+
+def _train_job(job):
+    args, name = job
+    if args.reuse and (r := finished_run(args)) is not None:
+        print(f'[{name}] reusing the finished run {r["run"]} (same training settings)')
+        return dict(r, reused=True)
+    r = train(args, run_name=name)
+    r.pop('_model')          # results only: they cross a process boundary
+    return r
+
+
+def run_jobs(jobs, workers):
+    """Train each (args, name); with workers > 1, in that many fresh processes (1 torch thread each)."""
+    if workers <= 1:
+        return [_train_job(j) for j in jobs]
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as ex:
+        return list(ex.map(_train_job, jobs))
+
+
+def variant(args, **overrides):
+    a = copy.copy(args)
+    a.sweep = ''
+    for k, v in overrides.items():
+        setattr(a, k, v)
+    return a
+
+
+def sweep_bottleneck(args):
+    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention and 8-head bilinear BTT."""
+    widths = [int(w) for w in args.widths.split(',')]
+    models = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
+              'bilinear BTT, 8 heads': ('bilinear_btt', 8)}
+    t0 = time.time()
+    jobs = {f'{label}, D={D}': (variant(args, attn=attn, n_head=H, n_embd=D), f'bottleneck_{attn}_H{H}_D{D}')
+            for D in sorted(widths, reverse=True) for label, (attn, H) in reversed(models.items())}  # costliest first
+    runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
+    wall = time.time() - t0
+    table = [{'model': k, 'D': r['config']['n_embd'], 'head_width': r['config']['n_embd'] // r['config']['n_head'],
+              'score_rank': score_rank(r['config']),
+              'err_at_2d': r['model']['at_2d'], 'ci': r['model']['at_2d_ci'], 'train_flops': r['train_flops'],
+              'time_s': r['train_time_s'], 'cpu_s': r.get('cpu_time_s')} for k, r in runs.items()]
+    print_table(table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d', 'ci', 'train_flops', 'time_s', 'cpu_s'])
+    base = next(iter(runs.values()))['baselines']
+    print('baselines at N=2d: ' + ', '.join(f'{k} {v["at_2d"]:.4f}' for k, v in base.items())
+          + f' | sweep wall {wall:.0f}s')
+
+    def plot(path):
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label in models:
+            rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
+            ax.errorbar([t['D'] for t in rows], [t['err_at_2d'] for t in rows],
+                        yerr=np.array([[t['err_at_2d'] - t['ci'][0], t['ci'][1] - t['err_at_2d']] for t in rows]).T,
+                        marker='o', capsize=3, label=label, color=color(label))
+        for name, b in base.items():
+            if name != 'least_squares':
+                ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
+        ax.set(xscale='log', yscale='log', xlabel='model width D', ylabel=f'error at N = 2d (d = {args.d})',
+               title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.steps} steps\n'
+                     '(least squares = 0 here)')
+        ax.set_xticks(widths, [str(w) for w in widths])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
+    payload = {'sweep': 'bottleneck', 'wall_s': wall, 'reused': [k for k, r in runs.items() if r.get('reused')],
+               'sum_run_time_s': sum(t['time_s'] for t in table), 'table': table,
+               'baselines_at_2d': {k: v['at_2d'] for k, v in base.items()},
+               'baselines': next(iter(runs.values()))['baselines'], 'runs': compact(runs)}
+    old = os.path.join(args.out_dir, 'sweep_bottleneck.json')
+    if len(payload['reused']) == len(runs) and os.path.exists(old):   # a replot: keep the wall time of the training
+        with open(old) as f:
+            o = json.load(f)
+        payload['wall_s_when_trained'] = o.get('wall_s_when_trained', o['wall_s'])
+    write_sweep(args, 'bottleneck', payload, plot)
+    widest = {k.rsplit(',', 1)[0]: r for k, r in runs.items() if r['config']['n_embd'] == max(widths)}
+    pos_path = os.path.join(args.out_dir, 'icl_position.png')
+    plot_positions(widest, pos_path, f'error per position, D = {max(widths)}, d = {args.d}')
+    if args.assets_dir:
+        shutil.copy(pos_path, os.path.join(args.assets_dir, 'icl_position.png'))
+    return payload
+
+
+def sweep_compute(args):
+    """Fig. 3b: error at N = 2d against training FLOPs at one width: bilinear MLR, bilinear BTT, 1 and 8 heads."""
+    D = args.compute_width
+    models = {f'bilinear MLR {r.replace("|", "/")}, 8 heads': ('bilinear_mlr', 8, r)   # '|' would break tables
+              for r in args.mlr_ranks.split(',')}
+    models.update({'bilinear BTT, 8 heads': ('bilinear_btt', 8, ''), 'standard, 1 head': ('standard', 1, ''),
+                   'standard, 8 heads': ('standard', 8, '')})
+    jobs = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
+                    f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}') for label, (attn, H, ranks) in models.items()}
+    runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
+    table = [{'model': k, 'score_rank': score_rank(r['config']), 'err_at_2d': r['model']['at_2d'],
+              'ci': r['model']['at_2d_ci'],
+              'flops_per_step': r['train_flops'] / args.steps, 'train_flops': r['train_flops'],
+              'time_s': r['train_time_s'], 'cpu_s': r.get('cpu_time_s')} for k, r in runs.items()]
+    print_table(table, ['model', 'score_rank', 'err_at_2d', 'ci', 'flops_per_step', 'train_flops', 'time_s', 'cpu_s'])
+
+    def plot(path):
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k, r in runs.items():
+            h = [x for x in r['history'] if x['flops'] > 0]
+            ax.plot([x['flops'] for x in h], [x['at_2d'] for x in h], label=k, color=color(k),
+                    ls=':' if k.startswith('bilinear MLR') and k != next(iter(runs)) else '-')
+        ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
+               ylabel=f'error at N = 2d (d = {args.d})',
+               title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals during training, {args.n_eval_during} '
+                     'held-out prompts each)')
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
+    payload = {'sweep': 'compute', 'table': table, 'baselines': next(iter(runs.values()))['baselines'],
+               'runs': compact(runs)}
+    write_sweep(args, 'compute', payload, plot)
+    return payload
+
+
+def sweep_linear(args):
+    """Seed 003: softmax (quadratic) vs linear attention at depths 1/3/6, d = 5, 10 pairs + query, 4 heads;
+    isotropic and anisotropic test error at the query, steps to 90% of the loss drop."""
+    jobs = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
+                                          n_points=11, test_cov='aniso'), f'linear_{attn}_L{L}')
+            for L in sorted((int(x) for x in args.depths.split(',')), reverse=True) for attn in ('standard', 'linear')}
+    runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
+    table = [{'model': k, 'params': r['body_params'], 'train_loss': r['final_train_loss_ema'] / r['config']['d'],
+              'test': r['model']['query'], 'test_ci': r['model']['query_ci'], 'aniso_test': r['model_shifted']['query'],
+              'aniso_ci': r['model_shifted']['query_ci'], 'steps_to_90': steps_to_90(r['history']),
+              'time_s': r['train_time_s'], 'cpu_s': r.get('cpu_time_s')} for k, r in runs.items()]
+    for t in table:
+        t['samples_to_90'] = None if t['steps_to_90'] is None else t['steps_to_90'] * args.batch_size
+    print_table(table, ['model', 'params', 'train_loss', 'test', 'aniso_test', 'steps_to_90', 'samples_to_90', 'time_s',
+                        'cpu_s'])
+    base = next(iter(runs.values()))
+
+    def plot(path):
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k, r in runs.items():
+            ax.plot([x['step'] for x in r['history']], [x['query'] for x in r['history']],
+                    ls='-' if k.startswith('standard') else '--', label=k,
+                    color=f"C{sorted({q['config']['n_layer'] for q in runs.values()}).index(r['config']['n_layer'])}")
+        for name in ('averaging', 'zero'):
+            ax.axhline(base['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')
+        ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
+               title='softmax vs linear attention (seed 003 setting, CPU scale)')
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
+    payload = {'sweep': 'linear', 'table': table,
+               'baselines_query': {k: v['query'] for k, v in base['baselines'].items()},
+               'baselines_query_aniso': {k: v['query'] for k, v in base['baselines_shifted'].items()},
+               'baselines': next(iter(runs.values()))['baselines'], 'runs': compact(runs)}
+    write_sweep(args, 'linear', payload, plot)
+    return payload
+
+
+def compact(runs):
+    """Runs for the sweep JSON: the baselines (identical for runs on the same prompts) kept once, outside."""
+    return {k: {f: v for f, v in r.items() if f not in ('baselines', 'baselines_shifted')} for k, r in runs.items()}
+
+
+def score_rank(config):
+    """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
+    min(D, sum_l 2^l r_l) for bilinear MLR (SPEC §3)."""
+    D, H = config['n_embd'], config['n_head']
+    if config['attn'] == 'bilinear_btt':
+        return D
+    if config['attn'] == 'bilinear_mlr':
+        ranks = [int(r) for r in (config['ranks'] or str(D // H)).split('|')]
+        return min(D, sum(2 ** l * r for l, r in enumerate(ranks)))
+    return D // H
+
+
+def print_table(rows, cols):
+    def fmt(v):
+        if isinstance(v, float):
+            return f'{v:.4g}'
+        if isinstance(v, list):
+            return '[' + ', '.join(f'{x:.3g}' for x in v) + ']'
+        return str(v)
+    print('| ' + ' | '.join(cols) + ' |')
+    print('|' + '---|' * len(cols))
+    for r in rows:
+        print('| ' + ' | '.join(fmt(r[c]) for c in cols) + ' |')
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:   # bad settings: one clear line, not a stack trace from deep inside the model
+        a = resolve(args)
+        if not args.sweep:
+            Transformer(model_config(a))
+    except ValueError as e:
+        raise SystemExit(f'error: {e}')
+    if args.sweep:
+        return {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
+    results = train(args, run_name=f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}')
+    plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results},
+                   os.path.join(args.out_dir, 'icl_position.png'), 'error per position')
+    return results
+
+
+if __name__ == '__main__':
+    main()
