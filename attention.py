@@ -152,9 +152,6 @@ class Cache:
     def __init__(self):
         self.t = 0          # number of tokens seen so far
 
-    def key_numel(self):
-        return 0
-
 
 def _append(old, new, keep=None):
     out = new if old is None else torch.cat([old, new], dim=2)
@@ -212,6 +209,10 @@ class SelfAttention(nn.Module):
     def new_cache(self):
         return Cache()
 
+    def cache_numel(self, cache):
+        """Numbers in the key cache of one batch element (standard and swa keep whole keys)."""
+        return cache.k[0].numel()
+
     def flops(self, T):
         D = self.cfg.n_embd
         return 2 * T * D * self.d * (2 * self.H + 2 * self.n_kv) + self.core_flops(T)
@@ -228,7 +229,6 @@ class StandardAttention(SelfAttention):
 
     def decode(self, q, k, v, cache):
         cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
-        cache.key_numel = lambda: cache.k[0].numel()
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(),
                                               enable_gqa=self.n_kv != self.H)
 
@@ -246,7 +246,6 @@ class SWAAttention(SelfAttention):
     def decode(self, q, k, v, cache):
         w = self.cfg.window
         cache.k, cache.v = _append(getattr(cache, 'k', None), k, w), _append(getattr(cache, 'v', None), v, w)
-        cache.key_numel = lambda: cache.k[0].numel()
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
@@ -302,7 +301,6 @@ class MLRAttention(SelfAttention):
             raise ValueError(f"MLR decoding is defined up to block_size = {self.block_sizes[0]} tokens")
         if t == 0:
             cache.keys, cache.v = [None] * len(self.ranks), None
-            cache.key_numel = lambda: sum(kl[0].numel() for kl in cache.keys)
         cache.v = _append(cache.v, v)                                          # (B, H, t+1, d)
         s = torch.zeros(q.shape[:3] + (t + 1,), dtype=q.dtype, device=q.device)
         covering = torch.zeros(t + 1, dtype=q.dtype, device=q.device)
@@ -317,6 +315,9 @@ class MLRAttention(SelfAttention):
         if self.cfg.mlr_divide_levels:
             s = s / covering
         return torch.softmax(s, dim=-1) @ cache.v
+
+    def cache_numel(self, cache):
+        return sum(k_l[0].numel() for k_l in cache.keys)
 
     def core_flops(self, T):
         sizes = [min(b, T) for b in self.block_sizes]
@@ -333,10 +334,12 @@ class LinearAttention(SelfAttention):
         qf, kf = kernels.linear_feature_map(q), kernels.linear_feature_map(k)   # (B, H, 1, d)
         if cache.t == 0:
             cache.S, cache.z = 0, 0
-            cache.key_numel = lambda: cache.S[0].numel() + cache.z[0].numel()
         cache.S = cache.S + kf.transpose(-2, -1) @ v                            # (B, H, d, d)
         cache.z = cache.z + kf                                                  # (B, H, 1, d)
         return (qf @ cache.S) / ((qf * cache.z).sum(-1, keepdim=True) + 1e-6)
+
+    def cache_numel(self, cache):
+        return cache.S[0].numel() + cache.z[0].numel()
 
     def core_flops(self, T):
         return self.H * kernels.linear_attention_flops(T, self.d, self.cfg.causal)
@@ -520,8 +523,10 @@ class BRLAttention(nn.Module):
     def new_cache(self):
         cache = Cache()
         cache.local = self.local.new_cache()
-        cache.key_numel = lambda: cache.local.key_numel() + cache.ct[0].numel()
         return cache
+
+    def cache_numel(self, cache):
+        return self.local.cache_numel(cache.local) + cache.ct[0].numel()
 
     def flops(self, T):
         D, m = self.cfg.n_embd, self.m
@@ -632,7 +637,7 @@ class Transformer(nn.Module):
 
     def key_cache_numel(self, cache):
         """Numbers held in the key caches (keys, or linear attention's state), per batch element."""
-        return sum(c.key_numel() for c in cache)
+        return sum(b.attn.cache_numel(c) for b, c in zip(self.blocks, cache))
 
     def forward_flops(self, T):
         return int(sum(b.flops(T) for b in self.blocks))
