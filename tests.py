@@ -25,12 +25,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import attention as A
 import kernels as K
 import train_icl as icl
+import train_lm
 import train_lra as lra
 import train_ts as ts
 from attention import ATTENTION
 from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
-
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -1532,6 +1532,254 @@ def test_smoke_builtin_data(tmp_path):
     assert res['runs']['96']['mlr']['mse'] > 0
     series = ts.load_zero_shot_series()
     assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
+
+
+# -----------------------------------------------------------------------------
+# train_lm.py: every --attn trains, exact resume, DDP, cached sampling, clear errors
+
+LM_VARIANTS = list(ATTENTION) + ['global_swa']
+
+
+def lm_close(a, b, atol=1e-5, rtol=1e-5, what=''):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    diff = (a - b).abs()
+    ok = torch.all(diff <= atol + rtol * b.abs())
+    assert ok, f"{what} max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
+
+
+@pytest.fixture(scope='module', autouse=True)
+def lm_one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning threads cost a shared CPU dearly."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope='module')
+def lm_corpus(tmp_path_factory):
+    """A tiny deterministic 'source code' text file and a cache dir, shared by the tests of this module."""
+    root = tmp_path_factory.mktemp('lm')
+    g = torch.Generator().manual_seed(0)
+    words = ['def', 'return', 'self', 'x', 'y', 'if', 'else:', 'for', 'in', 'range(n)', '=', '+', '1', '0']
+    lines = []
+    for _ in range(1500):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        lines.append('    ' * int(torch.randint(0, 3, (1,), generator=g)) +
+                     ' '.join(words[int(i)] for i in torch.randint(len(words), (n,), generator=g)))
+    path = root / 'tiny.txt'
+    path.write_text('\n'.join(lines) + '\n')
+    return dict(data=str(path), cache=str(root / 'cache'), root=root)
+
+
+def lm_tiny_args(lm_corpus, out_dir, *extra):
+    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir),
+            '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--window', '8',
+            '--global_layers', '1', '--n_compressed', '4', '--batch_size', '4', '--eval_iters', '2',
+            '--warmup_iters', '2', '--log_interval', '1', '--no_bar', *extra]
+
+# -----------------------------------------------------------------------------
+# training
+
+
+@pytest.mark.parametrize('attn', LM_VARIANTS)
+def test_lm_smoke_every_attention(lm_corpus, attn, tmp_path):
+    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', attn, '--max_iters', '4', '--eval_interval', '4',
+                                  '--lr', '1e-2', '--eval_iters', '1'))
+    losses = [l for _, l in res['losses']]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0], f"{attn}: loss did not go down in 4 steps: {losses}"
+    assert os.path.exists(tmp_path / 'ckpt.pt') and os.path.exists(tmp_path / 'log.json')
+    steps = [h['step'] for h in res['history']]
+    assert steps == [0, 4] and res['history'][-1]['flops'] > 0
+
+
+def test_lm_resume_is_exact(lm_corpus, tmp_path):
+    a = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'a', '--attn', 'mlr', '--max_iters', '6', '--eval_interval', '3'))
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--attn', 'mlr', '--max_iters', '3', '--eval_interval', '3'))
+    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '6', '--resume'))  # attn from the ckpt
+    assert [s for s, _ in b['losses']] == [4, 5, 6]
+    assert a['losses'][3:] == b['losses'], f"resumed {b['losses']} vs uninterrupted {a['losses'][3:]}"
+    strip = lambda h: [{k: v for k, v in r.items() if k != 'time'} for r in h]  # wall time differs, of course
+    assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
+
+
+def test_lm_resume_keeps_checkpoint_shapes(lm_corpus, tmp_path):
+    """Shape-defining flags come from the checkpoint, not from the command line."""
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--eval_interval', '2'))
+    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '64', '--max_iters', '3', '--resume'))
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['config']['n_embd'] == 32 and ckpt['step'] == 3 and res['losses'][0][0] == 3
+
+
+def test_lm_ddp_two_processes_gloo(lm_corpus, tmp_path):
+    """2-process torchrun on CPU: the replicas end bitwise equal, and the run matches one process with the
+    global batch (each rank takes its slice of one shared draw of windows)."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=HERE)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(HERE, 'train_lm.py'), *lm_tiny_args(lm_corpus, tmp_path / 'ddp', '--max_iters', '3',
+                                                         '--eval_interval', '3', '--device', 'cpu')]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    with open(tmp_path / 'ddp' / 'ddp.json') as f:
+        ddp = json.load(f)
+    assert ddp['world_size'] == 2 and len(ddp['param_checksums']) == 2
+    assert ddp['param_checksums'][0] == ddp['param_checksums'][1], ddp['param_checksums']
+    single = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'one', '--max_iters', '3', '--eval_interval', '3',
+                                     '--batch_size', '8'))
+    lm_close([l for _, l in ddp['losses']], [l for _, l in single['losses']], atol=1e-4, rtol=1e-4,
+                 what='DDP vs single-process losses')
+    lm_close(ddp['val_loss'], single['val_loss'], atol=1e-4, rtol=1e-4, what='val loss')
+
+# -----------------------------------------------------------------------------
+# sampling with the decoding caches
+
+
+def lm_random_model(attn, T=32, seed=0):
+    cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
+                                    '--block_size', str(T), '--window', '8', '--global_layers', '1',
+                                    '--n_compressed', '4', '--brl_block', '8']))
+    torch.manual_seed(seed)
+    model = train_lm.GPT(train_lm.model_config(cfg), 20)
+    with torch.no_grad():  # the zero-init output maps would make every position alike
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and p.abs().sum() == 0:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize('attn', [v for v in LM_VARIANTS if not v.startswith('bilinear')])
+def test_lm_cached_decoding_equals_full_forward(attn):
+    model = lm_random_model(attn)
+    idx = torch.randint(20, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = model(idx)                                                      # (2, 32, V)
+        cache = model.body.new_cache()
+        steps = torch.cat([model(idx[:, t:t + 1], cache=cache, pos=t)[0] for t in range(32)], dim=1)
+    lm_close(steps, full, atol=1e-4, rtol=1e-4, what=f'{attn} cached vs full logits')
+
+
+@pytest.mark.parametrize('attn,temperature', [('standard', 0.0), ('standard', 1.0), ('mlr', 0.0), ('swa', 1.0)])
+def test_lm_sampling_with_cache_equals_without(attn, temperature):
+    """Greedy and seeded sampling give the same text with and without the cache, past block_size too
+    (at 17 tokens the context restarts from its last T/2 = 8 tokens). Every cache is held to the full
+    forward by the test above; this one checks the generation loop around it."""
+    model = lm_random_model(attn, T=16)
+    outs, cached = [], []
+    for use_cache in (True, False):
+        g = torch.Generator().manual_seed(3)
+        ids, cache, n = train_lm.generate(model, [1, 2, 3], 18, temperature=temperature, top_k=5 if temperature else 0,
+                                          use_cache=use_cache, generator=g)
+        outs.append(ids)
+        cached.append(n)
+    assert outs[0] == outs[1]
+    # 3 + 18 tokens; at 17 the context restarts from tokens[9:], so the last step sees tokens[9:20]
+    assert len(outs[0]) == 18 and len(set(outs[0])) > 1 and cached == [11, 0]
+
+
+def test_lm_sample_command_reports_cache(lm_corpus, tmp_path, capsys):
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--max_iters', '1', '--eval_interval', '1'))
+    capsys.readouterr()
+    common = ['--sample', '--out_dir', str(tmp_path), '--prompt', 'def', '--max_new_tokens', '10', '--temperature', '0']
+    cached = train_lm.main(common)
+    text = capsys.readouterr().out
+    assert 'key cache after' in text and 'standard attention' in text
+    assert train_lm.main(common + ['--no_cache']) == cached
+
+# -----------------------------------------------------------------------------
+# data and plots
+
+
+def test_lm_data_split_by_file(tmp_path):
+    """A directory is split by file: val text comes from files the training split never contains."""
+    d = tmp_path / 'src'
+    d.mkdir()
+    for i in range(12):
+        (d / f"f{i:02d}.txt").write_text(f"file {i} marker{'ABCDEFGHIJKL'[i]}\n" * 20)
+    (d / 'blob.bin').write_bytes(b'\0\1\2' * 100)  # binary: skipped
+    cache = train_lm.prepare_data(str(d), str(tmp_path / 'cache'))
+    splits, meta = train_lm.load_data(cache)
+    decode = lambda a: ''.join(meta['itos'][i] for i in a)
+    train, val = decode(splits['train']), decode(splits['val'])
+    assert 'markerJ' in val and 'markerJ' not in train          # file 9 is the held-out one
+    assert all(f'marker{c}' in train for c in 'ABCDEFGHIKL')
+    assert meta['n_files'] == 12 and meta['dtype'] == 'uint8'
+    assert train_lm.prepare_data(str(d), str(tmp_path / 'cache')) == cache  # second call reuses the cache
+
+
+def test_lm_stdlib_corpus_file_list():
+    root, files = train_lm.stdlib_files()
+    assert len(files) > 300 and files == sorted(files)
+    rel = [os.path.relpath(f, root).split(os.sep) for f in files]
+    assert not any(set(parts) & {'test', 'tests', 'idle_test', 'site-packages'} for parts in rel)
+    assert all(f.endswith('.py') for f in files)
+
+
+def test_lm_compare_plot(tmp_path):
+    for attn in ('standard', 'swa'):  # compare only reads <run>/log.json
+        os.makedirs(tmp_path / attn)
+        history = [dict(step=s, flops=1e9 * s, time=2.0 * s, val_loss=4.0 - s / 10) for s in range(5)]
+        train_lm.write_json(str(tmp_path / attn / 'log.json'),
+                            dict(config=dict(attn=attn, window=8, n_embd=32), history=history))
+    with pytest.raises(ValueError, match='no log.json'):
+        train_lm.main(['--compare', str(tmp_path), '--plot', str(tmp_path / 'cmp.png')])
+    rows = train_lm.main(['--compare', str(tmp_path / 'standard'), str(tmp_path / 'swa'),
+                          '--plot', str(tmp_path / 'cmp.png')])
+    assert len(rows) == 2 and os.path.getsize(tmp_path / 'cmp.png') > 1000
+
+
+def test_lm_bench_runs():
+    rows = train_lm.main(['--bench', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '32',
+                          '--batch_size', '2', '--bench_steps', '1', '--bench_reps', '1'])
+    assert set(rows) == {'nanoGPT (sdpa)', 'standard', 'mlr', 'swa'}
+    assert all(r['tokens_per_s'] > 0 for r in rows.values())
+
+# -----------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize('argv', [['--attn', 'nope'], ['--n_layer', '0'], ['--preset', 'huge'], ['--lr', 'fast']])
+def test_lm_bad_flags_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_lm.main(argv)
+    assert e.value.code == 2 and argv[1] in capsys.readouterr().err
+
+
+def test_lm_bad_inputs_give_clear_errors(lm_corpus, tmp_path):
+    with pytest.raises(ValueError, match='no such file or directory'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'missing.txt')])
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(ValueError, match='no non-empty UTF-8 text'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'empty')])
+    (tmp_path / 'short.txt').write_text('print(1)\n' * 3)
+    with pytest.raises(ValueError, match='--block_size 32 needs more than 33'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'short.txt')])
+    with pytest.raises(ValueError, match='sum to the head width'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--ranks', '8|4'))
+    with pytest.raises(ValueError, match='--n_embd 30 must be divisible by --n_head 4'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '30', '--n_head', '4'))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match='CUDA is not available'):
+            train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--device', 'cuda'))
+    with pytest.raises(ValueError, match='no checkpoint'):
+        train_lm.main(['--sample', '--out_dir', str(tmp_path / 'nothing')])
+
+
+def test_lm_truncated_checkpoint_is_refused(lm_corpus, tmp_path):
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
+    path = tmp_path / 'ckpt.pt'
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(ValueError, match='truncated or corrupt'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--resume'))
+    with pytest.raises(ValueError, match='truncated or corrupt'):
+        train_lm.main(['--sample', '--out_dir', str(tmp_path)])
+
+
+def test_lm_prompt_outside_vocabulary(lm_corpus, tmp_path):
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        train_lm.main(['--sample', '--out_dir', str(tmp_path), '--prompt', 'Zebra!'])
 
 
 if __name__ == '__main__':

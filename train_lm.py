@@ -1,0 +1,774 @@
+"""
+Character-level language modelling with structured attention (paper §5.1, Fig. 4; SPEC §4, §5, §7, §9).
+
+A GPT (token + learned position embeddings -> the attention.py Transformer -> a muP LM head) trained with
+AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python standard
+library of the interpreter running this script (~11 MB of .py files, tests excluded), split into train/val
+by file, so the validation code is never seen in training.
+
+    python train_lm.py --attn mlr                       # MLR attention: val ~1.53 nats/char, ~7-13 min on 2 cores
+    python train_lm.py                                  # standard attention (~4 min on an idle 2-core CPU)
+    python train_lm.py --attn swa --window 32           # sliding-window attention
+    python train_lm.py --attn global_swa --global_layers 1,3
+    python train_lm.py --attn mlr --resume              # continue out/lm_mlr exactly where it stopped
+    python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
+    python train_lm.py --compare out/lm_standard out/lm_mlr --plot assets/lm_compare.png
+    python train_lm.py --bench                          # tokens/s: ours vs a nanoGPT-equivalent model
+    python train_lm.py --data input.txt                 # any text file, or a directory of text files
+    torchrun --standalone --nproc_per_node=2 train_lm.py --device cpu   # DDP (gloo on CPU, nccl on GPU)
+    python train_lm.py --preset paper --attn mlr --data owt.txt         # the paper's setting, for a GPU
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import sysconfig
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def atomic_write(path, write):
+    """write(tmp) then rename over path: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, 'w') as f:
+            json.dump(obj, f, indent=1)
+    atomic_write(path, write)
+
+
+# -----------------------------------------------------------------------------
+# data: corpus -> character vocabulary -> uint8/uint16 memmap cache
+
+STDLIB_SKIP_DIRS = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
+CACHE_FORMAT = 1  # bump when the cache layout changes
+
+
+def list_files(root, keep_dir, keep_file):
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if keep_dir(d)]  # prunes the walk
+        files += [os.path.join(dirpath, f) for f in filenames if keep_file(f)]
+    return sorted(files)
+
+
+def stdlib_files():
+    """The .py files of the running interpreter's standard library, tests and site-packages excluded, sorted."""
+    root = sysconfig.get_paths()['stdlib']
+    return root, list_files(root, lambda d: d not in STDLIB_SKIP_DIRS, lambda f: f.endswith('.py'))
+
+
+def read_text(path):
+    """File contents as str, or None for a binary / non-UTF-8 file."""
+    with open(path, 'rb') as f:
+        raw = f.read()
+    try:
+        return None if b'\0' in raw[:8192] else raw.decode('utf-8').replace('\r\n', '\n')
+    except UnicodeDecodeError:
+        return None
+
+
+def prepare_data(data, cache_dir):
+    """Build (once) and return the cache dir holding train.bin, val.bin and meta.json for `data`
+    ('' = the standard library corpus). Validation text comes from files never used for training: every
+    10th file (the last one if there are fewer than 10); a single file is split 90/10 at a line break."""
+    if data:  # a text file, or every non-hidden file under a directory
+        if not os.path.exists(data):
+            raise ValueError(f"--data {data!r}: no such file or directory")
+        root = os.path.abspath(data)
+        files = [root] if os.path.isfile(root) else list_files(root, lambda d: d[0] != '.', lambda f: f[0] != '.')
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(root.rstrip('/')) or 'data')
+    else:
+        root, files = stdlib_files()
+        name = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
+    stats = [(os.path.relpath(f, root) if f != root else '', os.path.getsize(f), os.stat(f).st_mtime_ns)
+             for f in files]
+    fingerprint = hashlib.sha1(json.dumps([CACHE_FORMAT, root, stats]).encode()).hexdigest()
+    out = os.path.join(cache_dir, f"{name}-{fingerprint[:10]}")
+    meta_path = os.path.join(out, 'meta.json')
+    if os.path.exists(meta_path):
+        return out  # meta.json is written last, so its presence means the cache is complete
+
+    texts = [read_text(f) for f in files]
+    if not data:  # printable ASCII and newline only
+        texts = [re.sub(r'[^\x20-\x7e\n]', '', t) for t in texts if t]
+    texts = [t for t in texts if t]
+    if not texts:
+        raise ValueError(f"--data {data or root!r}: found no non-empty UTF-8 text in {len(files)} file(s)")
+    if len(texts) == 1:
+        cut = texts[0].rfind('\n', 0, int(0.9 * len(texts[0]))) + 1 or int(0.9 * len(texts[0]))
+        train_text, val_text = texts[0][:cut], texts[0][cut:]
+    else:
+        val_idx = set(range(9, len(texts), 10)) or {len(texts) - 1}
+        train_text = '\n'.join(t for i, t in enumerate(texts) if i not in val_idx)
+        val_text = '\n'.join(t for i, t in enumerate(texts) if i in val_idx)
+    itos = sorted(set(train_text) | set(val_text))
+    if len(itos) > 65535:
+        raise ValueError(f"--data {data!r} has {len(itos)} distinct characters; a uint16 cache holds at most 65535")
+    dtype = np.uint8 if len(itos) <= 256 else np.uint16
+    lut = np.zeros(ord(itos[-1]) + 1, dtype=dtype)  # code point -> token id
+    lut[[ord(c) for c in itos]] = np.arange(len(itos))
+
+    os.makedirs(out, exist_ok=True)
+    counts = np.zeros(len(itos))
+    for split, text in (('train', train_text), ('val', val_text)):
+        ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
+        if split == 'train':
+            counts = np.bincount(ids, minlength=len(itos)).astype(np.float64)
+        atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
+    p = counts[counts > 0] / counts.sum()
+    meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
+                n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()))
+    write_json(meta_path, meta)
+    return out
+
+
+def load_data(cache):
+    with open(os.path.join(cache, 'meta.json')) as f:
+        meta = json.load(f)
+    splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r') for s in ('train', 'val')}
+    return splits, meta
+
+
+def get_batch(data, batch_size, block_size, gen, rank=0, world_size=1):
+    """Random windows of block_size + 1 characters. One generator is shared by all ranks (each takes its
+    slice of the draw), so the data order is a function of (seed, step) only: resume and DDP stay exact."""
+    ix = torch.randint(len(data) - block_size, (world_size * batch_size,), generator=gen)
+    ix = ix[rank * batch_size:(rank + 1) * batch_size].tolist()
+    xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))  # (B, T+1)
+    return xy[:, :-1], xy[:, 1:]
+
+# -----------------------------------------------------------------------------
+# model: embeddings -> attention.py Transformer -> muP LM head
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config: ModelConfig, vocab_size):
+        super().__init__()
+        self.config, self.vocab_size = config, vocab_size
+        self.wte = nn.Embedding(vocab_size, config.n_embd)
+        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)  # rope: in attention
+        self.body = Transformer(config)
+        self.lm_head = MupLinear(config.n_embd, vocab_size, base_width=config.mup_base_width, zero_init=True)
+        self.init_weights()
+
+    def init_weights(self):
+        """wte, wpe ~ N(0, 1) with lr x1 (muP input layer); the body initializes itself (hidden weights
+        N(0, 1/fan_in), output projections zero); lm_head zero with lr x base_width/D (muP output layer),
+        so the initial loss is exactly ln(vocab_size)."""
+        nn.init.normal_(self.wte.weight, std=1.0)
+        if self.wpe is not None:
+            nn.init.normal_(self.wpe.weight, std=1.0)
+
+    def forward(self, idx, targets=None, cache=None, pos=0):
+        B, T = idx.shape
+        x = self.wte(idx)                                                         # (B, T, D)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
+        x = self.body(x) if cache is None else self.body(x, cache=cache)         # (B, T, D)
+        logits = self.lm_head(x)                                                  # (B, T, V)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.reshape(-1))
+
+    def forward_flops(self, T):
+        """Forward FLOPs of one sequence of length T: the body's count + the LM head (embeddings are lookups)."""
+        return self.body.forward_flops(T) + 2 * T * self.config.n_embd * self.vocab_size
+
+
+PAPER_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]  # paper §5.1: d = 64, 8 levels, T = 1024
+
+
+def default_ranks(d, T=None, n_levels_ok=lambda L: True):
+    """The paper's rank allocation 32|8|6|4|4|4|4|2 scaled to head width d (leftover rank to level 0).
+    For MLR attention (T given) the paper's level blocks 1024/2^l (finest 8) are kept: levels whose block
+    would cover the whole sequence of length T < 1024 are global and merge into level 0, so every distance
+    gets the number of features it gets in the paper. Levels the model cannot have (n_levels_ok(L) False)
+    merge into the level above."""
+    r = [max(1, x * d // 64) for x in PAPER_RANKS]
+    while sum(r) > d:
+        r.pop()
+    r[0] += d - sum(r)
+    if T is not None:
+        n_global = sum(1 for l in range(len(r)) if (1024 >> l) >= T)
+        if n_global > 1:
+            r = [sum(r[:n_global])] + r[n_global:]
+    while len(r) > 1 and not n_levels_ok(len(r)):
+        last = r.pop()
+        r[-1] += last
+    return '|'.join(map(str, r))
+
+
+def model_config(cfg):
+    """The ModelConfig of a run config (a plain dict, as stored in checkpoints)."""
+    if cfg['n_embd'] % cfg['n_head']:
+        raise ValueError(f"--n_embd {cfg['n_embd']} must be divisible by --n_head {cfg['n_head']}")
+    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
+    if ranks == 'auto':  # MLR: T must halve L-1 times; bilinear MLR: D must cut into 2^(L-1) chunks of >= 8
+        mlr_ok = lambda L: T % 2 ** (L - 1) == 0
+        bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8
+        uses = cfg['layer_pattern'] or cfg['attn']
+        ranks = (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
+                 default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
+    return ModelConfig(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=D, block_size=T, causal=True,
+                       attn=cfg['attn'], layer_pattern=cfg['layer_pattern'], global_layers=cfg['global_layers'],
+                       qk_ln=cfg['qk_ln'], logit_scale=cfg['logit_scale'], mup_alpha=cfg['mup_alpha'],
+                       rope=cfg['rope'], ranks=ranks, mlr_block_sizes=cfg['mlr_block_sizes'],
+                       btt_rank=cfg['btt_rank'], window=cfg['window'], n_compressed=cfg['n_compressed'],
+                       brl_block=cfg['brl_block'], mup_base_width=cfg['mup_base_width'])
+
+# -----------------------------------------------------------------------------
+# flags and presets
+
+PRESETS = {
+    # ~10 min for --attn mlr on an idle 2-core CPU (standard: ~5); SWA window T/8 like the paper's 128/1024
+    'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, window=32, global_layers='1,3',
+                batch_size=16, grad_accum=1, lr=3e-3, warmup_iters=100, max_iters=1000,
+                eval_interval=100, eval_iters=20),
+    # paper §5.1: 6 layers, head width 64, T = 1024, ranks 32|8|6|4|4|4|4|2, SWA w = 128, global layers
+    # 1 and 4, muP logits, AdamW, warmup then constant lr. The paper's batch size and lr were lost in the
+    # text conversion; these are ours.
+    'paper': dict(n_layer=6, n_head=8, n_embd=512, block_size=1024, window=128, global_layers='1,4',
+                  ranks='32|8|6|4|4|4|4|2', logit_scale='mup', batch_size=32, grad_accum=2, lr=3e-3,
+                  warmup_iters=500, max_iters=20000, eval_interval=500, eval_iters=50),
+}
+
+
+def positive_int(s):
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def build_parser():
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    g = p.add_argument_group('mode (default: train)')
+    g.add_argument('--sample', action='store_true', help='generate text from <out_dir>/ckpt.pt instead of training')
+    g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
+    g.add_argument('--plot', default=os.path.join('out', 'lm_compare.png'), help='--compare: output image')
+    g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
+    g = p.add_argument_group('data')
+    g.add_argument('--data', default='', help='text file or directory of text files (default: the Python stdlib source)')
+    g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
+    g = p.add_argument_group('model')
+    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~10 min) or paper')
+    g.add_argument('--attn', choices=list(ATTENTION) + ['global_swa'], default='standard', help='attention variant')
+    g.add_argument('--layer_pattern', default='', help="per-layer variants, e.g. 'swa,standard,swa,mlr' (overrides --attn)")
+    g.add_argument('--n_layer', type=positive_int, help='number of blocks')
+    g.add_argument('--n_head', type=positive_int, help='heads per block (head width d = n_embd / n_head)')
+    g.add_argument('--n_embd', type=positive_int, help='model width D')
+    g.add_argument('--block_size', type=positive_int, help='context length T')
+    g.add_argument('--ranks', default='auto', help="MLR rank allocation 'r0|r1|...' summing to d (auto: paper's scaled to d)")
+    g.add_argument('--mlr_block_sizes', default='', help="MLR level block sizes, e.g. '256|64|16' (default T/2^l)")
+    g.add_argument('--btt_rank', type=positive_int, default=1, help='bilinear_btt: BTT rank s')
+    g.add_argument('--window', type=positive_int, help='SWA / BRL local window w')
+    g.add_argument('--global_layers', help="global_swa: 0-based layers with global attention, e.g. '1,3'")
+    g.add_argument('--n_compressed', type=positive_int, default=16, help='BRL: number of compressed tokens m')
+    g.add_argument('--brl_block', type=int, default=0, help='BRL: causal block size (0 = window)')
+    g.add_argument('--qk_ln', action='store_true', help='LayerNorm on queries and keys')
+    g.add_argument('--logit_scale', choices=['sqrt', 'mup'], default='sqrt', help='1/sqrt(d) or muP alpha/d')
+    g.add_argument('--mup_alpha', type=float, default=8.0, help='muP logit scale alpha')
+    g.add_argument('--rope', action='store_true', help='rotary positions (standard/swa) instead of learned ones')
+    g.add_argument('--mup_base_width', type=positive_int, default=128, help='muP: lr multiplier = base_width / fan_in')
+    g = p.add_argument_group('optimization')
+    g.add_argument('--batch_size', type=positive_int, help='sequences per micro-step per process')
+    g.add_argument('--grad_accum', type=positive_int, help='micro-steps per optimizer step')
+    g.add_argument('--max_iters', type=positive_int, help='optimizer steps')
+    g.add_argument('--max_flops', type=float, default=0.0, help='stop once training FLOPs reach this (0 = off)')
+    g.add_argument('--lr', type=float, help='base AdamW lr (muP scales it per parameter)')
+    g.add_argument('--lr_schedule', choices=['constant', 'cosine'], default='constant', help='after the warmup')
+    g.add_argument('--warmup_iters', type=int, help='linear warmup steps')
+    g.add_argument('--weight_decay', type=float, default=0.1, help='AdamW weight decay (matrices only)')
+    g.add_argument('--beta2', type=float, default=0.95, help='AdamW beta2')
+    g.add_argument('--grad_clip', type=float, default=1.0, help='clip the gradient norm (0 = off)')
+    g = p.add_argument_group('eval, logging, checkpoints')
+    g.add_argument('--out_dir', default='', help="run directory ('' = out/lm_<attn>)")
+    g.add_argument('--eval_interval', type=positive_int, help='steps between val evaluations + checkpoints')
+    g.add_argument('--eval_iters', type=positive_int, help='val batches per evaluation')
+    g.add_argument('--log_interval', type=positive_int, default=10, help='steps between log lines')
+    g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt')
+    g.add_argument('--no_bar', action='store_true', help='no tqdm progress bar')
+    g = p.add_argument_group('system')
+    g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
+    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='autocast dtype (auto: bf16 on GPU)')
+    g.add_argument('--compile', action='store_true', help='torch.compile the model')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default; on a busy machine '
+                   '1 avoids oversubscription, which here made 2 threads ~20x slower)')
+    g.add_argument('--seed', type=int, default=1337, help='model init and data order')
+    g = p.add_argument_group('sampling (--sample)')
+    g.add_argument('--prompt', default='def ', help='text to continue')
+    g.add_argument('--max_new_tokens', type=positive_int, default=300, help='characters to generate')
+    g.add_argument('--num_samples', type=positive_int, default=1, help='samples to draw')
+    g.add_argument('--temperature', type=float, default=0.8, help='0 = greedy')
+    g.add_argument('--top_k', type=int, default=0, help='keep the k most likely characters (0 = all)')
+    g.add_argument('--no_cache', action='store_true', help='recompute the full context every token')
+    g = p.add_argument_group('benchmark (--bench)')
+    g.add_argument('--bench_steps', type=positive_int, default=3, help='timed steps per repeat')
+    g.add_argument('--bench_reps', type=positive_int, default=6, help='repeats, in rotating order (the best counts)')
+    p.set_defaults(**PRESETS['cpu'])  # so --help shows the default preset's values
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    parser.set_defaults(**PRESETS[args.preset])
+    args = parser.parse_args(argv)
+    args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
+    defaults = {k: parser.get_default(k) for k in vars(args)}
+    args._given = sorted(k for k, v in vars(args).items() if v != defaults[k])  # explicitly set flags
+    return args
+
+# -----------------------------------------------------------------------------
+# checkpoints: one dict, written atomically, read with weights_only=True
+
+
+def save_checkpoint(path, ckpt):
+    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+
+
+def load_checkpoint(path):
+    if not os.path.exists(path):
+        raise ValueError(f"no checkpoint at {path!r} (train first, or point --out_dir at a run directory)")
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path!r} is unreadable (truncated or corrupt?): {type(e).__name__}: "
+                         f"{str(e)[:200]}. Delete it or train again.") from None
+    missing = {'model', 'optimizer', 'config', 'step', 'itos'} - set(ckpt if isinstance(ckpt, dict) else ())
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {sorted(missing)}; not written by train_lm.py?")
+    return ckpt
+
+
+RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'eval_iters', 'log_interval', 'out_dir',
+                    'device', 'dtype', 'compile', 'threads', 'no_bar', 'cache_dir'}
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def pick_device(device):
+    if device == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
+        raise ValueError(f"--device {device!r}: valid are auto, cpu, cuda, cuda:N")
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} but CUDA is not available here; use --device cpu")
+    return device
+
+
+def train(args):
+    from tqdm import tqdm
+    # DDP, nanoGPT-style: torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    device = pick_device(args.device)
+    if ddp:
+        import torch.distributed as dist
+        rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+        if device.startswith('cuda'):
+            device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    else:
+        rank, world = 0, 1
+    master = rank == 0
+
+    def log(msg):  # rank 0 only; flushed, so a log file redirected from stdout is live
+        if master:
+            tqdm.write(msg)
+            sys.stdout.flush()
+
+    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt = None
+    if args.resume:  # shape-defining settings come from the checkpoint; run-length/logging flags may change
+        ckpt = load_checkpoint(ckpt_path)
+        for k, v in ckpt['config'].items():
+            if not (k in RESUME_OVERRIDES and k in args._given):
+                setattr(args, k, v)
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare',)}
+
+    # data (rank 0 encodes the corpus once; the others wait for it)
+    if master:
+        cache = prepare_data(args.data, args.cache_dir)
+    if ddp:
+        dist.barrier()
+        cache = prepare_data(args.data, args.cache_dir)
+    splits, meta = load_data(cache)
+    T = args.block_size
+    for s in ('train', 'val'):
+        if len(splits[s]) <= T + 1:
+            raise ValueError(f"the {s} split of {meta['source']!r} has {len(splits[s])} characters; "
+                             f"--block_size {T} needs more than {T + 1}")
+    if ckpt is not None and ckpt['itos'] != meta['itos']:
+        raise ValueError(f"checkpoint {ckpt_path!r} was trained on a different vocabulary than {meta['source']!r}")
+
+    # model + optimizer
+    torch.manual_seed(args.seed)
+    mconf = model_config(cfg)
+    if cfg['ranks'] == 'auto':
+        cfg['ranks'] = mconf.ranks or 'auto'  # the checkpoint keeps the resolved allocation
+    model = GPT(mconf, len(meta['itos'])).to(device)
+    groups = optimizer_groups(model, args.lr, args.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2))
+    gen = torch.Generator().manual_seed(args.seed)  # the data order
+    step, flops, train_time, history = 0, 0.0, 0.0, []
+    if ckpt is not None:
+        model.load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(ckpt['optimizer'])
+        gen.set_state(ckpt['data_rng'])
+        torch.set_rng_state(ckpt['torch_rng'])
+        step, flops, train_time, history = ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
+    raw_model = model
+    if args.compile:
+        model = torch.compile(model)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])] if device.startswith('cuda') else None)
+    dtype = args.dtype if args.dtype != 'auto' else ('bfloat16' if device.startswith('cuda') else 'float32')
+    autocast = (torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16)
+                if dtype == 'bfloat16' else nullcontext())
+
+    tokens_per_iter = args.batch_size * args.grad_accum * world * T
+    flops_per_iter = 3 * raw_model.forward_flops(T) * args.batch_size * args.grad_accum * world
+    max_iters = args.max_iters
+    if args.max_flops > 0:
+        max_iters = min(max_iters, math.ceil(args.max_flops / flops_per_iter))
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log(f"attn={args.attn} ranks={mconf.ranks or '-'} | {n_params / 1e6:.2f}M params | data {meta['source']} "
+        f"({meta['n_train'] / 1e6:.2f}M train / {meta['n_val'] / 1e6:.2f}M val chars, vocab {len(meta['itos'])}, "
+        f"unigram entropy {meta['unigram_entropy']:.3f} nats) | {tokens_per_iter} tokens/step x {max_iters} steps, "
+        f"{flops_per_iter:.3g} FLOPs/step | device {device} {dtype} x{world}")
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean val loss over the same eval_iters batches every time (fixed seed), shared across ranks."""
+        model.eval()
+        g = torch.Generator().manual_seed(0)
+        losses = torch.zeros((), device=device)
+        for _ in range(args.eval_iters):
+            x, y = get_batch(splits['val'], args.batch_size, T, g, rank, world)
+            with autocast:
+                losses += raw_model(x.to(device), y.to(device))[1].float()
+        if ddp:
+            dist.all_reduce(losses)
+        model.train()
+        return losses.item() / (args.eval_iters * world)
+
+    def lr_at(it):
+        if it < args.warmup_iters:
+            return args.lr * (it + 1) / args.warmup_iters
+        if args.lr_schedule == 'constant':
+            return args.lr
+        progress = (it - args.warmup_iters) / max(1, max_iters - args.warmup_iters)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    losses = []  # (step, train loss) of this invocation, for tests
+    bar = tqdm(total=max_iters, initial=step, disable=not master or args.no_bar, leave=False, dynamic_ncols=True)
+    steps_since_log, time_since_log = 0, 0.0
+    while True:
+        if (step % args.eval_interval == 0 or step >= max_iters) and not (ckpt is not None and step == ckpt['step']):
+            val = evaluate()
+            history.append(dict(step=step, flops=flops, time=train_time, val_loss=val))
+            log(f"step {step}: val loss {val:.4f} | {flops:.3g} FLOPs | {train_time:.0f}s")
+            if master:
+                save_checkpoint(ckpt_path, dict(
+                    model=raw_model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, step=step,
+                    flops=flops, train_time=train_time, history=history, itos=meta['itos'],
+                    data_rng=gen.get_state(), torch_rng=torch.get_rng_state()))
+                write_json(os.path.join(args.out_dir, 'log.json'), dict(config=cfg, history=history))
+        if step >= max_iters:
+            break
+
+        t0 = time.time()
+        lr = lr_at(step)
+        for g in optimizer.param_groups:
+            g['lr'] = lr * g['lr_mult']  # muP: each group keeps its multiplier
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            x, y = get_batch(splits['train'], args.batch_size, T, gen, rank, world)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if ddp:  # only sync gradients on the last micro-step
+                model.require_backward_grad_sync = micro == args.grad_accum - 1
+            with autocast:
+                _, loss = model(x, y)
+            (loss / args.grad_accum).backward()
+            loss_sum += loss.detach()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        flops += flops_per_iter
+        dt = time.time() - t0
+        train_time += dt
+        steps_since_log += 1
+        time_since_log += dt
+        bar.update(1)
+
+        if step % args.log_interval == 0 or step == max_iters:
+            loss_t = loss_sum / args.grad_accum
+            if ddp:
+                dist.all_reduce(loss_t)
+                loss_t /= world
+            lossf = loss_t.item()  # syncs the GPU, so the times below are honest
+            time_since_log += time.time() - t0 - dt
+            losses.append((step, lossf))
+            if not math.isfinite(lossf):
+                raise ValueError(f"train loss is {lossf} at step {step}; try a lower --lr")
+            log(f"step {step:5d} | loss {lossf:.4f} | lr {lr:.2e} | {1000 * time_since_log / steps_since_log:.0f} ms/step"
+                f" | {tokens_per_iter * steps_since_log / time_since_log:.0f} tok/s | {flops:.3g} FLOPs")
+            steps_since_log, time_since_log = 0, 0.0
+    bar.close()
+
+    result = dict(losses=losses, history=history, val_loss=history[-1]['val_loss'], out_dir=args.out_dir,
+                  flops=flops, train_time=train_time, world_size=world)
+    if ddp:  # prove the replicas agree: every rank reports a checksum of its parameters
+        with torch.no_grad():
+            check = torch.stack([p.double().sum() for p in raw_model.parameters()]).sum().reshape(1)
+        checks = [torch.zeros_like(check) for _ in range(world)]  # on the device: nccl gathers GPU tensors
+        dist.all_gather(checks, check)
+        result['param_checksums'] = [c.item() for c in checks]
+        if master:
+            write_json(os.path.join(args.out_dir, 'ddp.json'), result)
+        dist.destroy_process_group()
+    return result
+
+# -----------------------------------------------------------------------------
+# sampling with the incremental-decoding caches of attention.py
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_cache=True, generator=None):
+    """Continue prompt_ids (list of ints). The model sees at most block_size tokens; when the context is full
+    it restarts from its last block_size // 2 tokens. Both paths follow this rule, so with the same generator
+    they sample the same text: the cached one feeds one token at a time, the other reruns the whole context
+    (padded on the right to block_size, which a causal model cannot see). Returns (new ids, cache, number of
+    tokens in the cache)."""
+    T, device = model.config.block_size, model.lm_head.weight.device
+    tokens, start, cache, n_cached = list(prompt_ids), 0, None, 0
+    for _ in range(max_new_tokens):
+        if len(tokens) - start > T:
+            start, cache = len(tokens) - T // 2, None
+        ctx = tokens[start:]
+        if use_cache:
+            if cache is None:
+                cache, n_cached = model.body.new_cache(), 0
+            for p in range(n_cached, len(ctx)):  # prefill / one new token
+                logits, _ = model(torch.tensor([[ctx[p]]], device=device), cache=cache, pos=p)
+            n_cached = len(ctx)
+            logits = logits[0, -1]
+        else:
+            x = torch.tensor([ctx + [0] * (T - len(ctx))], device=device)  # (1, T)
+            logits = model(x)[0][0, len(ctx) - 1]
+        logits = logits.float()
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float('-inf'))
+            nxt = int(torch.multinomial(F.softmax(logits, -1).cpu(), 1, generator=generator))
+        tokens.append(nxt)
+    return tokens[len(prompt_ids):], cache, n_cached
+
+
+def sample(args):
+    device = pick_device(args.device)
+    ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'))
+    cfg, itos = ckpt['config'], ckpt['itos']
+    model = GPT(model_config(cfg), len(itos)).to(device)
+    model.load_state_dict(ckpt['model'])
+    model.eval()
+    stoi = {c: i for i, c in enumerate(itos)}
+    bad = sorted(set(c for c in args.prompt if c not in stoi))
+    if bad:
+        raise ValueError(f"--prompt has characters outside the model's vocabulary: {bad}")
+    prompt = [stoi[c] for c in args.prompt] or [stoi.get('\n', 0)]
+    use_cache = not args.no_cache
+    if use_cache:
+        try:
+            model.body.new_cache()
+        except ValueError as e:
+            print(f"note: {e}; sampling without a cache")
+            use_cache = False
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"{args.out_dir}: attn={cfg['attn']} step {ckpt['step']}, val loss "
+          f"{ckpt['history'][-1]['val_loss'] if ckpt['history'] else float('nan'):.4f}")
+    for _ in range(args.num_samples):
+        t0 = time.time()
+        ids, cache, n_ctx = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                              use_cache=use_cache, generator=gen)
+        dt = time.time() - t0
+        print(args.prompt + ''.join(itos[i] for i in ids))
+        print(f"---------- {len(ids) / dt:.0f} chars/s ({'cached' if use_cache else 'no cache'})")
+    if cache is not None:
+        ours, std = model.body.key_cache_numel(cache), cfg['n_layer'] * cfg['n_embd'] * n_ctx
+        print(f"key cache after {n_ctx} cached tokens: {ours} numbers per sequence vs {std} for standard "
+              f"attention ({std / max(ours, 1):.2f}x smaller; values not counted)")
+    return ids
+
+# -----------------------------------------------------------------------------
+# compare runs: the shape of the paper's Fig. 4
+
+
+def compare(args):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    rows = []
+    for run in args.compare:
+        path = os.path.join(run, 'log.json')
+        if not os.path.exists(path):
+            raise ValueError(f"--compare {run!r}: no log.json there (not a train_lm.py run directory?)")
+        with open(path) as f:
+            logd = json.load(f)
+        c, h = logd['config'], [r for r in logd['history'] if r['step'] > 0]  # step 0 is ln(vocab) for all
+        if not h:
+            raise ValueError(f"--compare {run!r}: no evaluation after step 0 yet")
+        label = (f"{c['attn']}" + (f" w={c['window']}" if 'swa' in c['attn'] else '') +
+                 (f" {c['ranks']}" if 'mlr' in c['attn'] else '') + f" D={c['n_embd']}")
+        ax1.plot([r['flops'] for r in h], [r['val_loss'] for r in h], 'o-', ms=3, label=label)
+        ax2.plot([r['time'] for r in h], [r['val_loss'] for r in h], 'o-', ms=3, label=label)
+        rows.append((label, h[-1]))
+    ax1.set_xlabel('training FLOPs')
+    ax2.set_xlabel('training wall time (s)')
+    for ax in (ax1, ax2):
+        ax.set_ylabel('val loss (nats/char)')
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle('character-level LM: val loss vs training FLOPs and wall time')
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    fig.savefig(args.plot, dpi=110)
+    for label, r in rows:
+        print(f"{label:34s} step {r['step']:6d} | val {r['val_loss']:.4f} | {r['flops']:.3g} FLOPs | {r['time']:.0f}s")
+    print(f"wrote {args.plot}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
+
+
+def bench(args):
+    """Training throughput (forward + backward + AdamW step, random tokens) of a compact nanoGPT model
+    (scaled_dot_product_attention, same width, depth, T and batch) and of GPT with standard, MLR and SWA
+    attention. The models take turns, repeat after repeat, so load from other processes hits all alike."""
+    device = pick_device(args.device)
+    D, L, H, T, B, V = args.n_embd, args.n_layer, args.n_head, args.block_size, args.batch_size, 96
+
+    class NanoBlock(nn.Module):  # nanoGPT's Block with bias=False, dropout=0
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(D, bias=False), nn.LayerNorm(D, bias=False)
+            self.c_attn, self.c_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+            self.c_fc, self.mlp_proj = nn.Linear(D, 4 * D, bias=False), nn.Linear(4 * D, D, bias=False)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
+            q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)              # (B, H, T, d)
+            x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+    class NanoGPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+            self.h = nn.ModuleList(NanoBlock() for _ in range(L))
+            self.ln_f, self.lm_head = nn.LayerNorm(D, bias=False), nn.Linear(D, V, bias=False)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith('_')}
+    torch.manual_seed(args.seed)
+    models = {'nanoGPT (sdpa)': NanoGPT()}
+    for attn in ('standard', 'mlr', 'swa'):
+        models[attn] = GPT(model_config({**cfg, 'attn': attn}), V)
+    x, y = torch.randint(V, (B, T), device=device), torch.randint(V, (B, T), device=device)
+    opts = {}
+    for name, m in models.items():
+        m.to(device)
+        opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def run(name, n):
+        for _ in range(n):
+            _, loss = models[name](x, y)
+            loss.backward()
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+        if device.startswith('cuda'):
+            torch.cuda.synchronize()
+
+    for name in models:
+        run(name, 2)  # warm-up
+    times = {name: [] for name in models}  # (wall, process CPU) seconds per step
+    names = list(models)
+    for rep in range(args.bench_reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotate the order: no model always first
+            t0, c0 = time.time(), time.process_time()
+            run(name, args.bench_steps)
+            times[name].append(((time.time() - t0) / args.bench_steps, (time.process_time() - c0) / args.bench_steps))
+    print(f"training throughput: D={D} L={L} H={H} T={T} B={B} on {device} with {torch.get_num_threads()} "
+          f"threads (best of {args.bench_reps} x {args.bench_steps} steps; CPU time counts every thread, and is "
+          f"the fairer measure on a loaded machine)")
+    best = {name: (min(w for w, _ in ts), min(c for _, c in ts)) for name, ts in times.items()}
+    base, rows = best['nanoGPT (sdpa)'], {}
+    for name, (wall, cpu) in best.items():
+        rows[name] = dict(ms_per_step=1000 * wall, tokens_per_s=B * T / wall, tokens_per_cpu_s=B * T / cpu,
+                          vs_nanogpt=base[0] / wall, vs_nanogpt_cpu=base[1] / cpu)
+        print(f"{name:16s} {1000 * wall:8.1f} ms/step | {B * T / wall:8.0f} tok/s | {base[0] / wall:5.2f}x nanoGPT"
+              f" | {B * T / cpu:8.0f} tok/CPU-s | {base[1] / cpu:5.2f}x nanoGPT")
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.compare:
+        return compare(args)
+    if args.sample:
+        return sample(args)
+    if args.bench:
+        return bench(args)
+    return train(args)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")
