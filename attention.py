@@ -292,7 +292,7 @@ class MLRAttention(SelfAttention):
                     break
                 return Tp
         raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.block_sizes}; valid: "
-                         f"multiples of {min(b for b in self.block_sizes if b >= 1)} up to {self.block_sizes[0]}")
+                         f"multiples of {min(self.block_sizes)} up to {self.block_sizes[0]}")
 
     def decode(self, q, k, v, cache):
         """Level l keeps only the r_l key features of the current level-l block (SPEC §4)."""

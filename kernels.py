@@ -124,8 +124,8 @@ def _merge_partials(outs, lses):
 # -----------------------------------------------------------------------------
 # MLR attention (SPEC §4)
 
-def _mlr_check(q, ranks, block_sizes):
-    _check_qkv(q, q, q[..., :1])
+def _mlr_check(q, k, v, ranks, block_sizes):
+    _check_qkv(q, k, v)
     ranks = [int(r) for r in ranks]
     if any(r <= 0 for r in ranks):
         raise ValueError(f"every MLR rank must be positive, got {ranks}")
@@ -149,7 +149,7 @@ def _scale_levels(q, ranks, scales):
 def mlr_attention_reference(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
                             divide_by_levels=False, key_mask=None):
     """Dense reference: score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax."""
-    ranks, sizes = _mlr_check(q, ranks, block_sizes)
+    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
     T = q.shape[2]
     pos = torch.arange(T, device=q.device)
@@ -171,7 +171,7 @@ def mlr_attention_reference(q, k, v, ranks, causal=True, block_sizes=None, scale
 def mlr_attention_torch(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
                         divide_by_levels=False, key_mask=None):
     """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
-    ranks, sizes = _mlr_check(q, ranks, block_sizes)
+    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
     B, H, T, d = q.shape
     dv = v.shape[-1]
@@ -736,7 +736,7 @@ def mlr_attention_triton(q, k, v, ranks, causal=True, block_sizes=None, scales=N
                          key_mask=None):
     """MLR attention through the Triton kernels; same arguments and result as mlr_attention_torch."""
     _check_triton(q, k, v, key_mask)
-    ranks, sizes = _mlr_check(q, ranks, block_sizes)
+    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
     feats = [sum(ranks[:l]) for l in range(len(ranks) + 1)]                 # [0, R_0, R_1, ..., d]
     return _TritonAttention.apply(_scale_levels(q, ranks, scales), k, v, key_mask, tuple(sizes), tuple(feats),
