@@ -255,6 +255,226 @@ def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
 
 
 # -----------------------------------------------------------------------------
+# MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
+#
+# mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities for the
+# backward pass (O(T²) memory in all) and its slice backward allocates full-size zero buffers per level.
+# This path is FlashAttention-2 on the CPU, done with torch ops:
+# - Forward: each tile (one level's sibling pairs, or the bottom blocks below) is cut into pieces of at most
+#   PIECE score entries (1 MB in float32, so a piece stays in a core's L2 cache while it is exponentiated
+#   and multiplied by v). A piece yields a partial softmax (output, log-sum-exp) merged into the running
+#   (o, lse) of its query rows. Only q, k, v, o and lse are saved.
+# - Backward: the split-KV identity. With the final lse and delta = rowsum(do * o), the probabilities of any
+#   key subset are p = exp(s - lse), and that subset's share of the gradients is
+#       dv += pᵀ do,   ds = p * (do vᵀ - delta),   dq += ds k,   dk += dsᵀ q
+#   so each piece's scores are recomputed and nothing T×T is ever stored.
+# - The bottom: levels whose blocks are smaller than BOTTOM (the paper's 8-level split of T = 1024 has
+#   8-token blocks) would give thousands of tiny matrix products. Instead every block of the first level
+#   with blocks >= BOTTOM is scored as one dense S×S tile: the shared prefix R_j of all its pairs in one
+#   product, plus one product per deeper level with that level's r_l features, multiplied by its same-block
+#   mask. This spends more multiply-adds than the exact count (the whole S×S square, all d features) --
+#   mlr_attention_flash_flops says how many -- but runs at matrix-product speed.
+
+PIECE = 1 << 18   # score entries per piece
+BOTTOM = 64       # smallest block size scored by sibling tiles; smaller levels go into the dense bottom tiles
+
+
+def _mlr_plan(sizes, ranks, causal, divide_by_levels):
+    """The work of the flash path: the bottom level j (its blocks are scored densely) and the sibling tiles
+    (block size, query child a, key child a2, child size b, prefix width R_l, score factor) of levels < j."""
+    L = len(ranks)
+    j = max(0, next((l for l in range(L) if sizes[l] < BOTTOM), L) - 1)
+    tiles = []
+    for l in range(j):
+        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
+        factor = 1.0 / (l + 1) if divide_by_levels else 1.0
+        tiles += [(sizes[l], a, a2, b, sum(ranks[:l + 1]), factor)
+                  for a in range(c) for a2 in range(c) if a2 < a or (a2 > a and not causal)]
+    return j, tiles
+
+
+def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
+    """Inside one level-j block (S×S): the feature groups of the deeper levels with their same-block masks,
+    the causal mask and the per-pair factor 1 / (number of levels covering the pair)."""
+    S, R = sizes[j], sum(ranks[:j + 1])
+    pos = torch.arange(S, device=like.device)
+    groups = []                                              # (first feature, last feature, mask (S, S))
+    for l in range(j + 1, len(ranks)):
+        same = (pos[:, None] // sizes[l]) == (pos[None, :] // sizes[l])
+        groups.append((R, R + ranks[l], same.to(like.dtype)))
+        R += ranks[l]
+    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
+    factor = None
+    if divide_by_levels:
+        factor = 1.0 / (j + 1 + sum((m for _, _, m in groups), torch.zeros(S, S, dtype=like.dtype, device=like.device)))
+    return groups, causal_keep, factor
+
+
+def _child(x, size, a, b):
+    """Rows of child a (b rows) of every block of `size` rows: (B, H, T, f) -> (B*H*T/size, b, f), a view."""
+    B, H, T, f = x.shape
+    return x.view(B * H * (T // size), size // b, b, f)[:, a]
+
+
+def _key_keep(key_mask, H, size, a, b):
+    """key_mask (B, T) cut like _child: (B*H*T/size, 1, b) bool, or None."""
+    if key_mask is None:
+        return None
+    B, T = key_mask.shape
+    keep = key_mask.view(B, 1, T // size, size // b, b)[:, :, :, a].expand(B, H, T // size, b)
+    return keep.reshape(-1, 1, b)
+
+
+def _pieces(N, rows, keys):
+    """Slices (blocks, rows) of an (N, rows, keys) score tile into pieces of about PIECE entries."""
+    step = min(rows, max(16, PIECE // keys))
+    group = max(1, PIECE // (step * keys))
+    for n0 in range(0, N, group):
+        for r0 in range(0, rows, step):
+            yield slice(n0, min(n0 + group, N)), slice(r0, min(r0 + step, rows))
+
+
+def _piece_scores(Q, K, groups=(), factor=None, keep=None):
+    """Scores of one piece: Q (n, m, d) . K (n, b, d) over the prefix up to the first group's feature, plus each
+    group's features under its mask; then the per-pair factor and the masks (-inf = not attended)."""
+    R = groups[0][0] if groups else Q.shape[-1]
+    s = torch.bmm(Q[..., :R], K[..., :R].transpose(-2, -1))            # (n, m, b)
+    for f0, f1, same in groups:
+        s.addcmul_(torch.bmm(Q[..., f0:f1], K[..., f0:f1].transpose(-2, -1)), same)
+    if factor is not None:
+        s.mul_(factor)
+    for m in keep:
+        if m is not None:
+            s.masked_fill_(~m, float('-inf'))
+    return s
+
+
+def _piece_forward(s, V, O, Lse, merge):
+    """Softmax of the piece's scores (in place) times V; write (merge=False) or merge into O, Lse."""
+    m = s.amax(-1, keepdim=True).clamp_min_(-1e30)                     # rows without keys stay finite
+    p = s.sub_(m).exp_()
+    l = p.sum(-1, keepdim=True).clamp_min_(1e-30)
+    o = torch.bmm(p, V).div_(l)
+    lse = m.add_(l.log_())
+    if not merge:
+        O.copy_(o)
+        Lse.copy_(lse)
+        return
+    new = torch.logaddexp(Lse, lse)
+    O.mul_(torch.exp(Lse - new)).add_(o.mul_(torch.exp(lse - new)))
+    Lse.copy_(new)
+
+
+def _piece_backward(s, V, dO, Lse, Delta):
+    """The split-KV identity on one piece, from its recomputed scores s (consumed): returns ds, the gradient
+    of the scores, and this piece's share of dv."""
+    p = s.sub_(Lse).exp_()                                              # the final probabilities
+    dv = torch.bmm(p.transpose(-2, -1), dO)
+    ds = torch.bmm(dO, V.transpose(-2, -1)).sub_(Delta).mul_(p)
+    return ds, dv
+
+
+class _MLRFlash(torch.autograd.Function):
+    """MLR attention over the tiles of _mlr_plan with an online softmax; q arrives with its scales."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, sizes, ranks, causal, divide_by_levels):
+        B, H, T, d = q.shape
+        j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
+        o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
+        # the bottom tiles hold every row's diagonal block, so they start o and lse
+        S = sizes[j]
+        groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
+        Qb, Kb, Vb, Ob, Lb = (_child(x, S, 0, S) for x in (q, k, v, o, lse))   # (N, S, f)
+        kk = _key_keep(key_mask, H, S, 0, S)
+        for n, r in _pieces(Qb.shape[0], S, S):
+            keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
+            s = _piece_scores(Qb[n, r], Kb[n], groups, None if factor is None else factor[r], keep)
+            _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
+        # sibling tiles of the levels above: query child a against key child a2, prefix features R_l
+        for size, a, a2, b, R, alpha in tiles:
+            Q = _child(q, size, a, b)[..., :R] * alpha                  # (N, b, R) copies, contiguous
+            K, V = _child(k, size, a2, b)[..., :R].contiguous(), _child(v, size, a2, b).contiguous()
+            O, Lse, kk = _child(o, size, a, b), _child(lse, size, a, b), _key_keep(key_mask, H, size, a2, b)
+            for n, r in _pieces(Q.shape[0], b, b):
+                s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
+                _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=True)
+        ctx.save_for_backward(q, k, v, o, lse, key_mask)
+        ctx.plan = (sizes, ranks, causal, divide_by_levels)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, key_mask = ctx.saved_tensors
+        sizes, ranks, causal, divide_by_levels = ctx.plan
+        H = q.shape[1]
+        j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
+        do = do.contiguous()
+        delta = (do * o).sum(-1, keepdim=True)                          # (B, H, T, 1)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        S = sizes[j]
+        groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
+        R = groups[0][0] if groups else q.shape[-1]
+        Qb, Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (q, k, v, do, lse, delta, dq, dk, dv))
+        kk = _key_keep(key_mask, H, S, 0, S)
+        for n, r in _pieces(Qb.shape[0], S, S):
+            keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
+            f = None if factor is None else factor[r]
+            s = _piece_scores(Qb[n, r], Kb[n], groups, f, keep)
+            ds, dv_piece = _piece_backward(s, Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
+            if f is not None:
+                ds.mul_(f)
+            dVb[n].add_(dv_piece)
+            dQb[n, r, :R].add_(torch.bmm(ds, Kb[n, :, :R]))
+            dKb[n, :, :R].add_(torch.bmm(ds.transpose(-2, -1), Qb[n, r, :R]))
+            for f0, f1, same in groups:                                 # each deeper level under its mask
+                dsm = ds * same[r]
+                dQb[n, r, f0:f1].add_(torch.bmm(dsm, Kb[n, :, f0:f1]))
+                dKb[n, :, f0:f1].add_(torch.bmm(dsm.transpose(-2, -1), Qb[n, r, f0:f1]))
+        for size, a, a2, b, R, alpha in tiles:
+            Q = _child(q, size, a, b)[..., :R] * alpha
+            K, V = _child(k, size, a2, b)[..., :R].contiguous(), _child(v, size, a2, b).contiguous()
+            dO, Lse, D = _child(do, size, a, b), _child(lse, size, a, b), _child(delta, size, a, b)
+            dQ, dK, dV = _child(dq, size, a, b)[..., :R], _child(dk, size, a2, b)[..., :R], _child(dv, size, a2, b)
+            kk = _key_keep(key_mask, H, size, a2, b)
+            for n, r in _pieces(Q.shape[0], b, b):
+                s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
+                ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
+                dV[n].add_(dv_piece)
+                dQ[n, r].add_(torch.bmm(ds, K[n]).mul_(alpha))
+                dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
+        return dq, dk, dv, None, None, None, None, None
+
+
+def mlr_attention_flash(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
+                        key_mask=None):
+    """MLR attention through _MLRFlash; same arguments and result as mlr_attention_torch. Half-precision
+    inputs are computed in float32 (the exponentials and merges need it) and returned in their dtype."""
+    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    o = _MLRFlash.apply(_scale_levels(q, ranks, scales), k.contiguous(), v.contiguous(), key_mask,
+                        tuple(sizes), tuple(ranks), causal, divide_by_levels)
+    return o.to(dtype)
+
+
+def mlr_attention_flash_flops(T, ranks, causal=True, block_sizes=None, dv=None):
+    """Multiply-adds x 2 that mlr_attention_flash's forward spends on one (batch, head): the exact sibling
+    tiles of mlr_attention_flops above level j, and the dense S×S bottom tiles with all d features."""
+    sizes = mlr_block_sizes(T, len(ranks), block_sizes)
+    d = sum(ranks)
+    dv = d if dv is None else dv
+    j, tiles = _mlr_plan(sizes, ranks, causal, False)
+    pairs = [(T // size) * b * b for size, _, _, b, _, _ in tiles]
+    qk = sum(p * R for p, (_, _, _, _, R, _) in zip(pairs, tiles)) + T * sizes[j] * d
+    av = (sum(pairs) + T * sizes[j]) * dv
+    return 2 * (qk + av)
+
+
+# -----------------------------------------------------------------------------
 # sliding-window attention (SPEC §5)
 
 def _check_window(window):
@@ -768,10 +988,10 @@ def mlr_attention(q, k, v, ranks, causal=True, block_sizes=None, scales=None, di
                   key_mask=None):
     """MLR attention, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv). ranks sum to d; level l has
     blocks of size T/2^l (or block_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep.
-    Runs mlr_attention_triton or mlr_attention_torch, as backend(q) says."""
+    Runs mlr_attention_triton or mlr_attention_flash, as backend(q) says."""
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
-    fn = mlr_attention_triton if backend(q) == 'triton' else mlr_attention_torch
+    fn = mlr_attention_triton if backend(q) == 'triton' else mlr_attention_flash
     return fn(q, k, v, ranks, causal, block_sizes, scales, divide_by_levels, key_mask)
 
 

@@ -400,28 +400,70 @@ def _grads(fn, q, k, v, **kw):
     return out, q.grad, k.grad, v.grad
 
 
+MLR_CASES = [(64, [16], None), (96, [8, 4, 2, 2], None), (48, [4, 4, 4, 4], None), (120, [6, 5, 5], [120, 40, 8]),
+             (64, [10, 6], [256, 32]), (72, [2, 6, 8], [72, 24, 12]), (256, [5, 3, 4, 2, 2], None)]
+
+
+@pytest.fixture(params=['flash', 'flash, small tiles', 'torch'])
+def mlr_path(request, monkeypatch):
+    """Each MLR fast path; 'small tiles' makes the flash path cut every tile into many pieces and score
+    only blocks of < 8 tokens densely, so its piece loop and sibling tiles run even at these small T."""
+    if request.param == 'flash, small tiles':
+        monkeypatch.setattr(K, 'PIECE', 256)
+        monkeypatch.setattr(K, 'BOTTOM', 8)
+    return K.mlr_attention_torch if request.param == 'torch' else K.mlr_attention_flash
+
+
 @pytest.mark.parametrize('causal', [True, False])
-@pytest.mark.parametrize('T,ranks,block_sizes', [
-    (64, [16], None), (96, [8, 4, 2, 2], None), (48, [4, 4, 4, 4], None), (120, [6, 5, 5], [120, 40, 8]),
-    (64, [10, 6], [256, 32]), (72, [2, 6, 8], [72, 24, 12]),
-])
-def test_mlr_fast_equals_reference(causal, T, ranks, block_sizes):
+@pytest.mark.parametrize('T,ranks,block_sizes', MLR_CASES)
+def test_mlr_fast_equals_reference(mlr_path, causal, T, ranks, block_sizes):
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 3, T, sum(ranks), generator=g, dtype=torch.float64) for _ in range(3))
-    for divide in (False, True):
-        kw = dict(ranks=ranks, causal=causal, block_sizes=block_sizes, divide_by_levels=divide)
-        for a, b, name in zip(_grads(K.mlr_attention, q, k, v, **kw), _grads(K.mlr_attention_reference, q, k, v, **kw),
+    mask = torch.rand(2, T, generator=g) > 0.3
+    mask[1, :T // 3] = False                       # causal: the first rows of batch 1 see no key at all
+    for divide, key_mask in ((False, None), (True, None), (False, mask), (True, mask)):
+        kw = dict(ranks=ranks, causal=causal, block_sizes=block_sizes, divide_by_levels=divide, key_mask=key_mask)
+        for a, b, name in zip(_grads(mlr_path, q, k, v, **kw), _grads(K.mlr_attention_reference, q, k, v, **kw),
                               ['out', 'dq', 'dk', 'dv']):
-            assert_close(a, b, what=f"mlr {name} T={T} ranks={ranks} causal={causal} divide={divide}")
+            assert_close(a, b, what=f"mlr {name} T={T} ranks={ranks} causal={causal} divide={divide} "
+                                    f"key_mask={key_mask is not None}")
 
 
-def test_mlr_key_mask_equals_reference():
+@pytest.mark.parametrize('causal', [True, False])
+def test_mlr_flash_float32_and_scales(causal, monkeypatch):
+    """float32 against the float64 reference at float32 tolerance, with explicit per-level scales and dv != d."""
+    monkeypatch.setattr(K, 'BOTTOM', 16)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    mask = torch.rand(2, 32, generator=g) > 0.3
-    mask[:, 0] = True
-    kw = dict(ranks=[4, 2, 2], causal=False, key_mask=mask)
-    assert_close(K.mlr_attention(q, k, v, **kw), K.mlr_attention_reference(q, k, v, **kw), what='masked mlr')
+    q, k = (torch.randn(2, 2, 128, 12, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 2, 128, 20, generator=g, dtype=torch.float64)
+    kw = dict(ranks=[6, 2, 2, 2], causal=causal, scales=[0.3, 0.5, 1.0, 2.0], divide_by_levels=True)
+    grad = torch.randn(2, 2, 128, 20, generator=g, dtype=torch.float64)
+    results = []
+    for fn, dtype in ((K.mlr_attention_flash, torch.float32), (K.mlr_attention_reference, torch.float64)):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*x, **kw)
+        out.backward(grad.to(dtype))
+        results.append([out] + [t.grad for t in x])
+    for a, b, name in zip(*results, ['out', 'dq', 'dk', 'dv']):
+        assert a.dtype == torch.float32
+        assert_close(a.double(), b, atol=2e-5, rtol=2e-4, what=f"float32 flash mlr {name}")
+
+
+def test_mlr_flash_saves_no_scores():
+    """The flash path keeps O(T·d) for its backward: its autograd graph holds q, k, v, o, lse (and the scaled
+    copy of q), nothing of size T×T; the torch path keeps every tile's scores."""
+    def saved_numel(fn):
+        q, k, v = (torch.randn(1, 1, 512, 16, requires_grad=True) for _ in range(3))
+        total = 0
+        def pack(t):
+            nonlocal total
+            total += t.numel()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(q, k, v, [8, 4, 2, 2])
+        return total
+    assert saved_numel(K.mlr_attention_flash) <= 8 * 512 * 16
+    assert saved_numel(K.mlr_attention_torch) > 512 * 512 / 2
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -446,13 +488,21 @@ def test_linear_fast_equals_reference(causal, T):
         assert_close(a, b, what=f"linear {name} T={T} causal={causal}")
 
 
-def test_mlr_measured_flops_equal_formula():
+def test_mlr_measured_flops_equal_formula(monkeypatch):
+    """The tiles path spends exactly the MLR count; the flash path what mlr_attention_flash_flops says (the
+    exact tiles above its dense bottom)."""
+    monkeypatch.setattr(K, 'BOTTOM', 16)
     for causal in (True, False):
-        for T, ranks, sizes in [(256, [8, 8, 8, 8], None), (96, [16, 8, 8], [96, 32, 8])]:
+        for T, ranks, sizes in [(256, [8, 8, 8, 8], None), (96, [16, 8, 8], [96, 32, 8]), (512, [16, 8, 4, 4], None)]:
             q, k, v = (torch.randn(1, 2, T, 32) for _ in range(3))
-            with FlopCounterMode(display=False) as fc:
-                K.mlr_attention(q, k, v, ranks, causal=causal, block_sizes=sizes)
-            assert fc.get_total_flops() == 2 * K.mlr_attention_flops(T, ranks, causal, sizes)
+            for fn, count in ((K.mlr_attention_torch, K.mlr_attention_flops),
+                              (K.mlr_attention_flash, K.mlr_attention_flash_flops)):
+                with FlopCounterMode(display=False) as fc:
+                    fn(q, k, v, ranks, causal=causal, block_sizes=sizes)
+                assert fc.get_total_flops() == 2 * count(T, ranks, causal, sizes), (fn.__name__, T, causal)
+    monkeypatch.undo()
+    T, ranks = 1024, [32, 8, 6, 4, 4, 4, 4, 2]   # the dense bottom costs the flash path little at the paper's T
+    assert K.mlr_attention_flash_flops(T, ranks) < 1.1 * K.mlr_attention_flops(T, ranks)
     # and the structure really saves: T = 1024, the paper's ranks, causal: under 45% of a dense-mask
     # attention (full T x T scores and A.V), against the 50% that causal tile skipping alone would give
     T, ranks = 1024, [32, 8, 6, 4, 4, 4, 4, 2]
@@ -523,7 +573,7 @@ def test_cpu_tensors_take_the_torch_path():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     assert K.backend(q) == 'torch'
-    assert torch.equal(K.mlr_attention(q, k, v, [8, 4, 4]), K.mlr_attention_torch(q, k, v, [8, 4, 4]))
+    assert torch.equal(K.mlr_attention(q, k, v, [8, 4, 4]), K.mlr_attention_flash(q, k, v, [8, 4, 4]))
     assert torch.equal(K.sliding_window_attention(q, k, v, 8),
                        K.sliding_window_attention_torch(q, k, v, 8))
 
