@@ -1,10 +1,10 @@
 """
 The heavy math of the attention variants, on (B, H, T, d) tensors.
 
-    mlr_attention             MLR attention (SPEC §4): a pair of tokens whose deepest shared block is at
+    mlr_attention             MLR attention (paper §3.4, Eq. 9): a pair of tokens whose deepest shared block is at
                               level l is scored with the first r_0 + ... + r_l features only.
-    sliding_window_attention  query i attends keys i-w < j <= i (SPEC §5), O(T·w) time and memory.
-    linear_attention          causal linear attention with phi(u) = ReLU(u)^2 (SPEC §6).
+    sliding_window_attention  query i attends keys i-w < j <= i (paper §2.3), O(T·w) time and memory.
+    linear_attention          causal linear attention with phi(u) = ReLU(u)^2 (seed 003 §2.2.2).
 
 Each public function has a `*_reference` twin that builds the dense T×T mask and is short enough to read;
 the tests hold them equal (forward and gradients). The torch fast paths (`*_torch`):
@@ -122,7 +122,7 @@ def _merge_partials(outs, lses):
 
 
 # -----------------------------------------------------------------------------
-# MLR attention (SPEC §4)
+# MLR attention (paper §3.4, Eq. 9)
 
 def _mlr_check(q, k, v, ranks, block_sizes):
     _check_qkv(q, k, v)
@@ -375,65 +375,50 @@ def _piece_backward(s, V, dO, Lse, Delta):
 
 
 class _MLRFlash(torch.autograd.Function):
-    """MLR attention over the tiles of _mlr_plan with an online softmax; q arrives with its scales."""
+    """MLR attention over the tiles of _mlr_plan with an online softmax. c: the scale of each feature (d,),
+    c_l repeated r_l times; it is applied to each tile's (or piece's) copy of q, never to all of q."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, sizes, ranks, causal, divide_by_levels):
+    def forward(ctx, q, k, v, c, key_mask, sizes, ranks, causal, divide_by_levels):
         B, H, T, d = q.shape
         j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
-        # the bottom tiles hold every row's diagonal block, so they start o and lse
+        # the bottom tiles hold every row's diagonal block, so they write o and lse first
         S = sizes[j]
         groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-        Qb, Kb, Vb, Ob, Lb = (_child(x, S, 0, S) for x in (q, k, v, o, lse))   # (N, S, f)
+        Qb, Kb, Vb, Ob, Lb = (_child(x, S, 0, S) for x in (q, k, v, o, lse))   # (N, S, f) views
         kk = _key_keep(key_mask, H, S, 0, S)
         for n, r in _pieces(Qb.shape[0], S, S):
             keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-            s = _piece_scores(Qb[n, r], Kb[n], groups, None if factor is None else factor[r], keep)
+            rows = [(f0, f1, same[r]) for f0, f1, same in groups]      # this piece's rows of each mask
+            s = _piece_scores(Qb[n, r] * c, Kb[n], rows, None if factor is None else factor[r], keep)
             _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
         # sibling tiles of the levels above: query child a against key child a2, prefix features R_l
         for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * alpha                  # (N, b, R) copies, contiguous
+            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copies, contiguous
             K, V = _child(k, size, a2, b)[..., :R].contiguous(), _child(v, size, a2, b).contiguous()
             O, Lse, kk = _child(o, size, a, b), _child(lse, size, a, b), _key_keep(key_mask, H, size, a2, b)
             for n, r in _pieces(Q.shape[0], b, b):
                 s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
                 _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=True)
-        ctx.save_for_backward(q, k, v, o, lse, key_mask)
+        ctx.save_for_backward(q, k, v, c, o, lse, key_mask)
         ctx.plan = (sizes, ranks, causal, divide_by_levels)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, key_mask = ctx.saved_tensors
+        q, k, v, c, o, lse, key_mask = ctx.saved_tensors
         sizes, ranks, causal, divide_by_levels = ctx.plan
-        H = q.shape[1]
         j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         do = do.contiguous()
         delta = (do * o).sum(-1, keepdim=True)                          # (B, H, T, 1)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        S = sizes[j]
-        groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-        R = groups[0][0] if groups else q.shape[-1]
-        Qb, Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (q, k, v, do, lse, delta, dq, dk, dv))
-        kk = _key_keep(key_mask, H, S, 0, S)
-        for n, r in _pieces(Qb.shape[0], S, S):
-            keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-            f = None if factor is None else factor[r]
-            s = _piece_scores(Qb[n, r], Kb[n], groups, f, keep)
-            ds, dv_piece = _piece_backward(s, Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
-            if f is not None:
-                ds.mul_(f)
-            dVb[n].add_(dv_piece)
-            dQb[n, r, :R].add_(torch.bmm(ds, Kb[n, :, :R]))
-            dKb[n, :, :R].add_(torch.bmm(ds.transpose(-2, -1), Qb[n, r, :R]))
-            for f0, f1, same in groups:                                 # each deeper level under its mask
-                dsm = ds * same[r]
-                dQb[n, r, f0:f1].add_(torch.bmm(dsm, Kb[n, :, f0:f1]))
-                dKb[n, :, f0:f1].add_(torch.bmm(dsm.transpose(-2, -1), Qb[n, r, f0:f1]))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal,
+                         divide_by_levels)                             # writes every entry of dq, dk, dv
+        H = q.shape[1]
         for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * alpha
+            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])
             K, V = _child(k, size, a2, b)[..., :R].contiguous(), _child(v, size, a2, b).contiguous()
             dO, Lse, D = _child(do, size, a, b), _child(lse, size, a, b), _child(delta, size, a, b)
             dQ, dK, dV = _child(dq, size, a, b)[..., :R], _child(dk, size, a2, b)[..., :R], _child(dv, size, a2, b)
@@ -442,9 +427,32 @@ class _MLRFlash(torch.autograd.Function):
                 s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
                 ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
                 dV[n].add_(dv_piece)
-                dQ[n, r].add_(torch.bmm(ds, K[n]).mul_(alpha))
+                dQ[n, r].add_(torch.bmm(ds, K[n]).mul_(alpha * c[:R]))
                 dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
+    """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
+    contribution to each block's diagonal, and it touches every row, key and feature."""
+    S = sizes[j]
+    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
+    R = groups[0][0] if groups else q.shape[-1]
+    Qb, Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (q, k, v, do, lse, delta, dq, dk, dv))
+    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
+    for n, r in _pieces(Qb.shape[0], S, S):
+        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
+        f = None if factor is None else factor[r]
+        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
+        ds, dv_piece = _piece_backward(_piece_scores(Q, Kb[n], rows, f, keep), Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
+        if f is not None:
+            ds.mul_(f)
+        first = r.start == 0                                            # later row pieces add to dk, dv
+        for f0, f1, ds_l in [(0, R, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
+            torch.mul(torch.bmm(ds_l, Kb[n, :, f0:f1]), c[f0:f1], out=dQb[n, r, f0:f1])
+            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Q[..., f0:f1])
+            dKb[n, :, f0:f1].copy_(dk_piece) if first else dKb[n, :, f0:f1].add_(dk_piece)
+        dVb[n].copy_(dv_piece) if first else dVb[n].add_(dv_piece)
 
 
 def mlr_attention_flash(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
@@ -456,8 +464,9 @@ def mlr_attention_flash(q, k, v, ranks, causal=True, block_sizes=None, scales=No
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    o = _MLRFlash.apply(_scale_levels(q, ranks, scales), k.contiguous(), v.contiguous(), key_mask,
-                        tuple(sizes), tuple(ranks), causal, divide_by_levels)
+    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
+    o = _MLRFlash.apply(q.contiguous(), k.contiguous(), v.contiguous(), c, key_mask, tuple(sizes), tuple(ranks),
+                        causal, divide_by_levels)
     return o.to(dtype)
 
 
@@ -475,7 +484,7 @@ def mlr_attention_flash_flops(T, ranks, causal=True, block_sizes=None, dv=None):
 
 
 # -----------------------------------------------------------------------------
-# sliding-window attention (SPEC §5)
+# sliding-window attention (paper §2.3)
 
 def _check_window(window):
     if not isinstance(window, int) or window <= 0:
@@ -540,7 +549,7 @@ def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
 
 
 # -----------------------------------------------------------------------------
-# causal linear attention (SPEC §6)
+# causal linear attention (seed 003 §2.2.2)
 
 def linear_feature_map(u):
     """phi(u / sqrt(d)) with phi = ReLU(.)^2, applied to queries and keys."""
@@ -595,7 +604,7 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 
 
 def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None):
-    """Linear attention with phi = ReLU^2 (SPEC §6): o_t = q'_t S_t / (q'_t.z_t + eps)."""
+    """Linear attention with phi = ReLU^2 (seed 003 §2.2.2): o_t = q'_t S_t / (q'_t.z_t + eps)."""
     return linear_attention_torch(q, k, v, causal, eps, key_mask)
 
 
@@ -1079,47 +1088,152 @@ def _compile_check(archs=(80, 90), levels=(8, 1)):
                       f"in {time.perf_counter() - t0:.1f} s")
 
 
-def _time(fn, reps):
-    fn()
-    if torch.cuda.is_available():
+def _proc_kb(key):
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def measure(step, reps=2):
+    """Wall time (ms, best of reps) and peak memory (MB) of step(). On a GPU the peak is CUDA's allocator
+    peak; on Linux CPUs it is the growth of peak RSS, after resetting the peak via /proc/self/clear_refs."""
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:  # hand freed heap memory back to the OS first, so that RSS is the memory in use
+        import ctypes
+        import gc
+        gc.collect()
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        base = _proc_kb('VmRSS') * 1024
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() if cuda else _proc_kb('VmHWM') * 1024) - base
+    times = []
     for _ in range(reps):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - t0) / reps
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times), peak / 2 ** 20
 
 
-def _benchmark(device, Ts, reps):
-    """Forward + backward of MLR ("32|8|6|4|4|4|4|2", the paper's d = 64 setting) and SWA (w = 128), causal,
-    B*H = 16. GFLOP = 3 x the forward count (backward = 2 x the forward matmuls; the Triton backward's
-    recomputed scores are not counted): *_attention_flops for the structured paths, the full T x T products
-    for the dense reference. MB = attention_io_bytes, the compulsory traffic (a lower bound)."""
-    dtype = torch.bfloat16 if device == 'cuda' else torch.float32
-    paths = [('torch', mlr_attention_torch, sliding_window_attention_torch)]
-    if device == 'cuda' and HAS_TRITON:
-        paths.append(('triton', mlr_attention_triton, sliding_window_attention_triton))
-    ranks, BH, d = [32, 8, 6, 4, 4, 4, 4, 2], 16, 64
-    print(f"benchmark on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {d}")
-    print(f"{'op':5s} {'path':9s} {'T':>6s} {'ms':>9s} {'GFLOP':>8s} {'GFLOP/s':>9s} {'MB':>7s} {'GB/s':>7s}")
+def matmul_gflops(device, dtype, n=4096, reps=3):
+    """The machine's practical limit: GFLOP/s of one large n×n matrix product, measured now."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    ms, _ = measure(lambda: a @ b, reps)
+    return 2 * n ** 3 / ms / 1e6
+
+
+def _bench_cores(device, dtype, ranks):
+    """The attention cores the benchmark compares: name -> (fn(q, k, v), forward FLOPs of one head at T)."""
+    d = sum(ranks)
+    equal = [d // 8] * 8
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    causal_flops = lambda T: 2 * (T * (T + 1) // 2) * 2 * d           # the causal half of QKᵀ and A·V
+    cores = {
+        'sdpa': (sdpa, causal_flops),
+        'mlr_flash': (lambda q, k, v: mlr_attention_flash(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
+        'mlr_flash_eq': (lambda q, k, v: mlr_attention_flash(q, k, v, equal), lambda T: mlr_attention_flops(T, equal)),
+        'mlr_tiles': (lambda q, k, v: mlr_attention_torch(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
+        'mlr_dense': (lambda q, k, v: mlr_attention_reference(q, k, v, ranks), lambda T: 2 * T * T * 2 * d),
+        'swa': (lambda q, k, v: sliding_window_attention(q, k, v, 128),
+                lambda T: sliding_window_attention_flops(T, 128, d)),
+    }
+    if device == 'cuda' and HAS_TRITON and dtype in _TRITON_DTYPES:
+        cores['mlr_triton'] = (lambda q, k, v: mlr_attention_triton(q, k, v, ranks), cores['mlr_flash'][1])
+        cores['swa_triton'] = (lambda q, k, v: sliding_window_attention_triton(q, k, v, 128), cores['swa'][1])
+    try:  # FlexAttention, where this torch has it (it compiles its kernel on first use)
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        if device == 'cuda':
+            flex = torch.compile(flex_attention)
+            masks = {}
+            def flex_causal(q, k, v):
+                T = q.shape[2]
+                if T not in masks:
+                    masks[T] = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device)
+                return flex(q, k, v, block_mask=masks[T])
+            cores['flex_causal'] = (flex_causal, causal_flops)
+    except ImportError:
+        pass
+    return cores
+
+
+def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), dense_max_T=2048):
+    """Forward + backward of each core on (1, BH, T, 64) causal inputs: wall time and peak memory, both as
+    ratios to SDPA in this same process, and GFLOP/s as a share of a large matrix product's (the limit).
+    GFLOP counts the algorithm (3 x the forward: backward = 2 x forward), not what a path recomputes."""
+    ranks = list(ranks)
+    peak = matmul_gflops(device, dtype)
+    cores = _bench_cores(device, dtype, ranks)
+    print(f"attention cores on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {sum(ranks)}, "
+          f"MLR ranks {'|'.join(map(str, ranks))} (mlr_flash_eq: 8 equal levels), SWA window 128; "
+          f"{torch.get_num_threads()} thread(s); {peak:.0f} GFLOP/s for a 4096² matmul here")
+    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'peak MB':>8s} {'x sdpa':>7s} {'GFLOP/s':>8s} {'% mm':>5s}")
     rows = []
     for T in Ts:
-        q, k, v = (torch.randn(1, BH, T, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        mb = BH * attention_io_bytes(T, d, d, q.element_size()) / 1e6
-        ops = [('mlr', 'reference', lambda: mlr_attention_reference(q, k, v, ranks), 2 * T * T * 2 * d)]
-        ops = ops if T <= 4096 else []  # the dense reference holds L (B, H, T, T) score tensors for autograd
-        ops += [('mlr', path, lambda f=f: f(q, k, v, ranks), mlr_attention_flops(T, ranks))
-                for path, f, _ in paths]
-        ops += [('swa', path, lambda f=f: f(q, k, v, 128), sliding_window_attention_flops(T, 128, d))
-                for path, _, f in paths]
-        for op, path, fn, flops in ops:
-            ms = _time(lambda: fn().sum().backward(), reps)
-            gflop = 3 * BH * flops / 1e9
-            print(f"{op:5s} {path:9s} {T:6d} {ms:9.1f} {gflop:8.2f} {gflop / ms * 1e3:9.1f} {mb:7.1f} "
-                  f"{mb / ms:7.2f}", flush=True)
-            rows.append(dict(op=op, path=path, T=T, ms=ms, gflop=gflop, mb=mb))
+        q, k, v = (torch.randn(1, BH, T, sum(ranks), device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        base = None
+        for name, (fn, flops) in cores.items():
+            if name in ('mlr_dense', 'mlr_tiles') and T > dense_max_T:
+                continue                                  # they keep T×T scores for autograd
+            ms, mb = measure(lambda: fn(q, k, v).sum().backward(), reps)
+            q.grad = k.grad = v.grad = None
+            base = base or (ms, mb)
+            gflops = 3 * BH * flops(T) / ms / 1e6
+            print(f"{name:13s} {T:5d} {ms:9.1f} {ms / base[0]:7.2f} {mb:8.1f} {mb / max(base[1], 1e-9):7.2f} "
+                  f"{gflops:8.1f} {100 * gflops / peak:5.0f}", flush=True)
+            rows.append(dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], peak_mb=mb,
+                             mb_vs_sdpa=mb / max(base[1], 1e-9), gflops=gflops, matmul_gflops=peak))
     return rows
+
+
+def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2)):
+    """FlashAttention's test of a low-precision kernel: its error against the float64 reference must be at
+    most 2x the error of the reference itself computed in that precision. Forward and all gradients."""
+    g = torch.Generator(device='cpu').manual_seed(0)
+    q, k, v, do = (torch.randn(1, BH, T, sum(ranks), generator=g, dtype=torch.float64).to(device) for _ in range(4))
+    paths = {'mlr_flash': mlr_attention_flash}
+    if device == 'cuda' and HAS_TRITON:
+        paths['mlr_triton'] = mlr_attention_triton
+
+    def run(fn, dtype):
+        x = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*x, list(ranks))
+        out.backward(do.to(dtype))
+        return [out.double()] + [t.grad.double() for t in x]
+
+    exact = run(mlr_attention_reference, torch.float64)
+    ok = True
+    for dtype in dtypes:
+        ref_err = [(a - b).abs().max().item() for a, b in zip(run(mlr_attention_reference, dtype), exact)]
+        for name, fn in paths.items():
+            if name == 'mlr_triton' and dtype not in _TRITON_DTYPES:
+                continue
+            err = [(a - b).abs().max().item() for a, b in zip(run(fn, dtype), exact)]
+            good = all(e <= 2 * r + 1e-12 for e, r in zip(err, ref_err))
+            ok &= good
+            print(f"  {name:11s} {str(dtype):15s} max err out/dq/dk/dv " + ' '.join(f'{e:.1e}' for e in err)
+                  + "  (reference in this dtype: " + ' '.join(f'{r:.1e}' for r in ref_err)
+                  + f")  {'ok' if good else 'FAIL: more than 2x the reference error'}")
+    return ok
+
+
+def _parse_lengths(text, parser):
+    try:
+        Ts = [int(t) for t in text.split(',') if t.strip()]
+    except ValueError:
+        Ts = []
+    if not Ts or any(T <= 0 or T % 128 for T in Ts):
+        parser.error(f"--Ts {text!r}: give a comma list of positive multiples of 128 (8 MLR levels halve T "
+                     f"7 times), e.g. 1024,2048")
+    return Ts
 
 
 if __name__ == '__main__':
@@ -1128,23 +1242,42 @@ if __name__ == '__main__':
     import os
     import subprocess
     import sys
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group('what to run (default: correctness check, then benchmark)')
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    g = p.add_argument_group('what to run (default: correctness check, then --bench)')
+    g.add_argument('--bench', action='store_true',
+                   help='benchmark only: time and peak memory of every core against SDPA, then the accuracy check')
     g.add_argument('--selftest-interpret', action='store_true',
                    help='check the Triton kernels against the references under TRITON_INTERPRET=1 on CPU '
                         '(tiny shapes, about a minute) and exit; sets the variable in a subprocess if needed')
     g.add_argument('--compile-check', action='store_true',
                    help='compile the Triton kernels for sm_80 and sm_90 (no GPU needed, nothing runs) and exit')
     g = p.add_argument_group('benchmark')
-    g.add_argument('--Ts', type=str, default='', help='comma list of sequence lengths (default 512,1024,2048 '
-                                                       'on CPU, 1024,2048,4096,8192 on a GPU)')
-    g.add_argument('--reps', type=int, default=1, help='timed repetitions per measurement (after one warm-up)')
+    g.add_argument('--Ts', type=str, default='', help='comma list of sequence lengths, multiples of 128 '
+                                                       '(default: 1024,2048,4096 on CPU, 1024,...,8192 on a GPU)')
+    g.add_argument('--reps', type=int, default=2, help='timed repetitions per measurement (best is kept), '
+                                                        'after one untimed run that also measures peak memory')
+    g.add_argument('--dtype', type=str, default='auto', choices=['auto', 'float32', 'bfloat16'],
+                   help='auto: float32 on CPU; bfloat16 and float32 on a GPU')
     g.add_argument('--device', type=str, default='auto', choices=['auto', 'cuda', 'cpu'],
                    help='auto = cuda if available, else cpu')
+    g.add_argument('--threads', type=int, default=0, help='CPU threads for torch (0 = torch\'s default)')
     g.add_argument('--seed', type=int, default=0, help='random seed')
     g.add_argument('--out_dir', type=str, default='',
                    help='write the benchmark rows to OUT_DIR/kernels_bench.json (default: print only)')
     args = p.parse_args()
+    if args.reps < 1:
+        p.error(f"--reps {args.reps}: must be at least 1")
+    if args.threads < 0:
+        p.error(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
+    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    if device == 'cuda' and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    Ts = _parse_lengths(args.Ts or ('1024,2048,4096' if device == 'cpu' else '1024,2048,4096,8192'), p)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     if args.selftest_interpret:
@@ -1161,23 +1294,31 @@ if __name__ == '__main__':
         _compile_check()
         sys.exit(0)
 
-    print("correctness (float64, B=2, H=2, T=96, d=16):")
-    q, k, v = (torch.randn(2, 2, 96, 16, dtype=torch.float64) for _ in range(3))
-    for causal in (True, False):
-        for name, fast, ref, kw in [
-            ('mlr 8|4|2|2', mlr_attention, mlr_attention_reference, dict(ranks=[8, 4, 2, 2])),
-            ('swa w=20', sliding_window_attention, sliding_window_attention_reference, dict(window=20)),
-            ('linear', linear_attention, linear_attention_reference, {}),
-        ]:
-            err = (fast(q, k, v, causal=causal, **kw) - ref(q, k, v, causal=causal, **kw)).abs().max().item()
-            print(f"  {name:12s} causal={causal!s:5s} max|fast - reference| = {err:.2e}")
-    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    if not args.bench:
+        print("correctness (float64, B=2, H=2, T=96, d=16):")
+        q, k, v = (torch.randn(2, 2, 96, 16, dtype=torch.float64) for _ in range(3))
+        for causal in (True, False):
+            for name, fast, ref, kw in [
+                ('mlr 8|4|2|2', mlr_attention, mlr_attention_reference, dict(ranks=[8, 4, 2, 2])),
+                ('swa w=20', sliding_window_attention, sliding_window_attention_reference, dict(window=20)),
+                ('linear', linear_attention, linear_attention_reference, {}),
+            ]:
+                err = (fast(q, k, v, causal=causal, **kw) - ref(q, k, v, causal=causal, **kw)).abs().max().item()
+                print(f"  {name:12s} causal={causal!s:5s} max|fast - reference| = {err:.2e}")
+        print()
     if device == 'cpu':
-        print("\nno GPU here: benchmarking the torch paths only (the Triton kernels need CUDA; "
-              "`--selftest-interpret` checks them on CPU)")
-    Ts = [int(t) for t in (args.Ts or ('512,1024,2048' if device == 'cpu' else '1024,2048,4096,8192')).split(',')]
-    rows = _benchmark(device, Ts, args.reps)
+        print("no GPU here: the torch paths only (the Triton kernels need CUDA; `--selftest-interpret` checks "
+              "them on CPU)")
+    dtypes = {'float32': [torch.float32], 'bfloat16': [torch.bfloat16]}.get(
+        args.dtype, [torch.float32] if device == 'cpu' else [torch.bfloat16, torch.float32])
+    rows = [row for dtype in dtypes for row in benchmark(device, dtype, Ts, args.reps)]
+    print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks):")
+    ok = accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16])
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, 'kernels_bench.json'), 'w') as f:
-            json.dump(dict(device=device, rows=rows), f, indent=1)
+        path = os.path.join(args.out_dir, 'kernels_bench.json')
+        with open(path, 'w') as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if device == 'cuda' else 'cpu', rows=rows), f,
+                      indent=1)
+        print(f"rows written to {path}")
+    sys.exit(0 if ok else 1)

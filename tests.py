@@ -404,13 +404,15 @@ MLR_CASES = [(64, [16], None), (96, [8, 4, 2, 2], None), (48, [4, 4, 4, 4], None
              (64, [10, 6], [256, 32]), (72, [2, 6, 8], [72, 24, 12]), (256, [5, 3, 4, 2, 2], None)]
 
 
-@pytest.fixture(params=['flash', 'flash, small tiles', 'torch'])
+@pytest.fixture(params=['flash', 'flash, small tiles', 'flash, all bottom', 'torch'])
 def mlr_path(request, monkeypatch):
-    """Each MLR fast path; 'small tiles' makes the flash path cut every tile into many pieces and score
-    only blocks of < 8 tokens densely, so its piece loop and sibling tiles run even at these small T."""
-    if request.param == 'flash, small tiles':
+    """Each MLR fast path. 'small tiles' makes the flash path cut every tile into many pieces and score only
+    blocks of < 8 tokens densely, so its piece loop and sibling tiles run even at these small T; 'all bottom'
+    scores the whole sequence as one dense bottom block (every level a masked feature group), in row pieces."""
+    if request.param != 'flash':
         monkeypatch.setattr(K, 'PIECE', 256)
-        monkeypatch.setattr(K, 'BOTTOM', 8)
+    if request.param in ('flash, small tiles', 'flash, all bottom'):
+        monkeypatch.setattr(K, 'BOTTOM', 8 if request.param == 'flash, small tiles' else 10 ** 9)
     return K.mlr_attention_torch if request.param == 'torch' else K.mlr_attention_flash
 
 
