@@ -396,8 +396,8 @@ class _MLRFlash(torch.autograd.Function):
             _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
         # sibling tiles of the levels above: query child a against key child a2, prefix features R_l
         for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copies, contiguous
-            K, V = _child(k, size, a2, b)[..., :R].contiguous(), _child(v, size, a2, b).contiguous()
+            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copy, scaled
+            K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)  # (N, b, R), (N, b, dv) views
             O, Lse, kk = _child(o, size, a, b), _child(lse, size, a, b), _key_keep(key_mask, H, size, a2, b)
             for n, r in _pieces(Q.shape[0], b, b):
                 s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
@@ -419,7 +419,7 @@ class _MLRFlash(torch.autograd.Function):
         H = q.shape[1]
         for size, a, a2, b, R, alpha in tiles:
             Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])
-            K, V = _child(k, size, a2, b)[..., :R].contiguous(), _child(v, size, a2, b).contiguous()
+            K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)
             dO, Lse, D = _child(do, size, a, b), _child(lse, size, a, b), _child(delta, size, a, b)
             dQ, dK, dV = _child(dq, size, a, b)[..., :R], _child(dk, size, a2, b)[..., :R], _child(dv, size, a2, b)
             kk = _key_keep(key_mask, H, size, a2, b)
