@@ -7,24 +7,26 @@ The heavy math of the attention variants, on (B, H, T, d) tensors.
     linear_attention          causal linear attention with phi(u) = ReLU(u)^2 (seed 003 §2.2.2).
 
 Each public function has a `*_reference` twin that builds the dense T×T mask and is short enough to read;
-the tests hold them equal (forward and gradients). The torch fast paths (`*_torch`):
+the tests hold every path equal to it (forward and gradients). Beside each reference, in reading order:
 
-- MLR is computed as a hierarchy of tiles. For a block at level l with children at level l+1, the pairs
-  (query in child a, key in child a' != a) share level l but not l+1, so they are scored with the first
-  R_l = r_0 + ... + r_l features; the diagonal blocks of the finest level use all d features. Every tile
-  yields a partial softmax (output, log-sum-exp), merged exactly like FlashAttention merges its tiles.
-  With causal masking the tiles above the diagonal are never computed. Nothing T×T is ever formed.
-- SWA cuts the queries into blocks of c >= w and gives each block only the 2c (3c bidirectional) keys
-  around it.
-- Linear attention is chunked: quadratic inside a chunk, a running d×d state between chunks.
+- `*_torch`, the structure in plain torch with autograd. MLR is a hierarchy of tiles: for a block at level
+  l with children at level l+1, the pairs (query in child a, key in child a' != a) share level l but not
+  l+1, so they are scored with the first R_l = r_0 + ... + r_l features; the diagonal blocks of the finest
+  level use all d features. Every tile yields a partial softmax (output, log-sum-exp), merged exactly as
+  FlashAttention merges its tiles; causal tiles above the diagonal are never computed. SWA cuts the
+  queries into blocks of c >= w and gives each block only the 2c (3c bidirectional) keys around it. Linear
+  attention is chunked: quadratic inside a chunk, a running d×d state between chunks.
+- `*_flash` (MLR, SWA), the same tiles as one autograd.Function: an online softmax over cache-sized pieces
+  and a backward written by hand that recomputes each piece's scores, so training keeps O(T·d) memory
+  where the torch paths keep every tile's scores. These are what mlr_attention and
+  sliding_window_attention run on the CPU.
+- `*_triton` (MLR, SWA): one FlashAttention-2 style forward and backward whose tiles know their MLR level
+  (how many leading features to use) and skip what lies outside the window or after the diagonal, taken
+  for CUDA tensors when triton imports (see `backend`). They have been checked on CPU under Triton's
+  interpreter and compiled for sm_80/sm_90, but never run or timed on a GPU.
 
-MLR and SWA also have Triton kernels (`*_triton`): one FlashAttention-2 style forward and backward whose
-tiles know their MLR level (how many leading features to use) and skip what lies outside the window or
-after the diagonal. mlr_attention and sliding_window_attention take them for CUDA tensors when triton
-imports (see `backend`), the torch paths otherwise. They have been checked on CPU under Triton's
-interpreter and compiled for sm_80/sm_90, but never run or timed on a GPU.
-
-    python kernels.py                                  # correctness check + benchmark (torch paths on CPU)
+    python kernels.py                                  # correctness check, then the benchmark below
+    python kernels.py --bench                          # every path vs SDPA: time, peak memory, GFLOP/s
     python kernels.py --selftest-interpret             # Triton kernels vs references, interpreter, ~1 min
     python kernels.py --compile-check                  # compile the kernels for sm_80 / sm_90, no GPU needed
 """
@@ -548,6 +550,107 @@ def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key
     return o.reshape(B, H, Tp, dv)[:, :, :T]
 
 
+# The same pieces serve sliding-window attention: with query blocks of c >= w rows, block i's keys lie in
+# key blocks i - 1 and i (and i + 1 bidirectional), so SWA is two (three) tiles of c×c blocks, each with a
+# fixed band mask, merged as above. k and v are shifted by one block for the neighbour tiles (a copy), and
+# their gradients shifted back. Saved for the backward: q, k, v, o, lse -- no scores.
+
+def _shift_blocks(x, offset, c):
+    """x (B, H, Tp, f) with rows moved so that block i holds what was block i + offset (zeros past the ends)."""
+    if offset == 0:
+        return x
+    out = torch.zeros_like(x)
+    if offset < 0:
+        out[:, :, c:] = x[:, :, :-c]
+    else:
+        out[:, :, :-c] = x[:, :, c:]
+    return out
+
+
+class _SWAFlash(torch.autograd.Function):
+    """Sliding-window attention over c×c tiles with an online softmax; q arrives scaled and, like k and v,
+    padded to Tp = n c rows; valid (B, Tp) marks keys that exist and are not masked."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, valid, window, causal, c):
+        B, H, Tp, d = q.shape
+        o = torch.empty(B, H, Tp, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, Tp, 1, dtype=q.dtype, device=q.device)
+        Q, O, Lse = (x.view(-1, c, x.shape[-1]) for x in (q, o, lse))        # (B*H*n, c, f) views
+        for offset in _swa_offsets(causal):                                  # the own block first: it writes
+            K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
+            for n, r in _pieces(Q.shape[0], c, c):
+                s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
+                _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=offset != 0)
+        ctx.save_for_backward(q, k, v, valid, o, lse)
+        ctx.plan = (window, causal, c)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, valid, o, lse = ctx.saved_tensors
+        window, causal, c = ctx.plan
+        do = do.contiguous()
+        delta = (do * o).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        Q, dO, Lse, D, dQ = (x.view(-1, c, x.shape[-1]) for x in (q, do, lse, delta, dq))
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for offset in _swa_offsets(causal):
+            K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
+            dK, dV = torch.zeros_like(K), torch.zeros_like(V)                 # gradients of the shifted k, v
+            for n, r in _pieces(Q.shape[0], c, c):
+                s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
+                ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
+                dV[n].add_(dv_piece)
+                dQ[n, r].add_(torch.bmm(ds, K[n]))
+                dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
+            for grad, tile_grad in ((dk, dK.view(k.shape)), (dv, dV.view(v.shape))):    # shift back
+                if offset == 0:
+                    grad.add_(tile_grad)
+                elif offset < 0:
+                    grad[:, :, :-c].add_(tile_grad[:, :, c:])
+                else:
+                    grad[:, :, c:].add_(tile_grad[:, :, :-c])
+        return dq, dk, dv, None, None, None, None
+
+
+def _swa_offsets(causal):
+    return (0, -1) if causal else (0, -1, 1)
+
+
+def _swa_tile(k, v, valid, window, causal, c, offset):
+    """Keys and values of the key block `offset` blocks from each query block, (B*H*n, c, f), and the keep
+    masks: the band (c, c) of the window and the keys' validity (B*H*n, 1, c)."""
+    B, H, Tp, _ = k.shape
+    K, V = (_shift_blocks(x, offset, c).view(-1, c, x.shape[-1]) for x in (k, v))
+    i = torch.arange(c, device=k.device)
+    band = _window_allowed(i[:, None], i[None, :] + offset * c, window, causal)            # (c, c)
+    ok = _shift_blocks(valid[:, None, :, None].expand(B, H, Tp, 1).to(k.dtype), offset, c)  # (B, H, Tp, 1)
+    return K, V, (band, ok.view(-1, 1, c) > 0)
+
+
+def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key_mask=None):
+    """SWA through _SWAFlash; same arguments and result as sliding_window_attention_torch, with O(T·d)
+    memory for the backward. Half-precision inputs are computed in float32."""
+    _check_qkv(q, k, v)
+    _check_window(window)
+    B, H, T, d = q.shape
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    c = min(max(window, 32), T)                      # query block size; c >= w unless the window covers T
+    Tp = -(-T // c) * c
+    valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
+    valid[:, :T] = True if key_mask is None else key_mask
+    q = q * scale
+    if Tp != T:
+        q, k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (q, k, v))      # (B, H, Tp, f)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = _SWAFlash.apply(q, k, v, valid, window, causal, c)
+    return o[:, :, :T].to(dtype)
+
+
 def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
     """Multiply-adds x 2 of sliding_window_attention_torch on one (batch, head)."""
     dv = d if dv is None else dv
@@ -1016,10 +1119,10 @@ def mlr_attention(q, k, v, ranks, causal=True, block_sizes=None, scales=None, di
 def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=None):
     """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w < j <= i
     (|i-j| < w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep.
-    Runs sliding_window_attention_triton or sliding_window_attention_torch, as backend(q) says."""
+    Runs sliding_window_attention_triton or sliding_window_attention_flash, as backend(q) says."""
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
-    fn = sliding_window_attention_triton if backend(q) == 'triton' else sliding_window_attention_torch
+    fn = sliding_window_attention_triton if backend(q) == 'triton' else sliding_window_attention_flash
     return fn(q, k, v, window, causal, scale, key_mask)
 
 
@@ -1149,14 +1252,16 @@ def _bench_cores(device, dtype, ranks):
         'sdpa': (sdpa, causal_flops),
         'mlr_flash': (lambda q, k, v: mlr_attention_flash(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
         'mlr_flash_eq': (lambda q, k, v: mlr_attention_flash(q, k, v, equal), lambda T: mlr_attention_flops(T, equal)),
-        'mlr_tiles': (lambda q, k, v: mlr_attention_torch(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
+        'mlr_torch': (lambda q, k, v: mlr_attention_torch(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
         'mlr_dense': (lambda q, k, v: mlr_attention_reference(q, k, v, ranks), lambda T: 2 * T * T * 2 * d),
-        'swa': (lambda q, k, v: sliding_window_attention(q, k, v, 128),
-                lambda T: sliding_window_attention_flops(T, 128, d)),
+        'swa_flash': (lambda q, k, v: sliding_window_attention_flash(q, k, v, 128),
+                      lambda T: sliding_window_attention_flops(T, 128, d)),
+        'swa_torch': (lambda q, k, v: sliding_window_attention_torch(q, k, v, 128),
+                        lambda T: sliding_window_attention_flops(T, 128, d)),
     }
     if device == 'cuda' and HAS_TRITON and dtype in _TRITON_DTYPES:
         cores['mlr_triton'] = (lambda q, k, v: mlr_attention_triton(q, k, v, ranks), cores['mlr_flash'][1])
-        cores['swa_triton'] = (lambda q, k, v: sliding_window_attention_triton(q, k, v, 128), cores['swa'][1])
+        cores['swa_triton'] = (lambda q, k, v: sliding_window_attention_triton(q, k, v, 128), cores['swa_flash'][1])
     try:  # FlexAttention, where this torch has it (it compiles its kernel on first use)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         if device == 'cuda':
@@ -1190,7 +1295,7 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
                    for _ in range(3))
         base = None
         for name, (fn, flops) in cores.items():
-            if name in ('mlr_dense', 'mlr_tiles') and T > dense_max_T:
+            if name in ('mlr_dense', 'mlr_torch') and T > dense_max_T:
                 continue                                  # they keep T×T scores for autograd
             ms, mb = measure(lambda: fn(q, k, v).sum().backward(), reps)
             q.grad = k.grad = v.grad = None

@@ -468,16 +468,32 @@ def test_mlr_flash_saves_no_scores():
     assert saved_numel(K.mlr_attention_torch) > 512 * 512 / 2
 
 
+@pytest.mark.parametrize('path', ['flash', 'flash, small pieces', 'torch'])
 @pytest.mark.parametrize('causal', [True, False])
 @pytest.mark.parametrize('T,window', [(37, 1), (64, 5), (100, 33), (50, 64), (130, 40)])
-def test_swa_fast_equals_reference(causal, T, window):
+def test_swa_fast_equals_reference(path, causal, T, window, monkeypatch):
+    if path == 'flash, small pieces':
+        monkeypatch.setattr(K, 'PIECE', 256)
+    fast = K.sliding_window_attention_torch if path == 'torch' else K.sliding_window_attention_flash
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    mask = None if causal else torch.rand(2, T, generator=g) > 0.2
-    kw = dict(window=window, causal=causal, key_mask=mask)
-    for a, b, name in zip(_grads(K.sliding_window_attention, q, k, v, **kw),
-                          _grads(K.sliding_window_attention_reference, q, k, v, **kw), ['out', 'dq', 'dk', 'dv']):
-        assert_close(a, b, what=f"swa {name} T={T} w={window} causal={causal}")
+    mask = torch.rand(2, T, generator=g) > 0.2
+    mask[1, :T // 3] = False                       # causal: the first rows of batch 1 see no key at all
+    for key_mask in (None, mask):
+        kw = dict(window=window, causal=causal, key_mask=key_mask)
+        for a, b, name in zip(_grads(fast, q, k, v, **kw), _grads(K.sliding_window_attention_reference, q, k, v, **kw),
+                              ['out', 'dq', 'dk', 'dv']):
+            assert_close(a, b, what=f"swa {path} {name} T={T} w={window} causal={causal} "
+                                    f"key_mask={key_mask is not None}")
+
+
+def test_swa_flash_saves_no_scores():
+    """Like the MLR flash path: the backward keeps O(T·d) (q, k, v, o, lse, the key validity), no scores."""
+    q, k, v = (torch.randn(1, 1, 512, 16, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        K.sliding_window_attention_flash(q, k, v, 64)
+    assert sum(saved) <= 6 * 512 * 16
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -577,7 +593,7 @@ def test_cpu_tensors_take_the_torch_path():
     assert K.backend(q) == 'torch'
     assert torch.equal(K.mlr_attention(q, k, v, [8, 4, 4]), K.mlr_attention_flash(q, k, v, [8, 4, 4]))
     assert torch.equal(K.sliding_window_attention(q, k, v, 8),
-                       K.sliding_window_attention_torch(q, k, v, 8))
+                       K.sliding_window_attention_flash(q, k, v, 8))
 
 
 NO_TRITON = """
