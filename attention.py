@@ -1,26 +1,39 @@
 """
 Every attention variant of the project, and the one transformer backbone all train scripts share.
 
-    standard      softmax attention, any number of heads, GQA and RoPE options (SPEC §1)
-    bilinear_mlr  score = sum_l c_l LN(q_l).LN(k_l) with block-diagonal level maps (SPEC §3)
-    bilinear_btt  score = c x^T LN(W_h x') with W_h a full-rank BTT per head (SPEC §3)
-    mlr           MLR attention: fewer features for distant pairs (SPEC §4)
-    swa           sliding-window attention (SPEC §5); `global_swa` mixes it with standard layers
-    linear        causal linear attention, phi = ReLU^2 (SPEC §6)
-    brl           BRL attention: local attention + evolving compressed tokens (SPEC §7)
+    standard      softmax attention, any number of heads, GQA and RoPE options (paper §2.1, Eq. 2)
+    bilinear_mlr  score = sum_l c_l LN(q_l).LN(k_l) with block-diagonal level maps (paper §3.2, Eq. 6)
+    bilinear_btt  score = c x^T LN(W_h x') with W_h a full-rank BTT per head (paper §3.2, Eq. 7)
+    mlr           MLR attention: fewer features for distant pairs (paper §3.4, Eq. 9)
+    swa           sliding-window attention (paper §2.3, §5.1); `global_swa` mixes it with standard layers
+    global_swa_split  global + sliding-window attention inside each head, two softmaxes summed (paper §5.1)
+    linear        causal linear attention, phi = ReLU^2 (seed 003 §2.2.2)
+    brl           BRL attention: local attention + evolving compressed tokens (seed 004 §2.3-2.5, Alg. 1)
 
 Each variant maps (B, T, D) -> (B, T, D), causal or bidirectional, reports its forward FLOPs for a
 length-T sequence, and (causal ones) decodes token by token with a cache. The heavy math lives in
-kernels.py. The backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (SPEC §9).
+kernels.py. The backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (paper §3.5, App. E).
 
     python attention.py            # attention cores: fwd+bwd time and peak memory vs SDPA, T = 512 ... 4096
     python attention.py --layers   # one full layer of every variant, projections included
     python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
+    python attention.py --brl --causal --Ts 256,2048   # causal layers (BRL's recurrence over blocks)
 """
 
+import argparse
+import contextlib
+import json
 import math
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,24 +57,29 @@ class ModelConfig:
     layer_pattern: str = ''        # optional comma list of per-layer variants, overrides attn
     global_layers: str = '0,3'     # global_swa: 0-based layers with standard attention (the paper's 1 and 4)
     # scores
-    qk_ln: bool = False
-    logit_scale: str = 'sqrt'      # 'sqrt': 1/sqrt(d); 'mup': mup_alpha/d
-    mup_alpha: float = 8.0
+    qk_ln: bool = False            # LayerNorm over each head's q and k (MLR: the whole head, before the rank split)
+    logit_scale: str = 'auto'      # 'auto' | 'sqrt' | 'mup' | 'inv', per score term of width R: see logit_scales()
+    mup_alpha: float = 8.0         # alpha of logit_scale 'mup' (alpha / R); the official code's 8
     n_kv_head: int = 0             # standard: grouped-query attention (0 = n_head)
     rope: bool = False             # standard / swa: rotary position embedding
     # MLR and bilinear MLR
     ranks: str = ''                # rank allocation "32|8|6|4|4|4|4|2", sums to the head width
     mlr_block_sizes: str = ''      # optional "1024|256|64": level block sizes (default block_size/2^l)
-    mlr_divide_levels: bool = False
-    # bilinear BTT
+    mlr_divide_levels: bool = False  # MLR: divide each score by the number of levels covering the pair (official: on)
+    # bilinear MLR and BTT
     btt_rank: int = 1
-    # SWA and BRL
-    window: int = 64
+    btt_factors: str = 'sqrt'      # BTT shape: 'sqrt' (D = a * b, b the largest divisor <= sqrt D) or 'official'
+    bilinear_rms_cap: bool = False  # official rescaling W / max(1, RMS(W) / s0) of the bilinear maps
+    # SWA, global + SWA and BRL
+    window: int = 64               # look-back w: query i sees keys i-w..i (w + 1 keys), the official sliding_block_size
+    gswa_ranks: str = ''           # global_swa_split: "global|local" features per head (default half|half)
     n_compressed: int = 16         # BRL: m compressed tokens
     brl_block: int = 0             # BRL causal block size (0 = window)
     brl_beta: float = 0.5
     brl_lambda_init: float = 0.5
     brl_gamma: bool = True         # False fixes gamma = 0 (no differential compression)
+    brl_history: str = 'global'    # BRL causal: 'global' (ct_b reads ct_{b-1} and block b-1) or 'block' (block b-1 only)
+    brl_rel_buckets: int = 32      # BRL b_rel: distance buckets of the learned relative bias (0 = no b_rel)
     # muP
     mup_base_width: int = 128      # lr multiplier of a weight = mup_base_width / fan_in
 
@@ -100,13 +118,58 @@ def parse_ints(text, name, sep='|'):
 def check_config(cfg):
     if cfg.n_embd <= 0 or cfg.n_head <= 0 or cfg.n_embd % cfg.n_head != 0:
         raise ValueError(f"n_head = {cfg.n_head} must divide n_embd = {cfg.n_embd}")
-    if cfg.logit_scale not in ('sqrt', 'mup'):
-        raise ValueError(f"logit_scale must be 'sqrt' or 'mup', got {cfg.logit_scale!r}")
+    if cfg.logit_scale not in LOGIT_SCALES:
+        raise ValueError(f"logit_scale must be one of {', '.join(LOGIT_SCALES)}, got {cfg.logit_scale!r}")
+    if cfg.btt_factors not in ('sqrt', 'official'):
+        raise ValueError(f"btt_factors must be 'sqrt' or 'official', got {cfg.btt_factors!r}")
     if cfg.window <= 0:
-        raise ValueError(f"window must be a positive number of keys, got {cfg.window}")
+        raise ValueError(f"window must be a positive look-back (query i sees keys i-w..i), got {cfg.window}")
     if cfg.mlp_hidden < 0:
         raise ValueError(f"mlp_hidden must be >= 0 (0 = 4 * n_embd), got {cfg.mlp_hidden}")
-    return cfg.layer_kinds()
+    if cfg.brl_history not in ('global', 'block'):
+        raise ValueError(f"brl_history must be 'global' or 'block', got {cfg.brl_history!r}")
+    kinds = cfg.layer_kinds()
+    rules = {k: logit_scale_rule(cfg, k) for k in kinds}
+    if cfg.mup_alpha != ModelConfig.mup_alpha and 'mup' not in rules.values():
+        raise ValueError(f"mup_alpha = {cfg.mup_alpha} is only used by logit_scale 'mup', but the scales here are "
+                         f"{rules}; set logit_scale='mup' or leave mup_alpha at {ModelConfig.mup_alpha}")
+    return kinds
+
+
+# -----------------------------------------------------------------------------
+# attention logit scales: the one place they are chosen
+#
+# A score term that dots R features is multiplied by c:  'sqrt' 1/sqrt(R),  'mup' alpha/R (App. E),
+# 'inv' 1/R (= 'mup' at alpha = 1). R is d for standard / SWA, r_l for an MLR level, p_l r_l for a
+# bilinear-MLR level, D for bilinear BTT, r_global and r_local for global_swa_split.
+# 'auto' gives each variant its reference scale (the official code's, where it has only one):
+
+LOGIT_SCALES = ('auto', 'sqrt', 'mup', 'inv')
+AUTO_LOGIT_SCALE = {
+    'standard': 'sqrt',          # SDPA's 1/sqrt(d), as the official ICL runs (the official LM runs use 'mup', alpha 8)
+    'swa': 'sqrt',               # as standard
+    'brl': 'sqrt',               # BRL's local attention is SWA (its compression / propagation scales are fixed)
+    'mlr': 'inv',                # official AttentionMLR.forward: c_l = 1 / r_l, its only choice
+    'bilinear_mlr': 'sqrt',      # official BilinearMLRAttention: 1/sqrt(p_l r_l) (muP flag off by default)
+    'bilinear_btt': 'sqrt',      # official BilinearBTTAttention: 1/sqrt(D) (muP flag off by default)
+    'global_swa_split': 'mup',   # official CausalSelfGlobalSlidingWindowAttention: 8/r_global and 8/r_local
+    'linear': 'sqrt',            # phi(q / sqrt(d)) inside kernels.linear_attention; no other choice
+}
+
+
+def logit_scale_rule(cfg, kind):
+    """'sqrt', 'mup' or 'inv' for this variant; refuses a rule the variant cannot honour."""
+    rule = AUTO_LOGIT_SCALE.get(kind, 'sqrt') if cfg.logit_scale == 'auto' else cfg.logit_scale
+    if kind == 'linear' and rule != 'sqrt':
+        raise ValueError(f"linear attention scales q, k by 1/sqrt(d) inside its feature map; logit_scale "
+                         f"{cfg.logit_scale!r} cannot apply (use 'auto' or 'sqrt')")
+    return rule
+
+
+def logit_scales(cfg, kind, widths):
+    """Logit scale c of each score term of variant `kind`, whose dot products run over `widths` features."""
+    rule = logit_scale_rule(cfg, kind)
+    return [{'sqrt': R ** -0.5, 'mup': cfg.mup_alpha / R, 'inv': 1.0 / R}[rule] for R in widths]
 
 
 # -----------------------------------------------------------------------------
@@ -114,7 +177,7 @@ def check_config(cfg):
 
 class MupLinear(nn.Linear):
     """Linear map without bias, init N(0, 1/fan_in) (or zeros for output maps), lr multiplier
-    base_width / fan_in (SPEC §9)."""
+    base_width / fan_in (paper App. E)."""
 
     def __init__(self, fan_in, fan_out, base_width=128, zero_init=False):
         super().__init__(fan_in, fan_out, bias=False)
@@ -163,13 +226,15 @@ def _append(old, new, keep=None):
 
 class SelfAttention(nn.Module):
     """Shared q, k, v projections (B, T, D) -> (B, H, T, d) and the zero-init output map. A variant
-    defines attend() (whole sequence) and decode() (one token with a cache)."""
+    defines attend() (whole sequence) and decode() (one token with a cache); `kind` is its registry name."""
     uses_rope = False
+    kind = 'standard'
 
     def __init__(self, cfg):
         super().__init__()
         D, H, d = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.cfg, self.H, self.d = cfg, H, d
+        logit_scale_rule(cfg, self.kind)             # refuses a logit_scale this variant cannot honour
         self.n_kv = cfg.n_kv_head or H
         if H % self.n_kv:
             raise ValueError(f"n_kv_head = {self.n_kv} must divide n_head = {H}")
@@ -204,7 +269,8 @@ class SelfAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
 
     def scale(self):
-        return self.cfg.mup_alpha / self.d if self.cfg.logit_scale == 'mup' else 1 / math.sqrt(self.d)
+        """The logit scale of a whole-head dot product (R = d), from logit_scales()."""
+        return logit_scales(self.cfg, self.kind, [self.d])[0]
 
     def new_cache(self):
         return Cache()
@@ -219,7 +285,7 @@ class SelfAttention(nn.Module):
 
 
 class StandardAttention(SelfAttention):
-    """Softmax attention (SDPA); the scoring matrix W_Q W_K^T of each head has rank d (SPEC §1)."""
+    """Softmax attention (SDPA); the scoring matrix W_Q W_K^T of each head has rank d (paper §2.2)."""
     uses_rope = True
 
     def attend(self, q, k, v, key_mask):
@@ -237,25 +303,74 @@ class StandardAttention(SelfAttention):
 
 
 class SWAAttention(SelfAttention):
-    """Sliding-window attention: query i sees the w keys i-w < j <= i, at O(T w) cost (SPEC §5)."""
+    """Sliding-window attention at O(T w) cost (paper §2.3). window = w is a look-back, as the official
+    sliding_block_size (its mask keeps i-w <= j <= i): query i sees the w + 1 keys i-w..i (bidirectional:
+    |i - j| <= w). kernels.sliding_window_attention counts the keys a query sees, so it gets w + 1."""
     uses_rope = True
+    kind = 'swa'
+
+    def keys_seen(self):
+        return self.cfg.window + 1
 
     def attend(self, q, k, v, key_mask):
-        return kernels.sliding_window_attention(q, k, v, self.cfg.window, self.cfg.causal, self.scale(), key_mask)
+        return kernels.sliding_window_attention(q, k, v, self.keys_seen(), self.cfg.causal, self.scale(), key_mask)
 
     def decode(self, q, k, v, cache):
-        w = self.cfg.window
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k, w), _append(getattr(cache, 'v', None), v, w)
+        n = self.keys_seen()
+        cache.k, cache.v = _append(getattr(cache, 'k', None), k, n), _append(getattr(cache, 'v', None), v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
-        return self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, self.d, self.cfg.causal)
+        return self.H * kernels.sliding_window_attention_flops(T, self.keys_seen(), self.d, self.cfg.causal)
+
+
+class GlobalSWASplitAttention(SWAAttention):
+    """Global + SWA inside every head, the official `low_rank_with_gswa` (paper §5.1): the (QK-normed) q, k of
+    width d split into r_g global and r_s local features (gswa_ranks 'r_g|r_s', default half|half, official
+    32|32); one softmax over all keys on the global part, one over the window w on the local part, the two
+    weight matrices summed (each row sums to 2, as in the official code) and applied to one shared v.
+    The layer-wise Global + SWA is the `global_swa` layer pattern instead (standard and swa layers)."""
+    uses_rope = False
+    kind = 'global_swa_split'
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        d = self.d
+        self.split = parse_ints(cfg.gswa_ranks or f"{d // 2}|{d - d // 2}", 'gswa_ranks')
+        if len(self.split) != 2 or min(self.split) <= 0 or sum(self.split) != d:
+            raise ValueError(f"gswa_ranks {cfg.gswa_ranks!r} must be two positive widths 'global|local' summing "
+                             f"to the head width {d}, e.g. '{d // 2}|{d - d // 2}'")
+        self.scales = logit_scales(cfg, self.kind, self.split)               # [c_global, c_local]
+
+    def attend(self, q, k, v, key_mask):
+        (qg, ql), (kg, kl) = q.split(self.split, -1), k.split(self.split, -1)  # (B, H, T, r_g), (B, H, T, r_s)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        glob = F.scaled_dot_product_attention(qg, kg, v, attn_mask=mask, scale=self.scales[0],
+                                              is_causal=self.cfg.causal and mask is None)
+        loc = kernels.sliding_window_attention(ql.contiguous(), kl.contiguous(), v, self.keys_seen(),
+                                               self.cfg.causal, self.scales[1], key_mask)
+        return glob + loc                                                      # (B, H, T, d)
+
+    def decode(self, q, k, v, cache):
+        cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
+        n = self.keys_seen()
+        (qg, ql), (kg, kl) = q.split(self.split, -1), cache.k.split(self.split, -1)
+        return (F.scaled_dot_product_attention(qg, kg, cache.v, scale=self.scales[0]) +
+                F.scaled_dot_product_attention(ql, kl[:, :, -n:], cache.v[:, :, -n:], scale=self.scales[1]))
+
+    def core_flops(self, T):
+        rg, rs = self.split
+        glob = 2 * self.H * T * T * (rg + self.d) * (0.5 if self.cfg.causal else 1)
+        return glob + self.H * kernels.sliding_window_attention_flops(T, self.keys_seen(), rs, self.cfg.causal,
+                                                                       dv=self.d)
 
 
 class MLRAttention(SelfAttention):
-    """MLR attention (SPEC §4). Level l cuts positions into blocks of size block_size/2^l (fixed by the
+    """MLR attention (paper §3.4, Eq. 9). Level l cuts positions into blocks of size block_size/2^l (fixed by the
     model, so a shorter causal sequence just has more global levels); a pair sharing a level-l block adds
-    c_l q_l.k_l with c_l = 1/r_l."""
+    c_l q_l.k_l, c_l from logit_scales() with R = r_l (logit_scale 'auto': the official 1/r_l). QK-LN, when on,
+    normalizes the whole head before the rank split, as the official code."""
+    kind = 'mlr'
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -273,7 +388,7 @@ class MLRAttention(SelfAttention):
                                  f"got {cfg.block_size}")
             self.block_sizes = [cfg.block_size // 2 ** l for l in range(L)]
         kernels.mlr_block_sizes(self.block_sizes[0], L, self.block_sizes)   # validates the list
-        self.scales = kernels.mlr_level_scales(self.ranks)
+        self.scales = logit_scales(cfg, self.kind, self.ranks)                # c_l per level
 
     def attend(self, q, k, v, key_mask):
         T = q.shape[2]
@@ -295,7 +410,7 @@ class MLRAttention(SelfAttention):
                          f"multiples of {min(self.block_sizes)} up to {self.block_sizes[0]}")
 
     def decode(self, q, k, v, cache):
-        """Level l keeps only the r_l key features of the current level-l block (SPEC §4)."""
+        """Level l keeps only the r_l key features of the current level-l block (paper §3.4, key cache)."""
         t = cache.t
         if t >= self.block_sizes[0]:
             raise ValueError(f"MLR decoding is defined up to block_size = {self.block_sizes[0]} tokens")
@@ -325,7 +440,8 @@ class MLRAttention(SelfAttention):
 
 
 class LinearAttention(SelfAttention):
-    """Linear attention with phi = ReLU^2 (SPEC §6); decoding keeps the d x d state S and the vector z."""
+    """Linear attention with phi = ReLU^2 (seed 003 §2.2.2); decoding keeps the d x d state S and the vector z."""
+    kind = 'linear'
 
     def attend(self, q, k, v, key_mask):
         return kernels.linear_attention(q, k, v, self.cfg.causal, key_mask=key_mask)
@@ -347,7 +463,7 @@ class LinearAttention(SelfAttention):
 
 class BilinearAttention(SelfAttention):
     """Common part of the bilinear variants: per-head (query features, key features) of width e replace
-    q and k, values and outputs stay standard; one batched product, W_h never formed (SPEC §3)."""
+    q and k, values and outputs stay standard; one batched product, W_h never formed (paper §3.2, App. D)."""
 
     def forward(self, x, key_mask=None, cache=None):
         if cache is not None:
@@ -366,9 +482,20 @@ class BilinearAttention(SelfAttention):
         return 2 * T * D * self.d * 2 * self.H + self.feature_flops(T) + scores
 
 
+def rms_cap(weights, d_in, d_out):
+    """The official rescaling of the bilinear maps, W / max(1, RMS(W) / s0) with s0 = sqrt(min(d_in, d_out)) / d_in
+    (the init std 1/sqrt(d_in) when d_out >= d_in): the RMS over all `weights` together never exceeds s0."""
+    rms = torch.sqrt(torch.stack([w.pow(2).mean() for w in weights]).mean() + 1e-8)
+    div = torch.clamp(rms / (min(d_in, d_out) ** 0.5 / d_in), min=1.0)
+    return [w / div for w in weights]
+
+
 class BilinearMLRAttention(BilinearAttention):
     """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l chunks,
-    chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l), c_l = 1/sqrt(p_l r_l)."""
+    chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l), c_l from logit_scales() with
+    R = p_l r_l (logit_scale 'auto': 1/sqrt(p_l r_l), the official default). q and k have their own LayerNorm
+    per level, and bilinear_rms_cap applies the official weight rescaling (rms_cap) to each level's maps."""
+    kind = 'bilinear_mlr'
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -386,44 +513,71 @@ class BilinearMLRAttention(BilinearAttention):
                                     for p, r in zip(self.blocks, self.ranks))
         self.k_maps = nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
                                     for p, r in zip(self.blocks, self.ranks))
-        self.lns = nn.ModuleList(nn.LayerNorm(p * r, bias=False) for p, r in zip(self.blocks, self.ranks))
+        self.q_lns = nn.ModuleList(nn.LayerNorm(p * r, bias=False) for p, r in zip(self.blocks, self.ranks))
+        self.k_lns = nn.ModuleList(nn.LayerNorm(p * r, bias=False) for p, r in zip(self.blocks, self.ranks))
         self.feature_width = sum(p * r for p, r in zip(self.blocks, self.ranks))
-        a = cfg.mup_alpha
-        self.level_scales = [a / (p * r) if cfg.logit_scale == 'mup' else (p * r) ** -0.5
-                             for p, r in zip(self.blocks, self.ranks)]
+        self.level_scales = logit_scales(cfg, self.kind, [p * r for p, r in zip(self.blocks, self.ranks)])
+
+    def level_map(self, m, x):
+        """x (..., D) through one level's block-diagonal map, rescaled by rms_cap when bilinear_rms_cap is on."""
+        if not self.cfg.bilinear_rms_cap:
+            return m(x)
+        w, = rms_cap([m.weight], m.bi, m.bo)                                 # official shapes (D/p_l, H r_l)
+        return torch.func.functional_call(m, {'weight': w}, (x,))
 
     def features(self, x):
         B, T, _ = x.shape
         qs, ks = [], []
-        for qm, km, ln, p, r, c in zip(self.q_maps, self.k_maps, self.lns, self.blocks, self.ranks,
-                                       self.level_scales):
+        for l, (p, r, c) in enumerate(zip(self.blocks, self.ranks, self.level_scales)):
             # block-diagonal output is laid out (chunk, head, r); each head wants (chunk, r)
-            ql = qm(x).view(B, T, p, self.H, r).transpose(2, 3).reshape(B, T, self.H, p * r)
-            kl = km(x).view(B, T, p, self.H, r).transpose(2, 3).reshape(B, T, self.H, p * r)
-            qs.append(c * ln(ql))
-            ks.append(ln(kl))
+            heads = lambda y: y.view(B, T, p, self.H, r).transpose(2, 3).reshape(B, T, self.H, p * r)
+            ql, kl = heads(self.level_map(self.q_maps[l], x)), heads(self.level_map(self.k_maps[l], x))
+            qs.append(c * self.q_lns[l](ql))
+            ks.append(self.k_lns[l](kl))
         return torch.cat(qs, -1).transpose(1, 2), torch.cat(ks, -1).transpose(1, 2)   # (B, H, T, sum p_l r_l)
 
     def feature_flops(self, T):
         return 2 * 2 * T * sum(m.flops for m in self.q_maps)
 
 
+def official_btt_factors(D):
+    """The official BilinearBTTAttention.factorize(D, 2): b = the smallest divisor of D above sqrt(D), a = D / b,
+    used for input (a, b) and output (a, b): 256 -> (8, 32), 64 -> (4, 16), 16 -> (2, 8)."""
+    b = min([f for f in structured.divisors(D) if f * f > D] or [D])
+    return D // b, b
+
+
 class BilinearBTTAttention(BilinearAttention):
-    """W_h a D x D BTT (full rank D) per head: score = c x^T LN(W_h x'), c = 1/sqrt(D) or alpha/D."""
+    """W_h a D x D BTT (full rank D) per head: score = c x^T LN(W_h x'), c from logit_scales() with R = D
+    (logit_scale 'auto': 1/sqrt(D), the official default); one LayerNorm shared by the heads, as the official
+    code. btt_factors picks the BTT shape ('sqrt' or the official one), bilinear_rms_cap the official weight
+    rescaling (rms_cap, each core's RMS taken over all heads together, as the official tensors hold all heads)."""
+    kind = 'bilinear_btt'
 
     def __init__(self, cfg):
         super().__init__(cfg)
         del self.q_proj, self.k_proj, self.q_ln, self.k_ln
         D = cfg.n_embd
-        self.btts = nn.ModuleList(structured.BTT(D, D, rank=cfg.btt_rank, base_width=cfg.mup_base_width)
-                                  for _ in range(self.H))
+        f = official_btt_factors(D) if cfg.btt_factors == 'official' else None
+        self.btts = nn.ModuleList(structured.BTT(D, D, rank=cfg.btt_rank, in_factors=f, out_factors=f,
+                                                 base_width=cfg.mup_base_width) for _ in range(self.H))
         self.ln = nn.LayerNorm(D, bias=False)
         self.feature_width = D
-        self.c = cfg.mup_alpha / D if cfg.logit_scale == 'mup' else D ** -0.5
+        self.c, = logit_scales(cfg, self.kind, [D])
+
+    def cores(self):
+        """[(R_h, L_h)] per head; with bilinear_rms_cap, rescaled as the official right map (d_in = c2,
+        d_out = H e2 s) and left map (d_in = c1 s, d_out = e1)."""
+        Rs, Ls = [b.R for b in self.btts], [b.L for b in self.btts]
+        if self.cfg.bilinear_rms_cap:
+            b = self.btts[0]
+            Rs, Ls = rms_cap(Rs, b.c2, self.H * b.e2 * b.s), rms_cap(Ls, b.c1 * b.s, b.e1)
+        return list(zip(Rs, Ls))
 
     def features(self, x):
         B, T, D = x.shape
-        kf = torch.stack([self.ln(btt(x)) for btt in self.btts], dim=1)       # (B, H, T, D)
+        kf = torch.stack([self.ln(torch.func.functional_call(btt, {'R': R, 'L': L}, (x,)))
+                          for btt, (R, L) in zip(self.btts, self.cores())], dim=1)    # (B, H, T, D)
         return (self.c * x)[:, None].expand(B, self.H, T, D), kf
 
     def feature_flops(self, T):
@@ -431,12 +585,55 @@ class BilinearBTTAttention(BilinearAttention):
 
 
 # -----------------------------------------------------------------------------
-# BRL attention (seed 004, SPEC §7, Algorithm 1)
+# BRL attention (seed 004: §2.3-2.5, App. B.2, Algorithm 1)
+#
+# One layer, with x the layer-normed tokens (n x D), c the compressed tokens entering the layer (m x D),
+# H heads of width D/H, and U the compressed-token update of Eq. 7 / Algorithm 1 line 7:
+#   F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),   S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
+#   U(c; h)      = (1 - beta) LN(F_comp(c; h)) + beta f_M(c),     U(c) = (1 - beta) LN(c) + beta f_M(c) (no history)
+#   F_prop(x; ct) = ReLU(LN(lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv))        (Eq. 9)
+#   F_BRL(x)     = F_gen(x) + F_prop(x; ct)                       (F_gen: sliding-window attention)
+# The layer returns ct; the block adds it to c (Algorithm 1's BRL_BLOCK), so c evolves layer by layer.
+# Eq. 7 wraps U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
+#
+# Which tokens ct reads (the history h):
+#   bidirectional: one block, ct = U(c; x): the compressed tokens read the whole sequence.
+#   causal: blocks of nb tokens (brl_block, default the window), block b has its own c_b and ct_b, and
+#     'global' (default): ct_0 = U(c_0),  ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   a recurrence over blocks
+#     'block' (ablation): ct_0 = U(c_0),  ct_b = U(c_b; x_{b-1})                 all blocks at once
+#   'global' is Algorithm 1's history queue with the queue holding block b-1 and, in front of it, ct_{b-1},
+#   which stands for everything before block b-1: in a single layer every token depends on every earlier
+#   token, at O(n w + n m) cost; the N = T / nb steps run one after the other, each parallel over its block.
+#   'block' is what the paper's App. B.2 describes for training: ct_b sees block b-1 only, so a token reaches
+#   back about n_layer + 1 blocks. (The paper decodes with all in-context tokens; we decode by the same rule
+#   as we train, so decoding equals the full forward.)
+#
+# gamma: one per head, gamma_h = exp(gq_h gk1_h) - exp(gq_h gk2_h), gq, gk1, gk2 ~ N(0, 0.1) (paper §2.5).
+# b_rel (Eqs. 9, 12): the paper names T5, RoPE, TUPE and ALiBi as options and fixes no form; we use T5's learned
+#   bucketed bias. Compressed tokens have no place in the sequence, so we place a block's compressed tokens
+#   just before its first token (bidirectional: before the sequence) and add b[h, j, bucket(dist)] for head h,
+#   compressed token j and the distance between j's place and the token:
+#     F_prop: dist = the query's offset in its block (0 .. nb-1)
+#     F_comp: bidirectional dist = the token's index; causal dist = nb - s for token s of block b-1,
+#             and nb for ct_{b-1} (it sits one block back).
+#   The table depends on j, not only on dist: a bias equal for all compressed tokens would cancel in F_prop's
+#   softmax over them. Buckets (T5): one per distance below n_buckets/2, then log-spaced up to the block
+#   length (T5 stops at 128; the block length is the longest distance that occurs), clamped beyond.
+#   Initialized to zero (no bias at the start, like gamma's cold start); T5 initializes it at random.
+
+def relative_buckets(dist, n_buckets, span):
+    """T5's bucket of each distance dist >= 0 (long tensor): dist itself below n_buckets/2, then log-spaced
+    buckets up to span; every distance >= span lands in the last bucket."""
+    exact = n_buckets // 2                                                # >= 1
+    ratio = torch.log(dist.clamp(min=exact).float() / exact) / math.log(max(span, 2 * exact) / exact)
+    far = (exact + ratio * (n_buckets - exact)).long().clamp(max=n_buckets - 1)
+    return torch.where(dist < exact, dist, far)
+
 
 class BRLAttention(nn.Module):
-    """F_BRL: local attention F_gen plus F_prop(x, F_comp(x_ct, x_hist)). Works on blocks of tokens, each
-    with its own compressed tokens: one block (the whole sequence) when bidirectional, blocks of
-    brl_block tokens when causal, where block b compresses the tokens of block b-1 (none for block 0)."""
+    """F_BRL = F_gen + F_prop with the compressed tokens of F_comp, as written above. forward() takes the
+    tokens x (B, T, D) and one set of compressed tokens per block c (B, N, m, D) and returns F_BRL (B, T, D)
+    and the ct (B, N, m, D) that F_prop read."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -445,78 +642,130 @@ class BRLAttention(nn.Module):
             raise ValueError(f"n_compressed (m) must be >= 1, got {m}")
         if cfg.brl_block < 0:
             raise ValueError(f"brl_block must be >= 0 (0 = window), got {cfg.brl_block}")
+        if cfg.brl_rel_buckets < 0 or cfg.brl_rel_buckets == 1:
+            raise ValueError(f"brl_rel_buckets must be 0 (no b_rel) or >= 2, got {cfg.brl_rel_buckets}")
         self.cfg, self.H, self.m = cfg, H, m
         self.local = SWAAttention(cfg)                                        # F_gen
-        # F_comp: differential cross-attention from x_ct to the history
+        # F_comp: differential cross-attention from the compressed tokens to the history
         self.f_q, self.f_k1, self.f_k2, self.f_v = (MupLinear(D, D, w) for _ in range(4))
         self.comp_norm = nn.GroupNorm(H, D)                                   # per-head normalization
-        self.gamma_q, self.gamma_k1, self.gamma_k2 = (nn.Parameter(0.1 * torch.randn(D // H)) for _ in range(3))
+        self.gamma_q, self.gamma_k1, self.gamma_k2 = (nn.Parameter(0.1 * torch.randn(H)) for _ in range(3))
         self.f_m = MupLinear(D, D, w)
         self.ct_ln = nn.LayerNorm(D, bias=False)
         # F_prop: cross-attention from the tokens to the updated compressed tokens, scaled by lambda per head
         self.f_phi, self.f_pk, self.f_pv = (MupLinear(D, D, w) for _ in range(3))
         self.lam = nn.Parameter(torch.full((H,), float(cfg.brl_lambda_init)))
         self.prop_ln = nn.LayerNorm(D, bias=False)
+        # b_rel of F_comp (Eq. 12) and F_prop (Eq. 9): (H, m, n_buckets) each
+        nbk = cfg.brl_rel_buckets
+        self.comp_rel = nn.Parameter(torch.zeros(H, m, nbk)) if nbk else None
+        self.prop_rel = nn.Parameter(torch.zeros(H, m, nbk)) if nbk else None
 
     def gamma(self):
+        """(H,): gamma_h = exp(gq_h gk1_h) - exp(gq_h gk2_h), or zeros with brl_gamma off."""
         if not self.cfg.brl_gamma:
-            return torch.zeros((), device=self.lam.device)
-        return torch.exp(self.gamma_q @ self.gamma_k1) - torch.exp(self.gamma_q @ self.gamma_k2)
+            return torch.zeros_like(self.gamma_q)
+        return torch.exp(self.gamma_q * self.gamma_k1) - torch.exp(self.gamma_q * self.gamma_k2)
+
+    def rel_bias(self, table, dist, dtype):
+        """b_rel (H, m, n) in the scores' dtype for distances dist (n,), or None without b_rel. The buckets span
+        the block length (bidirectional: block_size, so a distance gets the same bias at every sequence length)."""
+        if table is None:
+            return None
+        span = self.block_size(self.cfg.block_size)
+        return table[:, :, relative_buckets(dist, table.shape[-1], span)].to(dtype)
 
     def heads(self, t):
         return t.unflatten(-1, (self.H, -1)).transpose(-3, -2)                # (..., n, D) -> (..., H, n, D/H)
 
-    def compress(self, x_ct, hist, hist_mask=None):
-        """F_comp then the beta update. x_ct (B, N, m, D), hist (B, N, n, D) or None -> new x_ct (B, N, m, D)."""
+    def compress(self, c, hist=None, dist=None, hist_mask=None):
+        """U(c; hist): F_comp, then the beta update (Algorithm 1 lines 3-7). c (B, N, m, D); hist (B, N, n, D)
+        or None (no history: U(c)); dist (n,) the history's distances for b_rel (default 0 .. n-1, the
+        bidirectional ones); hist_mask (B, N, n) bool, False = padding -> ct (B, N, m, D)."""
         if hist is None:
-            comp = x_ct
+            comp = c
         else:
-            q, k1, k2, v = self.heads(self.f_q(x_ct)), self.heads(self.f_k1(hist)), \
-                self.heads(self.f_k2(hist)), self.heads(self.f_v(hist))      # (B, N, H, ., D/H)
-            scale = 1.0 / (self.m * math.sqrt(x_ct.shape[-1]))
-            mask = None if hist_mask is None else hist_mask[:, :, None, None, :]
-            s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask, scale=scale)
-            s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask, scale=scale)
-            comp = (s1 - self.gamma() * s2).transpose(-3, -2).flatten(-2)    # (B, N, m, D)
+            q, k1, k2, v = self.heads(self.f_q(c)), self.heads(self.f_k1(hist)), \
+                self.heads(self.f_k2(hist)), self.heads(self.f_v(hist))      # (B, N, H, m or n, D/H)
+            dist = torch.arange(hist.shape[2], device=hist.device) if dist is None else dist
+            bias = self.rel_bias(self.comp_rel, dist, q.dtype)                # (H, m, n) or None
+            mask = None if hist_mask is None else hist_mask[:, :, None, None, :]  # (B, N, 1, 1, n)
+            if bias is not None and mask is not None:
+                bias = torch.where(mask, bias, float('-inf'))                  # (B, N, H, m, n)
+            scale = 1.0 / (self.m * math.sqrt(c.shape[-1]))                   # (M1): m sqrt(d_ct), not sqrt(d)
+            s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask if bias is None else bias, scale=scale)
+            s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask if bias is None else bias, scale=scale)
+            comp = (s1 - self.gamma()[:, None, None] * s2).transpose(-3, -2).flatten(-2)  # (B, N, m, D)
             comp = self.comp_norm(comp.flatten(0, 2)).view_as(comp)
         beta = self.cfg.brl_beta
-        return (1 - beta) * self.ct_ln(comp) + beta * self.f_m(x_ct)
+        return (1 - beta) * self.ct_ln(comp) + beta * self.f_m(c)
 
-    def propagate(self, x, x_ct):
-        """F_prop: x (B, N, n, D) attends the m compressed tokens of its block, x_ct (B, N, m, D)."""
-        q, k, v = self.heads(self.f_phi(x)), self.heads(self.f_pk(x_ct)), self.heads(self.f_pv(x_ct))
-        o = F.scaled_dot_product_attention(q, k, v) * self.lam[:, None, None]  # (B, N, H, n, D/H)
+    def propagate(self, x, ct, offset):
+        """F_prop: x (B, N, n, D) attends the m compressed tokens ct (B, N, m, D) of its block; offset (n,)
+        is each query's place in its block (b_rel's distance)."""
+        q, k, v = self.heads(self.f_phi(x)), self.heads(self.f_pk(ct)), self.heads(self.f_pv(ct))
+        bias = self.rel_bias(self.prop_rel, offset, q.dtype)                 # (H, m, n) or None
+        bias = None if bias is None else bias.transpose(-1, -2)             # (H, n, m)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias) * self.lam[:, None, None]  # (B, N, H, n, D/H)
         return F.relu(self.prop_ln(o.transpose(-3, -2).flatten(-2)))
 
     def block_size(self, T):
+        """Tokens per block: the whole sequence when bidirectional, brl_block (0 = the window) when causal."""
         if not self.cfg.causal:
             return T
         return self.cfg.brl_block or self.cfg.window
 
-    def forward(self, x, x_ct, key_mask=None):
-        """x (B, T, D) (already layer-normed), x_ct (B, N, m, D) -> (F_gen + F_prop (B, T, D), new x_ct)."""
+    def history_dist(self, nb, device):
+        """b_rel distances of a causal history: ct_{b-1} at nb ('global' only), then token s of block b-1
+        at nb - s -> (m + nb,) or (nb,)."""
+        tokens = nb - torch.arange(nb, device=device)
+        if self.cfg.brl_history == 'block':
+            return tokens
+        return torch.cat([torch.full((self.m,), nb, device=device), tokens])
+
+    def scan_blocks(self, c, xb):
+        """The causal 'global' rule, one block after the other, as Algorithm 1 carries its history queue:
+            ct_0 = U(c_0),   ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   for b = 1 .. N-1.
+        c (B, N, m, D) the compressed tokens entering the layer, xb (B, N, nb, D) the blocks -> ct (B, N, m, D)."""
+        dist = self.history_dist(xb.shape[2], xb.device)                      # (m + nb,)
+        ct = [self.compress(c[:, :1])]                                        # (B, 1, m, D); no history yet
+        for b in range(1, xb.shape[1]):
+            hist = torch.cat([ct[-1], xb[:, b - 1:b]], dim=2)                 # (B, 1, m + nb, D)
+            ct.append(self.compress(c[:, b:b + 1], hist, dist))
+        return torch.cat(ct, dim=1)                                           # (B, N, m, D)
+
+    def forward(self, x, c, key_mask=None):
+        """x (B, T, D) (already layer-normed), c (B, N, m, D) -> (F_gen + F_prop (B, T, D), ct (B, N, m, D))."""
         B, T, D = x.shape
         y = self.local(x, key_mask)
         nb = self.block_size(T)
         N = -(-T // nb)
         xb = F.pad(x, (0, 0, 0, N * nb - T)).view(B, N, nb, D)              # (B, N, nb, D)
-        if self.cfg.causal:    # block b compresses block b-1; block 0 has no history
-            new_ct = self.compress(x_ct[:, 1:], xb[:, :-1]) if N > 1 else x_ct[:, :0]
-            new_ct = torch.cat([self.compress(x_ct[:, :1], None), new_ct], dim=1)
-        else:
-            new_ct = self.compress(x_ct, xb, None if key_mask is None else key_mask[:, None])
-        y = y + self.propagate(xb, new_ct).view(B, N * nb, D)[:, :T]
-        return y, new_ct
+        if not self.cfg.causal:                          # one block: ct reads the whole (unpadded) sequence
+            ct = self.compress(c, xb, None, None if key_mask is None else key_mask[:, None])
+        elif self.cfg.brl_history == 'global':           # ct_b = U(c_b; [ct_{b-1}; x_{b-1}]), block by block
+            ct = self.scan_blocks(c, xb)
+        else:                                            # ct_b = U(c_b; x_{b-1}), all blocks at once
+            ct = self.compress(c[:, :1])
+            if N > 1:
+                ct = torch.cat([ct, self.compress(c[:, 1:], xb[:, :-1], self.history_dist(nb, x.device))], dim=1)
+        y = y + self.propagate(xb, ct, torch.arange(nb, device=x.device)).view(B, N * nb, D)[:, :T]
+        return y, ct
 
-    def decode(self, x, x_ct, cache):
-        """One token x (B, 1, D); at a block boundary, compress the finished block (consistent with training)."""
+    def decode(self, x, c, cache):
+        """One token x (B, 1, D), c (B, 1, m, D) the compressed tokens of its block entering this layer. At a
+        block boundary ct is recomputed from the finished block, by the same rule as forward()."""
         t, nb = cache.t, self.block_size(None)
         if t % nb == 0:
-            hist = None if t == 0 else cache.block
-            cache.ct = self.compress(x_ct, hist)
+            if t == 0:
+                cache.ct = self.compress(c)
+            else:
+                hist = cache.block if self.cfg.brl_history == 'block' else torch.cat([cache.ct, cache.block], dim=2)
+                cache.ct = self.compress(c, hist, self.history_dist(nb, x.device))   # (B, 1, m, D)
             cache.block = None
-        cache.block = x[:, None] if cache.block is None else torch.cat([cache.block, x[:, None]], dim=2)
-        y = self.local(x, cache=cache.local) + self.propagate(x[:, None], cache.ct)[:, 0]
+        cache.block = _append(cache.block, x[:, None])                      # (B, 1, t % nb + 1, D)
+        offset = torch.full((1,), t % nb, device=x.device)
+        y = self.local(x, cache=cache.local) + self.propagate(x[:, None], cache.ct, offset)[:, 0]
         cache.t += 1
         return y, cache.ct
 
@@ -526,12 +775,15 @@ class BRLAttention(nn.Module):
         return cache
 
     def cache_numel(self, cache):
-        return self.local.cache_numel(cache.local) + cache.ct[0].numel()
+        """Per sequence: the local keys, the compressed tokens and the tokens of the unfinished block."""
+        return self.local.cache_numel(cache.local) + cache.ct[0].numel() + cache.block[0].numel()
 
     def flops(self, T):
         D, m = self.cfg.n_embd, self.m
-        comp = 2 * T * D * D * 3 + 2 * 2 * 2 * m * T * D   # K1, K2, V of the history; two score maps + AV
-        upd = 2 * (-(-T // self.block_size(T))) * m * D * D * 4   # f_q, f_m, f_pk, f_pv per block
+        N = -(-T // self.block_size(T))
+        n_hist = T + (N - 1) * m if self.cfg.causal and self.cfg.brl_history == 'global' else T  # keys F_comp reads
+        comp = 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D   # K1, K2, V of the history; two score maps + AV
+        upd = 2 * N * m * D * D * 4                                  # f_q, f_m, f_pk, f_pv per block
         prop = 2 * T * D * D + 2 * 2 * T * m * D
         return self.local.flops(T) + comp + upd + prop
 
@@ -544,6 +796,7 @@ ATTENTION = {
     'bilinear_mlr': BilinearMLRAttention,
     'bilinear_btt': BilinearBTTAttention,
     'brl': BRLAttention,
+    'global_swa_split': GlobalSWASplitAttention,
 }
 
 
@@ -744,6 +997,16 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
     return rows
 
 
+def benchmark_brl(Ts, causal=False):
+    """python attention.py --brl: one layer of full, local (SWA) and BRL attention (seed 004 Figs. 5-6), then
+    how BRL's peak memory grows with n (8k / 1k when both were run): linear memory keeps it near the n ratio."""
+    rows = benchmark_layers(['standard', 'swa', 'brl'], Ts, causal=causal)
+    mb = {r['T']: r['peak_mb'] for r in rows if r['layer'] == 'brl'}
+    lo, hi = (1024, 8192) if {1024, 8192} <= set(mb) else (min(mb), max(mb))
+    print(f"brl peak memory ratio {hi}/{lo}: {mb[hi] / max(mb[lo], 1e-3):.2f} (n ratio {hi / lo:g})")
+    return rows
+
+
 def mlr_flop_check(T=1024, ranks=(32, 8, 6, 4, 4, 4, 4, 2), BH=16):
     """FLOPs of kernels.mlr_attention measured by torch.utils.flop_counter beside the formula."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -757,19 +1020,305 @@ def mlr_flop_check(T=1024, ranks=(32, 8, 6, 4, 4, 4, 4, 2), BH=16):
     return fc.get_total_flops(), formula
 
 
-if __name__ == '__main__':
-    import argparse
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# -----------------------------------------------------------------------------
+# run safety shared by the train scripts: errors, checkpoints, resume, divergence, Ctrl-C, outputs
+#
+# The one standard of train_lm.py, train_icl.py, train_lra.py and train_ts.py. Their __main__ is
+# run_main(main): a bad flag value ends in one line 'train_x.py: error: ...' and exit code 2; a bad file or
+# checkpoint, a --resume that conflicts with its checkpoint, an earlier run in --out_dir or a diverged loss
+# end in one such line and exit code 1; Ctrl-C saves a checkpoint after the current step and exits 130.
+
+
+class Diverged(RuntimeError):
+    """The training loss or the weights stopped being finite; the run stopped without saving them."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the run saved a checkpoint after its current step and stopped."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with the defaults in --help and one-line errors: 'prog: error: message (see --help)', exit 2."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault('formatter_class', HelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def check_ranges(parser, args, positive=(), non_negative=()):
+    """parser.error (one line, exit 2) at the first flag outside its range: `positive` ones must be > 0,
+    `non_negative` ones >= 0, and all finite (NaN and inf are refused)."""
+    for names, ok, valid in ((positive, lambda v: v > 0, '> 0'), (non_negative, lambda v: v >= 0, '>= 0')):
+        for name in names:
+            v = getattr(args, name)
+            if v is not None and not (math.isfinite(v) and ok(v)):
+                parser.error(f"--{name} {v}: must be {'' if math.isfinite(v) else 'a finite number '}{valid}")
+
+
+def given_flags(parser, argv=None):
+    """The dests of the flags written on the command line, whatever their values (a flag given with its
+    default value counts too, which comparing values with the defaults would miss)."""
+    actions, defaults = [(a, a.default) for a in parser._actions], parser._defaults
+    try:
+        parser._defaults = {}
+        for a, _ in actions:
+            a.default = argparse.SUPPRESS                 # so that only the given flags reach the namespace
+        ns, _ = parser.parse_known_args(argv)
+    finally:
+        parser._defaults = defaults
+        for a, d in actions:
+            a.default = d
+    return set(vars(ns))
+
+
+def resume_settings(saved, args, given, may_change=()):
+    """--resume: the checkpoint's settings (saved, a dict of flag values) win. A flag given on the command line
+    must equal the checkpoint's value unless it is in may_change (run length, logging, device, ...), else
+    ValueError naming every conflict as '--flag: checkpoint X vs given Y'. Copies the rest into args, except
+    the flags that locate or place this invocation (out_dir, device, resume, overwrite)."""
+    keep = {'resume', 'overwrite', 'out_dir', 'device'}
+    conflicts = [f"--{k}: checkpoint {saved[k]!r} vs given {getattr(args, k)!r}" for k in sorted(given)
+                 if k in saved and k not in keep and k not in may_change and saved[k] != getattr(args, k)]
+    if conflicts:
+        raise ValueError(f"--resume conflicts with the checkpoint: {'; '.join(conflicts)}. Drop those flags to "
+                         f"continue the run as it was, or start a new run in another --out_dir")
+    for k, v in saved.items():
+        if k not in keep and not (k in may_change and k in given):
+            setattr(args, k, v)
+
+
+def pick_device(name):
+    """--device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'; ValueError otherwise."""
+    if name == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    if not re.fullmatch(r'cpu|cuda(:\d+)?', name):
+        raise ValueError(f"--device {name!r}: valid are auto, cpu, cuda, cuda:N")
+    if name.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r} but CUDA is not available here; use --device cpu")
+    return name
+
+
+def atomic_write(path, write):
+    """write(tmp), then rename tmp over path: a reader never sees half a file, and a write that fails (disk
+    full, Ctrl-C) leaves path as it was and no tmp file. Only a kill -9 can leave <path>.tmp<pid>, which
+    prepare_out_dir removes at the next start."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path, obj, **kw):
+    """json.dump(obj) to path, atomically."""
+    def write(tmp):
+        with open(tmp, 'w') as f:
+            json.dump(obj, f, indent=1, **kw)
+    atomic_write(path, write)
+
+
+def remove_orphan_tmp(folder):
+    """Delete the tmp files that a writer killed mid-write left in folder: '<name>.tmp<pid>' whose process is
+    gone (a live writer's are kept), and '<name>.tmp[.npy|.npz]' of the older pid-less scheme."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        m = re.fullmatch(r'.+\.tmp(\d*)(\.npy|\.npz)?', name)
+        if m and not (m.group(1) and _alive(int(m.group(1)))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid < 2 ** 31
+    return True
+
+
+def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='--out_dir'):
+    """Start-up checks of a training run's output folder, before any work: it can be written (a folder that
+    cannot fails now, not after training); tmp files of a killed writer are removed; and it does not hold an
+    earlier run's files (run_files) unless --resume continues that run or --overwrite, which deletes them here."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {out_dir!r} cannot be written: {e.strerror or e}") from None
+    remove_orphan_tmp(out_dir)
+    existing = [p for p in run_files if os.path.exists(p)]
+    if existing and not resume and not overwrite:
+        raise ValueError(f"{existing[0]} exists: --out_dir {out_dir!r} holds an earlier run. Use --resume to "
+                         f"continue it, another --out_dir, or --overwrite to replace it")
+    if overwrite and not resume:
+        for p in existing:
+            with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
+                os.remove(p)
+
+
+def save_checkpoint(path, ckpt):
+    """torch.save the checkpoint dict atomically, after checking that its 'model' weights are finite: a
+    diverged model never replaces the last good checkpoint (Diverged instead)."""
+    bad = [k for k, v in ckpt['model'].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise Diverged(f"weights {', '.join(bad[:3])} are not finite at step {ckpt.get('step')}: not writing "
+                       f"{path}; the last checkpoint on disk is untouched. Try a lower --lr")
+    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+
+
+def load_checkpoint(path, script, required=('model', 'optimizer', 'config', 'step')):
+    """torch.load(weights_only=True) with one-line errors (ValueError) for a missing, truncated, random-bytes
+    or foreign file. Checkpoints carry 'script', the name of the train script that wrote them."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path!r} (train first, or point --out_dir at a run folder)")
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path!r} is unreadable (truncated or corrupt, or not a checkpoint): "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:160]}. Delete it or train again") from None
+    missing = sorted(set(required) - set(ckpt if isinstance(ckpt, dict) else ()))
+    writer = ckpt.get('script', script) if isinstance(ckpt, dict) else None
+    if missing or writer != script:
+        why = f"it was written by {writer}" if writer and writer != script else f"it lacks {missing}"
+        raise ValueError(f"{path!r} is not a {script} checkpoint: {why}")
+    return ckpt
+
+
+def rng_state():
+    """The global torch (CPU and CUDA), numpy and python RNG states, as a checkpoint can hold them."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return dict(torch=torch.get_rng_state(), python=random.getstate(),
+                numpy=[kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+
+
+def set_rng_state(state):
+    """Restore what rng_state() returned: a resumed run draws what the uninterrupted one would have."""
+    torch.set_rng_state(state['torch'])
+    kind, keys, pos, has_gauss, gauss = state['numpy']
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(state['python'])
+    if state['cuda'] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+LOSS_LIMIT = 1e12  # a larger training loss is divergence: the scripts' losses are cross-entropies (ln(vocab) at
+                   # init) and MSEs of normalized or unit-variance targets, nowhere near it in a sound run
+
+
+def check_loss(loss, step, hint='try a lower --lr'):
+    """The training loss as a float, or Diverged at the first NaN, inf or loss above LOSS_LIMIT: the run stops at
+    that step, before the optimizer step and any checkpoint (one device sync per step, the price of stopping
+    at once)."""
+    value = float(loss.detach() if torch.is_tensor(loss) else loss)
+    if not math.isfinite(value) or abs(value) > LOSS_LIMIT:
+        raise Diverged(f"training loss is {value} at step {step}: stopped before updating the weights; the last "
+                       f"checkpoint on disk is untouched. {hint}")
+    return value
+
+
+def guarded_update(loss, step, model, opt, grad_clip, lr, warmup):
+    """One optimizer update behind the divergence guard: check_loss (Diverged before anything changes), then
+    zero_grad, backward, gradient-norm clip (grad_clip > 0) and step. lr, warmup: for the hint. -> the loss."""
+    value = check_loss(loss, step, f"Try a lower --lr than {lr:g}, or a longer --warmup than {warmup}")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return value
+
+
+@contextlib.contextmanager
+def ctrl_c_finishes_step():
+    """While active, a first Ctrl-C only sets flag.stop: the loop ends its step, saves a checkpoint and raises
+    Interrupted. A second Ctrl-C stops at once (KeyboardInterrupt). No-op outside the main thread."""
+    flag = argparse.Namespace(stop=False)
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        flag.stop = True
+        signal.signal(signal.SIGINT, previous)
+        print("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again to quit at once)", file=sys.stderr)
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def report_outputs(**where):
+    """The last line of every run: where its checkpoint, JSON and plots went (None entries are left out)."""
+    print('outputs: ' + ' | '.join(f"{k.replace('_', ' ')} {v}" for k, v in where.items() if v), flush=True)
+
+
+def run_main(main, argv=None):
+    """A train script's __main__: main(argv), with one line on stderr instead of a traceback. Exit codes:
+    0 done; 2 a bad flag value (argparse); 1 a bad file or checkpoint, a refused --resume or --out_dir, or a
+    diverged loss (ValueError, OSError, Diverged, or a SystemExit carrying a message); 130 Ctrl-C."""
+    prog = os.path.basename(sys.modules[main.__module__].__file__)
+    try:
+        return main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        what, message, code = 'error', e.code, 1
+    except (ValueError, OSError, Diverged) as e:
+        what, message, code = 'error', str(e), 1
+    except Interrupted as e:
+        what, message, code = 'interrupted', str(e), 130
+    except KeyboardInterrupt:
+        what, message, code = 'interrupted', ('Ctrl-C outside a training loop: no checkpoint written now (those '
+                                              'already on disk are kept)'), 130
+    message = ' '.join(message.split())
+    message = message[len('error: '):] if message.startswith('error: ') else message
+    print(f"{prog}: {what}: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _lengths(text):
+    """--Ts: comma-separated positive sequence lengths."""
+    try:
+        Ts = [int(t) for t in text.split(',') if t.strip()]
+    except ValueError:
+        Ts = []
+    if not Ts or min(Ts) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers, e.g. 512,1024")
+    return Ts
+
+
+def benchmark_main(argv=None):
+    """python attention.py [--layers | --brl] [--Ts 512,1024]"""
+    p = ArgParser(prog='attention.py', description=__doc__)
     p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
     p.add_argument('--layers', action='store_true', help='one full layer of every variant (D=256, 4 heads)')
-    p.add_argument('--Ts', type=str, default='', help="comma list of sequence lengths")
-    args = p.parse_args()
+    p.add_argument('--Ts', type=_lengths, default=None, help="comma list of sequence lengths (when not given: "
+                   "512,1024,2048,4096 for the cores, 256,512,1024 with --layers, 1024 ... 16384 with --brl)")
+    p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the block recurrence)')
+    args = p.parse_args(argv)
     if args.brl:
-        benchmark_layers(['standard', 'swa', 'brl'], parse_ints(args.Ts or '1024,2048,4096,8192,16384', 'Ts', ','))
-    elif args.layers:
-        benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
-                         parse_ints(args.Ts or '256,512,1024', 'Ts', ','), D=256, H=4, causal=True,
-                         ranks='32|16|8|8', n_compressed=16)
-    else:
-        mlr_flop_check()
-        benchmark_cores(parse_ints(args.Ts or '512,1024,2048,4096', 'Ts', ','))
+        return benchmark_brl(args.Ts or [1024, 2048, 4096, 8192, 16384], causal=args.causal)
+    if args.layers:
+        return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
+                                args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8',
+                                n_compressed=16)
+    mlr_flop_check()
+    return benchmark_cores(args.Ts or [512, 1024, 2048, 4096])
+
+
+if __name__ == '__main__':
+    run_main(benchmark_main)

@@ -1,6 +1,6 @@
 """
 Structured matrices as linear maps: the families of Table 1 in Kuang et al. (ICML 2025, §3.1 and
-§3.3, App. A) as restated in SPEC.md §2 -- Dense, LowRank, BlockDiagonal, LowRankBlockDiagonal, MLR,
+§3.3, Eqs. 4, 5, 8, App. A; README "Structured matrices") -- Dense, LowRank, BlockDiagonal, LowRankBlockDiagonal, MLR,
 BTT (Monarch and Kronecker are special BTTs) and MLBTC (a sum of BTT-like levels).
 
 Every family is an nn.Module mapping (..., d_in) -> (..., d_out) and has
@@ -13,7 +13,7 @@ Every family is an nn.Module mapping (..., d_in) -> (..., d_out) and has
 Careful: the constructor argument `rank` of LowRank / BTT is the family's hyper-parameter (r, or the
 BTT rank s); the property `.rank` is the rank of the matrix W.
 
-Init is muP (SPEC §9): every core ~ N(0, 1/fan_in) with that core's own fan_in (the size of the index
+Init is muP (paper §3.5, App. E): every core ~ N(0, 1/fan_in) with that core's own fan_in (the size of the index
 it contracts in forward), and every Parameter carries p.lr_mult = base_width / fan_in (base_width
 defaults to d_in, so a Dense layer gets lr_mult 1.0).
 
@@ -289,7 +289,7 @@ class MLR(StructuredLinear):
 
 
 class BTT(StructuredLinear):
-    """Input index (k, j), k < c1, j < c2; output index (m, i), m < e1, i < e2; BTT rank s (SPEC §2):
+    """Input index (k, j), k < c1, j < c2; output index (m, i), m < e1, i < e2; BTT rank s (paper Eq. 5):
         h[k, i, ρ] = Σ_j R[k, i, ρ, j] x[k, j]            right core, block-diagonal over k
         y[m, i]    = Σ_{k,ρ} L[i, m, k, ρ] h[k, i, ρ]     left core, block-diagonal over i
     i.e. W = P_L (⊕_i L_i) P_R (⊕_k R_k^T), the reshapes being the permutations.
@@ -346,7 +346,7 @@ class BTT(StructuredLinear):
         return y.reshape(*y.shape[:-2], self.d_out)                    # (..., d_out), index m*e2 + i
 
     def full_cores(self):
-        """R[k, i, ρ, j] and L[i, m, k, ρ] of SPEC §2; for block_coupled, zero except k = i."""
+        """R[k, i, ρ, j] and L[i, m, k, ρ] of the class docstring; for block_coupled, zero except k = i."""
         if not self.block_coupled:
             return self.R, self.L
         eye = torch.eye(self.c1, dtype=self.R.dtype, device=self.R.device)
@@ -392,7 +392,7 @@ class Level:
 
 
 class MLBTC(StructuredLinear):
-    """Multi-level block tensor contraction (SPEC §2): W = Σ_l P_out,l W_l P_in,l, each W_l a BTT with its
+    """Multi-level block tensor contraction (paper §3.3, Eq. 8, as read here; see README): W = Σ_l P_out,l W_l P_in,l, each W_l a BTT with its
     own (c1, c2, e1, e2, s), dense- or block-coupled. MLR = all levels block-coupled with c1 = e2 = p_l,
     s = r_l and an output transpose (MLBTC.from_mlr); BTT = one level (MLBTC.from_btt).
     params and flops sum over levels; rank = min(Σ_l rank_l, d_in, d_out), an upper bound that random
@@ -500,7 +500,7 @@ def measured_flops(module, batch_shape=(1,)):
 
 def table_rows(d_in, d_out, r=16, p=4, mlr_ranks=(8, 4, 2, 2)):
     """(name, module, params by the paper's formula, rank by the paper's formula) for one shape.
-    Formulas are Table 1 / SPEC §2 written for rectangular shapes (App. A)."""
+    Formulas are the paper's Table 1 written for rectangular shapes (App. A)."""
     lo, d_sum = min(d_in, d_out), d_in + d_out
     rows = [('dense', Dense(d_in, d_out), d_in * d_out, lo),
             (f'low rank r={r}', LowRank(d_in, d_out, r), d_sum * r, r),
@@ -528,7 +528,8 @@ def table_rows(d_in, d_out, r=16, p=4, mlr_ranks=(8, 4, 2, 2)):
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description='Table 1 of Kuang et al. 2025, measured on this machine.')
+    parser = argparse.ArgumentParser(description='Table 1 of Kuang et al. 2025, measured on this machine.',
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # shapes
     parser.add_argument('--d', type=int, default=256, help='square size D (also d_in of the rectangular case)')
     parser.add_argument('--d_out_rect', type=int, default=512, help='d_out of the rectangular case')

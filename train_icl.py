@@ -1,7 +1,7 @@
 """
 In-context linear regression (Garg et al. 2022) with any attention from the registry: the low-rank
 bottleneck of multi-head attention (Kuang et al. ICML 2025, §2.2 and §4, Figs. 2-3) and linear vs
-quadratic attention (seed 003). Task: SPEC.md §8; muP: §9.
+quadratic attention (seed 003 §2). Task: paper §4 and seed 003 §2.1; muP: paper App. E.
 
 Each prompt draws a fresh w ~ N(0, I_d); x_i ~ N(0, Σ); y_i = w·x_i (+ optional label noise). The
 tokens interleave x_1, [y_1, 0, .., 0], x_2, [y_2, 0, .., 0], ...; one Linear(d -> D) reads them in,
@@ -11,8 +11,10 @@ with Garg's curriculum (d and N grow during training). Evaluation: normalized sq
 (ŷ - y)² / d per position on held-out prompts from a separate generator seed, with bootstrap
 intervals, next to the classical baselines on the same prompts (least squares, averaging, 3-NN, zero).
 
-Run (CPU, from this directory; the defaults are the CPU-scale setting: d = 5, 2 layers, 2000 steps):
-  python train_icl.py --attn standard --n_head 1 --n_embd 32             # one model (about 25 s of CPU)
+Run (CPU, from this directory). The defaults are the official ICL runs' settings (DEFAULTS: 6 layers, 8 heads,
+QK-LN, batch 64, the official logit scales, weight rescaling, BTT shape, schedule and curriculum) at CPU scale:
+d = 5, D = 32, 2000 steps.
+  python train_icl.py --attn standard --n_head 1 --n_embd 32             # one model (about 50 s of CPU)
   python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --steps 20000   # a bigger one
   python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT)
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
@@ -30,6 +32,12 @@ import shutil
 import sys
 import time
 
+# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
+# milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
+if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
+    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
+    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -38,60 +46,106 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups  # noqa: E402
+# run safety shared by the four train scripts (attention.py, last section)
+from attention import (ArgParser, Interrupted, check_ranges, ctrl_c_finishes_step, given_flags,  # noqa: E402
+                       guarded_update, load_checkpoint, pick_device, prepare_out_dir, report_outputs, resume_settings,
+                       rng_state, run_main, save_checkpoint, set_rng_state, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']
+
+# -----------------------------------------------------------------------------
+# Defaults: the official ICL runs' settings, each with its source ("official" = the paper's public code:
+# scripts/icl_regression/submit_icl_regression.sh over train_ICL.py, src/model.py, src/muP.py), except the
+# problem and run size, which are CPU scale. Flags override them.
+
+DEFAULTS = dict(
+    # CPU scale (official: d = 16 / 64 / 256, D = 16 ... 1024, 500 001 steps, lr swept per width)
+    d=5, n_embd=32, steps=2000,
+    lr=1e-4,                 # in every official lr grid (standard, bilinear MLR, BTT), at the official base width
+    n_points=0,              # 0 = 2d pairs: train_ICL.py main, n_positions = 2 * n_dims
+    # curriculum: train_ICL.py defaults (dims from 4, points from 8, every 2000 steps, adaptive increments that
+    # finish within 6 % of the steps); the interval shrinks with the run (curr_interval 0 = 2000 * steps / 500001)
+    curr_d_start=4, curr_n_start=8, curr_interval=0, curr_ratio=0.06,
+    # model
+    n_layer=6,               # train_ICL.py --n_layer default 6
+    n_head=8,                # submit script n_head=8
+    qk_ln=True,              # train_ICL.py --do_qk_ln default True
+    logit_scale='sqrt',      # standard 1/sqrt(d) (mha_SP_attn_logits_scaling=True), bilinear MLR 1/sqrt(p_l r_l),
+                             # BTT 1/sqrt(D) (both muP flags False): 'sqrt' of each term's width
+    bilinear_rms_cap=True,   # src/model.py: W / max(1, RMS(W) / s0) on every bilinear map (`if True:`)
+    btt_factors='official',  # src/model.py BilinearBTTAttention.factorize (256 -> 8 x 32)
+    btt_rank=1,              # train_ICL.py --btt_tt_rank default 1
+    read_in_std=0.02,        # src/muP.py: _read_in N(0, 0.02^2), lr x 1
+    pos_std=0.02,            # src/muP.py: wpe N(0, 0.02^2)
+    mup_base_width=768,      # src/muP.py: base_width_factor = 768 (lr x 768 / fan_in)
+    # optimization
+    batch_size=64,           # train_ICL.py --training_batch_size default 64
+    weight_decay=0.0,        # train_ICL.py --weight_decay default 0.0
+    adam_eps=1e-20,          # src/muP.py AdamW eps; betas (0.9, 0.95) = train_ICL.py --beta1 / --beta2
+    warmup=1000,             # train_ICL.py train: warmup_iters = 1000
+    schedule='constant',     # train_ICL.py train: get_lr_mult(.., lr, lr, ..): min_lr = lr
+    grad_clip=0.0,           # train_ICL.py train_step: no clipping
+)
 
 # -----------------------------------------------------------------------------
 # Command line
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group('task (SPEC §8)')
-    g.add_argument('--d', type=int, default=5, help='input dimension of x and w')
-    g.add_argument('--n_points', type=int, default=0, help='(x, y) pairs per prompt N; 0 = 2d + 1')
+    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
+                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group('task (paper §4, seed 003 §2.1)')
+    g.add_argument('--d', type=int, help='input dimension of x and w')
+    g.add_argument('--n_points', type=int, help='(x, y) pairs per prompt N; 0 = 2d (the official prompt length)')
     g.add_argument('--train_cov', type=str, default='iso',
                    help="covariance of x in training: 'iso' (I_d), 'aniso' (seed 003's diag(0.5,1,1.5,1,1.75), "
                         "cycled to length d) or comma-separated variances, one per dimension")
     g.add_argument('--test_cov', type=str, default='aniso',
                    help="second (shifted) test covariance, same syntax as --train_cov; '' = none")
     g.add_argument('--noise_std', type=float, default=0.0, help='label noise y = w·x + noise_std·ε (train and test)')
-    g = p.add_argument_group('curriculum (Garg et al.: d 5->20 by +1 and N 11->41 by +2 every 2000 steps; here '
-                             '+1 dimension and +2 points every --curr_interval steps)')
+    g = p.add_argument_group('curriculum (the official adaptive one: +k dimensions and +2k points every interval, k '
+                             'the smallest step that reaches d and N within --curr_ratio of the training steps)')
     g.add_argument('--curriculum', action=argparse.BooleanOptionalAction, default=True,
                    help='grow the active dimensions and the prompt length during training')
-    g.add_argument('--curr_d_start', type=int, default=5, help='active dimensions at step 0 (capped at --d)')
-    g.add_argument('--curr_n_start', type=int, default=11, help='prompt length at step 0 (capped at N)')
-    g.add_argument('--curr_interval', type=int, default=0,
-                   help='steps between curriculum increments; 0 = auto: the curriculum ends at 40%% of --steps')
+    g.add_argument('--curr_d_start', type=int, help='active dimensions at step 0 (capped at --d)')
+    g.add_argument('--curr_n_start', type=int, help='prompt length at step 0 (capped at N)')
+    g.add_argument('--curr_interval', type=int,
+                   help="steps between curriculum increments; 0 = the official 2000 scaled to --steps / 500001")
+    g.add_argument('--curr_ratio', type=float, help='share of the steps within which the curriculum ends')
     g = p.add_argument_group('model (attention.py)')
     g.add_argument('--attn', type=str, default='standard', help=f'attention kind: {" | ".join(ATTN_NAMES)}')
-    g.add_argument('--n_layer', type=int, default=2, help='transformer blocks')
-    g.add_argument('--n_head', type=int, default=8, help='attention heads H (head width = n_embd / n_head)')
-    g.add_argument('--n_embd', type=int, default=32, help='model width D')
+    g.add_argument('--n_layer', type=int, help='transformer blocks')
+    g.add_argument('--n_head', type=int, help='attention heads H (head width = n_embd / n_head)')
+    g.add_argument('--n_embd', type=int, help='model width D')
     g.add_argument('--ranks', type=str, default='',
                    help="MLR / bilinear-MLR rank allocation, e.g. '2|1|1' ('' = the backbone's default)")
-    g.add_argument('--window', type=int, default=16, help='SWA / BRL local window (tokens)')
+    g.add_argument('--window', type=int, default=16, help='SWA / BRL look-back w (query i sees keys i-w..i)')
     g.add_argument('--global_layers', type=str, default='0', help="global_swa: 0-based layers with standard attention")
-    g.add_argument('--btt_rank', type=int, default=1, help='bilinear BTT: BTT rank s')
-    g.add_argument('--qk_ln', action=argparse.BooleanOptionalAction, default=False, help='QK-LayerNorm')
-    g.add_argument('--pos_std', type=float, default=1.0, help='init std of the learned position embedding')
-    g.add_argument('--logit_scale', type=str, default='mup', choices=['sqrt', 'mup'],
-                   help="attention logit scale: 'sqrt' = 1/sqrt(d), 'mup' = alpha/d (paper App. E)")
+    g.add_argument('--btt_rank', type=int, help='bilinear BTT: BTT rank s')
+    g.add_argument('--btt_factors', choices=['sqrt', 'official'], help='bilinear BTT: shape of the BTT cores')
+    g.add_argument('--bilinear_rms_cap', action=argparse.BooleanOptionalAction,
+                   help='bilinear MLR / BTT: the official rescaling W / max(1, RMS(W) / init scale)')
+    g.add_argument('--qk_ln', action=argparse.BooleanOptionalAction, help='QK-LayerNorm')
+    g.add_argument('--read_in_std', type=float, help='init std of the read-in Linear(d -> D) (0 = 1/sqrt(d))')
+    g.add_argument('--pos_std', type=float, help='init std of the learned position embedding')
+    g.add_argument('--logit_scale', type=str, choices=['auto', 'sqrt', 'mup', 'inv'],
+                   help="attention logit scale per score term of width R: 'sqrt' 1/sqrt(R), 'mup' alpha/R "
+                        "(paper App. E), 'inv' 1/R, 'auto' each variant's reference (attention.logit_scales)")
     g = p.add_argument_group('optimization')
-    g.add_argument('--steps', type=int, default=2000, help='training steps')
-    g.add_argument('--batch_size', type=int, default=32, help='prompts per step')
-    g.add_argument('--lr', type=float, default=1e-3, help='base AdamW learning rate (at --mup_base_width under muP)')
+    g.add_argument('--steps', type=int, help='training steps')
+    g.add_argument('--batch_size', type=int, help='prompts per step')
+    g.add_argument('--lr', type=float, help='base AdamW learning rate (at --mup_base_width under muP)')
     g.add_argument('--mup', action=argparse.BooleanOptionalAction, default=True,
                    help='per-parameter muP learning rates lr * base_width / fan_in (optimizer_groups); off = one lr')
-    g.add_argument('--mup_base_width', type=int, default=64, help='width at which --lr is the hidden-layer lr')
-    g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
-    g.add_argument('--warmup', type=int, default=100, help='linear warmup steps')
-    g.add_argument('--schedule', type=str, default='cosine', choices=['cosine', 'constant'],
+    g.add_argument('--mup_base_width', type=int, help='width at which --lr is the hidden-layer lr')
+    g.add_argument('--weight_decay', type=float, help='AdamW weight decay (matrices only)')
+    g.add_argument('--adam_eps', type=float, help='AdamW eps (betas 0.9, 0.95)')
+    g.add_argument('--warmup', type=int, help='linear warmup steps')
+    g.add_argument('--schedule', type=str, choices=['cosine', 'constant'],
                    help='after warmup: cosine decay to 10%% of lr, or constant')
-    g.add_argument('--grad_clip', type=float, default=1.0, help='max grad norm (0 = off)')
+    g.add_argument('--grad_clip', type=float, help='max grad norm (0 = off)')
     g = p.add_argument_group('evaluation')
     g.add_argument('--eval_seed', type=int, default=-1, help='seed of the held-out prompts; -1 = seed + 1000003')
     g.add_argument('--n_eval', type=int, default=1000, help='held-out prompts for the final evaluation')
@@ -112,15 +166,22 @@ def build_parser():
                    help='sweeps: take a run from --out_dir instead of retraining when its training settings match')
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', type=str, default='out/icl', help='where JSON results and checkpoints go')
-    g.add_argument('--assets_dir', type=str, default=os.path.join(HERE, 'assets'),
-                   help="sweeps copy their PNG and JSON here ('' = don't)")
+    g.add_argument('--assets_dir', type=str, default='',
+                   help="sweeps copy their PNG and JSON here, e.g. 'assets' for the README's figures ('' = don't)")
+    g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt where it stopped (a sweep: '
+                   'every run that has a checkpoint)')
+    g.add_argument('--overwrite', action='store_true', help="replace the earlier run's files in --out_dir (without "
+                   "it, or --resume, they are refused)")
     g.add_argument('--device', type=str, default='auto', help="'auto' (cuda if available else cpu), 'cpu', 'cuda'")
     g.add_argument('--seed', type=int, default=0, help='seed of the model init and the training prompts')
     g.add_argument('--threads', type=int, default=1,
-                   help='torch CPU threads (0 = torch default; tiny models gain little from more)')
+                   help='torch CPU threads (0 = torch default, one per core; 1 here because these tiny models '
+                   'gain little from more and sweeps run --workers processes side by side)')
     g.add_argument('--log_interval', type=int, default=100, help='steps between log lines')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
-    g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write a checkpoint at the end')
+    g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True,
+                   help='write <out_dir>/<run>.pt at every evaluation and at the end')
+    p.set_defaults(**DEFAULTS)   # the official settings at CPU scale, in one place (DEFAULTS)
     return p
 
 
@@ -132,7 +193,10 @@ def resolve(args):
             raise ValueError(f'--{name} must be >= 1, got {getattr(args, name)}')
     if args.attn not in ATTN_NAMES:
         raise ValueError(f'--attn {args.attn!r} is not in the registry; valid: {", ".join(ATTN_NAMES)}')
-    args.n_points = args.n_points or 2 * args.d + 1
+    args.n_points = args.n_points or 2 * args.d      # official: n_positions = 2 * n_dims
+    if args.n_points < 2 * args.d:
+        raise ValueError(f'--n_points {args.n_points} with --d {args.d}: the error at N = 2d needs N >= 2d = '
+                         f'{2 * args.d} points per prompt (0 = 2d)')
     if args.eval_seed < 0:
         args.eval_seed = args.seed + 1000003
     if args.seed in (args.eval_seed, args.eval_seed + SHIFTED_SEED_OFFSET):
@@ -190,32 +254,38 @@ def interleave(xs, ys):
     return torch.stack([xs, y_tok], dim=2).view(B, 2 * N, d)  # (B, N, 2, d) -> (B, 2N, d)
 
 
-def training_batches(args):
-    """The training stream: one fresh batch of prompts per step from the generator seeded --seed.
-    Yields (step, d_active, n_points, xs, ys)."""
-    gen = torch.Generator().manual_seed(args.seed)
+def training_batches(args, gen=None, start=0):
+    """The training stream: one fresh batch of prompts per step from the generator seeded --seed (a resumed
+    run passes its restored generator and first step). Yields (step, d_active, n_points, xs, ys)."""
+    gen = torch.Generator().manual_seed(args.seed) if gen is None else gen
     x_scale = covariance_scale(args.train_cov, args.d)
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         d_active, n_points = curriculum(step, args)
         xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
         yield step, d_active, n_points, xs, ys
 
 
 def curriculum(step, args):
-    """(active dimensions, prompt length) at this step: +1 dimension and +2 points every interval."""
+    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every interval (the
+    official adaptive curriculum; Garg et al.'s is k = 1 with a long interval)."""
     if not args.curriculum:
         return args.d, args.n_points
     d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
-    k = step // curriculum_interval(args)
-    return min(d0 + k, args.d), min(n0 + 2 * k, args.n_points)
+    interval, k = curriculum_schedule(args)
+    n = step // interval
+    return min(d0 + k * n, args.d), min(n0 + 2 * k * n, args.n_points)
 
 
-def curriculum_interval(args):
-    if args.curr_interval > 0:
-        return args.curr_interval
-    d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
-    increments = max(args.d - d0, math.ceil((args.n_points - n0) / 2), 1)
-    return max(1, int(0.4 * args.steps / increments))
+def curriculum_schedule(args):
+    """(interval, k). interval: --curr_interval, or 0 = the official 2000 steps scaled to this run's length
+    (2000 * steps / 500001). k: the smallest increment with which the dimensions reach d after the
+    floor(curr_ratio * steps / interval) increments that fit in the first curr_ratio of the steps (official
+    train_ICL.py, adaptive_inc; at least one increment)."""
+    interval = args.curr_interval or max(1, round(2000 * args.steps / 500001))
+    n_updates = max(1, math.floor(args.curr_ratio * args.steps / interval))
+    d0 = min(args.curr_d_start, args.d)
+    k = max(1, math.ceil((args.d - d0) / n_updates))
+    return interval, k
 
 # -----------------------------------------------------------------------------
 # Baselines: each maps a prompt to predictions ŷ_i that use only (x_j, y_j), j < i, and x_i
@@ -270,13 +340,16 @@ BASELINES = {
 
 
 class ICLModel(nn.Module):
-    def __init__(self, cfg, d, pos_std=1.0):
+    def __init__(self, cfg, d, pos_std=0.02, read_in_std=0.02):
         super().__init__()
         D = cfg.n_embd
-        self.read_in = MupLinear(d, D, base_width=cfg.mup_base_width)   # init N(0, 1/d)
+        self.read_in = MupLinear(d, D, base_width=cfg.mup_base_width)   # init N(0, 1/d) ...
+        if read_in_std > 0:                                             # ... or N(0, read_in_std^2), official 0.02
+            nn.init.normal_(self.read_in.weight, std=read_in_std)
         self.read_in.weight.lr_mult = 1.0   # muP: the input layer's Adam lr does not scale with width
-        # learned positions, as in Garg's GPT-2, but init N(0, 1) by default rather than GPT-2's 0.02: in my
-        # one side-by-side trial (d = 5, 1500 steps) the 0.02 model never left the "predict 0" plateau
+        # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02 (an earlier
+        # default here was 1.0: in one side-by-side trial, d = 5, 1500 steps, other settings, 0.02 stayed at
+        # the "predict 0" plateau)
         self.wpe = nn.Embedding(cfg.block_size, D)
         nn.init.normal_(self.wpe.weight, std=pos_std)
         self.body = Transformer(cfg)
@@ -298,7 +371,9 @@ def model_config(args):
     return ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T, causal=True,
                        attn=args.attn, ranks=args.ranks, window=args.window, global_layers=args.global_layers,
                        btt_rank=args.btt_rank, qk_ln=args.qk_ln, logit_scale=args.logit_scale,
-                       mup_base_width=args.mup_base_width)
+                       mup_base_width=args.mup_base_width,   # (getattr: run configs from before these options)
+                       btt_factors=getattr(args, 'btt_factors', 'sqrt'),
+                       bilinear_rms_cap=getattr(args, 'bilinear_rms_cap', False))
 
 # -----------------------------------------------------------------------------
 # Evaluation: normalized squared error per position, bootstrap intervals, baselines on the same prompts
@@ -359,14 +434,6 @@ def lr_at(step, args):
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def pick_device(name):
-    if name == 'auto':
-        return 'cuda' if torch.cuda.is_available() else 'cpu'
-    if name not in ('cpu', 'cuda') and not name.startswith('cuda:'):
-        raise ValueError(f"--device {name!r}: use 'auto', 'cpu' or 'cuda'")
-    return name
-
-
 def steps_to_90(history, key='query'):
     """First evaluated step at which 90% of the drop from the first to the final eval error is done (seed 003)."""
     if len(history) < 2:
@@ -378,13 +445,6 @@ def steps_to_90(history, key='query'):
     return next(h['step'] for h in history if h[key] <= target)
 
 
-def save_checkpoint(path, ckpt):
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    tmp = path + '.tmp'
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)   # atomic: a crash never leaves a half-written checkpoint
-
-
 def train(args, run_name='run'):
     """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json)."""
     args = resolve(args)
@@ -393,7 +453,7 @@ def train(args, run_name='run'):
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     cfg = model_config(args)
-    model = ICLModel(cfg, args.d, args.pos_std).to(device)
+    model = ICLModel(cfg, args.d, args.pos_std, args.read_in_std).to(device)
     if args.mup:
         groups = optimizer_groups(model, args.lr, args.weight_decay)
     else:   # one lr for everything: ignore the lr_mult tags
@@ -402,59 +462,53 @@ def train(args, run_name='run'):
                   {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0, 'lr': args.lr}]
     for g in groups:
         g['base_lr'] = g['lr']
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps)   # official betas, eps
     n_params = sum(p.numel() for p in model.body.parameters())
 
     ex, ey, _ = eval_set(args, args.n_eval, args.train_cov)  # held-out prompts (own generator)
-    flops_per_T = {}                                        # T -> body.forward_flops(T)
-    flops, history, t0, cpu0, step_ms = 0, [], time.time(), time.process_time(), 0.0
+    ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
+    prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
+    gen = torch.Generator().manual_seed(args.seed)          # the training prompts
+    # what a checkpoint holds besides weights, optimizer and RNGs: enough to continue exactly
+    st = dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
+    if args.resume and os.path.exists(ckpt_path):
+        ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
+        resume_settings(ck['config'], args, set(ck['config']), NOT_TRAINING)  # every training setting must agree
+        model.load_state_dict(ck['model'])
+        opt.load_state_dict(ck['optimizer'])
+        gen.set_state(ck['data_rng'])
+        set_rng_state(ck['rng'])
+        st = ck['state']
+        print(f'[{run_name}] resumed from {ckpt_path} at step {st["step"]}')
 
-    def evaluate(step, loss):
-        errs = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device)
-        mean = errs.mean(0)
+    def evaluate(step):
+        """A point of the training curve, on the first n_eval_during held-out prompts."""
+        mean = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device).mean(0)
         i2d = min(2 * args.d, mean.numel()) - 1
-        history.append({'step': step, 'flops': flops, 'train_loss': loss, 'at_2d': mean[i2d].item(),
-                        'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': time.time() - t0})
+        st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'],
+                              'at_2d': mean[i2d].item(), 'query': mean[-1].item(), 'mean': mean.mean().item(),
+                              'time_s': st['time_s']})
+
+    def save():
+        """The checkpoint <run_name>.pt (with --save): -> its path, or None."""
+        if not args.save:
+            return None
+        save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                                    'config': dict(vars(args)), 'step': st['step'], 'state': st,
+                                    'data_rng': gen.get_state(), 'rng': rng_state()})
+        return ckpt_path
 
     print(f'[{run_name}] attn={args.attn} L={args.n_layer} H={args.n_head} D={args.n_embd} '
           f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} body_params={n_params} '
-          f'device={device}')
-    model.train()
-    loss_ema = None
-    bar = tqdm(training_batches(args), total=args.steps, disable=not args.progress, leave=False, desc=run_name,
-               mininterval=2.0)
-    for step, d_active, n_points, xs, ys in bar:
-        if args.eval_interval and step % args.eval_interval == 0:
-            evaluate(step, loss_ema)
-        xs, ys = xs.to(device), ys.to(device)
-        t = time.time()
-        for g in opt.param_groups:
-            g['lr'] = g['base_lr'] * lr_at(step, args)
-        loss = F.mse_loss(model(xs, ys), ys)                 # MSE over all positions
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        step_ms = 0.9 * step_ms + 0.1 * (time.time() - t) * 1e3 if step else (time.time() - t) * 1e3
-        T = 2 * n_points
-        if T not in flops_per_T:
-            flops_per_T[T] = model.body.forward_flops(T)
-        flops += 3 * flops_per_T[T] * args.batch_size       # training ≈ 3× forward, non-embedding
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if (step + 1) % args.log_interval == 0 or step + 1 == args.steps:
-            last = f' | eval@2d {history[-1]["at_2d"]:.4f}' if history else ''
-            tqdm.write(f'[{run_name}] step {step + 1}/{args.steps} | d {d_active} N {n_points} | '
-                       f'loss {loss.item():.4f} '
-                       f'(ema {loss_ema:.4f}){last} | lr {opt.param_groups[0]["lr"]:.2e} | {step_ms:.1f} ms/step | '
-                       f'{args.batch_size * T / step_ms * 1e3:.0f} tok/s | train FLOPs {flops:.3e}')
-    evaluate(args.steps, loss_ema)
-    train_time, cpu_time = time.time() - t0, time.process_time() - cpu0   # wall vs this process's CPU
+          f'device={device} threads: {torch.get_num_threads()}')
+    train_steps(model, opt, args, gen, st, evaluate, save, device, run_name)
+    if not (st['history'] and st['history'][-1]['step'] == args.steps):
+        evaluate(args.steps)
 
     # final evaluation on the full held-out set, with baselines on the same prompts
-    results = {'run': run_name, 'config': {k: v for k, v in vars(args).items()}, 'body_params': n_params,
-               'train_flops': flops, 'train_time_s': train_time, 'cpu_time_s': cpu_time, 'history': history,
-               'steps_to_90': steps_to_90(history), 'final_train_loss_ema': loss_ema}
+    results = {'run': run_name, 'config': dict(vars(args)), 'body_params': n_params, 'train_flops': st['flops'],
+               'train_time_s': st['time_s'], 'cpu_time_s': st['cpu_s'], 'history': st['history'],
+               'steps_to_90': steps_to_90(st['history']), 'final_train_loss_ema': st['loss_ema']}
     results['model'] = summarize(model_errors(model, ex, ey, args.d, device), args)
     results['baselines'] = baseline_summaries(ex, ey, args)
     if args.test_cov:
@@ -462,19 +516,61 @@ def train(args, run_name='run'):
         results['model_shifted'] = summarize(model_errors(model, ax, ay, args.d, device), args)
         results['baselines_shifted'] = baseline_summaries(ax, ay, args)
     m = results['model']
-    print(f'[{run_name}] done in {train_time:.0f}s ({cpu_time:.0f}s CPU) | error at N=2d {m["at_2d"]:.4f} '
+    print(f'[{run_name}] done in {st["time_s"]:.0f}s ({st["cpu_s"]:.0f}s CPU) | error at N=2d {m["at_2d"]:.4f} '
           f'[{m["at_2d_ci"][0]:.4f}, {m["at_2d_ci"][1]:.4f}] | query {m["query"]:.4f} | '
-          + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {flops:.3e}')
-
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, f'{run_name}.json'), 'w') as f:
-        json.dump(results, f, indent=1)
-    if args.save:
-        save_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'),
-                        {'model': model.state_dict(), 'optimizer': opt.state_dict(), 'config': results['config'],
-                         'step': args.steps, 'train_flops': flops, 'error_at_2d': m['at_2d']})
+          + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {st["flops"]:.3e}')
+    results['outputs'] = {'checkpoint': save(), 'results': json_path}
+    write_json(json_path, results)
     results['_model'] = model   # handy for in-process callers (tests); not serialized
     return results
+
+
+def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
+    """Steps st['step'] .. args.steps - 1, updating st. Every eval_interval steps: evaluate, then save. A NaN or
+    inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step, saves and raises
+    Interrupted. A step's batch is drawn after the save, so a resumed run draws it from the saved generator."""
+    flops_per_T = {}                                        # T -> body.forward_flops(T)
+    time0, cpu0, t0, c0 = st['time_s'], st['cpu_s'], time.time(), time.process_time()
+    batches = training_batches(args, gen, st['step'])
+    bar = tqdm(total=args.steps, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
+               mininterval=2.0)
+    model.train()
+    with ctrl_c_finishes_step() as ctrl_c:
+        for step in range(st['step'], args.steps):
+            st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0  # wall, CPU
+            if (args.eval_interval and step % args.eval_interval == 0
+                    and not (st['history'] and st['history'][-1]['step'] == step)):
+                evaluate(step)
+                save()
+            if ctrl_c.stop:
+                path = save()
+                raise Interrupted(f'[{run_name}] at step {step}: ' + (f'saved {path}; continue with --resume'
+                                                                      if path else 'nothing saved (--no-save)'))
+            _, d_active, n_points, xs, ys = next(batches)
+            xs, ys = xs.to(device), ys.to(device)
+            t = time.time()
+            for g in opt.param_groups:
+                g['lr'] = g['base_lr'] * lr_at(step, args)
+            loss = F.mse_loss(model(xs, ys), ys)                 # MSE over all positions
+            # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
+            lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup)
+            ms = (time.time() - t) * 1e3
+            st['step_ms'] = 0.9 * st['step_ms'] + 0.1 * ms if step else ms
+            T = 2 * n_points
+            if T not in flops_per_T:
+                flops_per_T[T] = model.body.forward_flops(T)
+            st['flops'] += 3 * flops_per_T[T] * args.batch_size       # training ≈ 3× forward, non-embedding
+            st['loss_ema'] = lossf if st['loss_ema'] is None else 0.95 * st['loss_ema'] + 0.05 * lossf
+            st['step'] = step + 1
+            bar.update(1)
+            if (step + 1) % args.log_interval == 0 or step + 1 == args.steps:
+                last = f' | eval@2d {st["history"][-1]["at_2d"]:.4f}' if st['history'] else ''
+                tqdm.write(f'[{run_name}] step {step + 1}/{args.steps} | d {d_active} N {n_points} | loss {lossf:.4f} '
+                           f'(ema {st["loss_ema"]:.4f}){last} | lr {opt.param_groups[0]["lr"]:.2e} | '
+                           f'{st["step_ms"]:.1f} ms/step | {args.batch_size * T / st["step_ms"] * 1e3:.0f} tok/s | '
+                           f'train FLOPs {st["flops"]:.3e}')
+    bar.close()
+    st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0
 
 # -----------------------------------------------------------------------------
 # Plots
@@ -523,21 +619,20 @@ def plot_positions(runs, path, title):
 def write_sweep(args, name, payload, plot_fn):
     os.makedirs(args.out_dir, exist_ok=True)
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
-    with open(jpath, 'w') as f:
-        json.dump(payload, f, indent=1)
+    write_json(jpath, payload)
     plot_fn(ppath)
     if args.assets_dir:
         os.makedirs(args.assets_dir, exist_ok=True)
         shutil.copy(ppath, os.path.join(args.assets_dir, f'icl_{name}.png'))
         shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
-    print(f'wrote {jpath} and {ppath}')
+
 
 # -----------------------------------------------------------------------------
 # Sweeps (the papers' figures at CPU scale; every model gets the same steps and batch)
 
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
-                'widths', 'compute_width', 'linear_width', 'depths', 'mlr_ranks', 'reuse'}
+                'widths', 'compute_width', 'linear_width', 'depths', 'mlr_ranks', 'reuse', 'resume', 'overwrite'}
 
 
 def finished_run(args):
@@ -563,8 +658,25 @@ def _train_job(job):
     return r
 
 
+def sweep_preflight(jobs):
+    """A sweep's start-up checks, before any run trains: --out_dir (and --assets_dir) can be written, and no run
+    that is not reused replaces an earlier run's files, or resumes a checkpoint of other settings."""
+    a = jobs[0][0]
+    todo = [(args, name) for args, name in jobs if not (args.reuse and finished_run(args) is not None)]
+    files = [os.path.join(a.out_dir, f'{name}.{ext}') for _, name in todo for ext in ('pt', 'json')]
+    prepare_out_dir(a.out_dir, files, a.resume, a.overwrite)
+    if a.assets_dir:
+        prepare_out_dir(a.assets_dir, flag='--assets_dir')
+    for args, name in todo if a.resume else []:
+        path = os.path.join(a.out_dir, f'{name}.pt')
+        if os.path.exists(path):
+            saved = load_checkpoint(path, SCRIPT, ('config',))['config']
+            resume_settings(saved, resolve(args), set(saved), NOT_TRAINING)
+
+
 def run_jobs(jobs, workers):
     """Train each (args, name); with workers > 1, in that many fresh processes (1 torch thread each)."""
+    sweep_preflight(jobs)
     if workers <= 1:
         return [_train_job(j) for j in jobs]
     import concurrent.futures
@@ -681,7 +793,9 @@ def sweep_linear(args):
     """Seed 003: softmax (quadratic) vs linear attention at depths 1/3/6, d = 5, 10 pairs + query, 4 heads;
     isotropic and anisotropic test error at the query, steps to 90% of the loss drop."""
     jobs = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
-                                          n_points=11, test_cov='aniso'), f'linear_{attn}_L{L}')
+                                          n_points=11, test_cov='aniso',
+                                          grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
+                                  f'linear_{attn}_L{L}')
             for L in sorted((int(x) for x in args.depths.split(',')), reverse=True) for attn in ('standard', 'linear')}
     runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
     table = [{'model': k, 'params': r['body_params'], 'train_loss': r['final_train_loss_ema'] / r['config']['d'],
@@ -725,7 +839,7 @@ def compact(runs):
 
 def score_rank(config):
     """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
-    min(D, sum_l 2^l r_l) for bilinear MLR (SPEC §3)."""
+    min(D, sum_l 2^l r_l) for bilinear MLR (paper §3.2, Table 1)."""
     D, H = config['n_embd'], config['n_head']
     if config['attn'] == 'bilinear_btt':
         return D
@@ -750,21 +864,53 @@ def print_table(rows, cols):
 # -----------------------------------------------------------------------------
 
 
+def check_flags(parser, args):
+    """One-line errors (exit 2) for flag values outside their range, before any work."""
+    check_ranges(parser, args, positive=[
+        'd', 'steps', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
+        'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'workers', 'compute_width', 'linear_width',
+        'curr_d_start', 'curr_n_start'], non_negative=[
+        'n_points', 'warmup', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval', 'curr_interval',
+        'threads'])
+    for name in ('widths', 'depths'):
+        try:
+            values = [int(v) for v in getattr(args, name).split(',')]
+        except ValueError:
+            values = []
+        if not values or min(values) <= 0:
+            parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_flags(parser, args)
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
+        pick_device(args.device)
         if not args.sweep:
             Transformer(model_config(a))
     except ValueError as e:
         raise SystemExit(f'error: {e}')
     if args.sweep:
-        return {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
-    results = train(args, run_name=f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}')
-    plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results},
-                   os.path.join(args.out_dir, 'icl_position.png'), 'error per position')
+        payload = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
+        plots = [f'icl_{args.sweep}.png'] + (['icl_position.png'] if args.sweep == 'bottleneck' else [])
+        report_outputs(results=os.path.join(args.out_dir, f'sweep_{args.sweep}.json'),
+                       runs=os.path.join(args.out_dir, '<run>.json and .pt'),
+                       plots=', '.join(os.path.join(args.out_dir, p) for p in plots), copies_in=args.assets_dir or None)
+        return payload
+    run_name = f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
+    if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
+        ck = load_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'), SCRIPT, ('config', 'state'))
+        resume_settings(ck['config'], args, given_flags(parser, argv), NOT_TRAINING)
+    results = train(args, run_name=run_name)
+    plot = os.path.join(args.out_dir, 'icl_position.png')
+    plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results}, plot, 'error per position')
+    report_outputs(**results['outputs'], plot=plot)
     return results
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)

@@ -1,5 +1,5 @@
 """
-Character-level language modelling with structured attention (paper §5.1, Fig. 4; SPEC §4, §5, §7, §9).
+Character-level language modelling with structured attention (paper §5.1, Fig. 4; §3.4, App. E).
 
 A GPT (token + learned position embeddings -> the attention.py Transformer -> a muP LM head) trained with
 AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python standard
@@ -16,7 +16,9 @@ by file, so the validation code is never seen in training.
     python train_lm.py --bench                          # tokens/s: ours vs a nanoGPT-equivalent model
     python train_lm.py --data input.txt                 # any text file, or a directory of text files
     torchrun --standalone --nproc_per_node=2 train_lm.py --device cpu   # DDP (gloo on CPU, nccl on GPU)
-    python train_lm.py --preset paper --attn mlr --data owt.txt         # the paper's setting, for a GPU
+    python train_lm.py --preset paper --attn mlr --data owt.txt         # the official MLR run (PRESETS), for a GPU
+    python train_lm.py --preset paper --attn mlr --max_iters 2 --batch_size 1 --grad_accum 1 --eval_iters 1 \
+        --device cpu                                                    # its CPU smoke run (~25 s)
 """
 
 import argparse
@@ -30,28 +32,26 @@ import sysconfig
 import time
 from contextlib import nullcontext
 
+# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps. libgomp's default (spin for
+# milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Threads").
+if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
+    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
+    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
+
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups
+# run safety shared by the four train scripts (attention.py, last section)
+from attention import (ArgParser, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
+                       given_flags, load_checkpoint, pick_device, prepare_out_dir, remove_orphan_tmp,
+                       report_outputs, resume_settings, rng_state, run_main, save_checkpoint, set_rng_state,
+                       write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def atomic_write(path, write):
-    """write(tmp) then rename over path: a reader never sees a half-written file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def write_json(path, obj):
-    def write(tmp):
-        with open(tmp, 'w') as f:
-            json.dump(obj, f, indent=1)
-    atomic_write(path, write)
+SCRIPT = 'train_lm.py'
 
 
 # -----------------------------------------------------------------------------
@@ -107,6 +107,7 @@ def prepare_data(data, cache_dir):
         return out  # meta.json is written last, so its presence means the cache is complete
 
     texts = [read_text(f) for f in files]
+    skipped = [os.path.relpath(f, root) if f != root else f for f, t in zip(files, texts) if t is None] if data else []
     if not data:  # printable ASCII and newline only
         texts = [re.sub(r'[^\x20-\x7e\n]', '', t) for t in texts if t]
     texts = [t for t in texts if t]
@@ -127,6 +128,7 @@ def prepare_data(data, cache_dir):
     lut[[ord(c) for c in itos]] = np.arange(len(itos))
 
     os.makedirs(out, exist_ok=True)
+    remove_orphan_tmp(out)  # of an earlier build that was killed
     counts = np.zeros(len(itos))
     for split, text in (('train', train_text), ('val', val_text)):
         ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
@@ -135,7 +137,8 @@ def prepare_data(data, cache_dir):
         atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
     p = counts[counts > 0] / counts.sum()
     meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
-                n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()))
+                n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()),
+                skipped=skipped)
     write_json(meta_path, meta)
     return out
 
@@ -143,6 +146,10 @@ def prepare_data(data, cache_dir):
 def load_data(cache):
     with open(os.path.join(cache, 'meta.json')) as f:
         meta = json.load(f)
+    if meta.get('skipped'):  # said on every run that uses this cache, not only when it was built
+        names = ', '.join(meta['skipped'][:5]) + (', ...' if len(meta['skipped']) > 5 else '')
+        print(f"note: --data {meta['source']!r}: skipped {len(meta['skipped'])} file(s) that are not UTF-8 text "
+              f"({names})")
     splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r') for s in ('train', 'val')}
     return splits, meta
 
@@ -161,9 +168,9 @@ def get_batch(data, batch_size, block_size, gen, rank=0, world_size=1):
 
 class GPT(nn.Module):
 
-    def __init__(self, config: ModelConfig, vocab_size):
+    def __init__(self, config: ModelConfig, vocab_size, emb_std=1.0):
         super().__init__()
-        self.config, self.vocab_size = config, vocab_size
+        self.config, self.vocab_size, self.emb_std = config, vocab_size, emb_std
         self.wte = nn.Embedding(vocab_size, config.n_embd)
         self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)  # rope: in attention
         self.body = Transformer(config)
@@ -171,12 +178,12 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self):
-        """wte, wpe ~ N(0, 1) with lr x1 (muP input layer); the body initializes itself (hidden weights
-        N(0, 1/fan_in), output projections zero); lm_head zero with lr x base_width/D (muP output layer),
-        so the initial loss is exactly ln(vocab_size)."""
-        nn.init.normal_(self.wte.weight, std=1.0)
+        """wte, wpe ~ N(0, emb_std^2) with lr x1 (muP input layer; --emb_std: ours 1, the official 0.02); the
+        body initializes itself (hidden weights N(0, 1/fan_in), output projections zero); lm_head zero with
+        lr x base_width/D (muP output layer), so the initial loss is exactly ln(vocab_size)."""
+        nn.init.normal_(self.wte.weight, std=self.emb_std)
         if self.wpe is not None:
-            nn.init.normal_(self.wpe.weight, std=1.0)
+            nn.init.normal_(self.wpe.weight, std=self.emb_std)
 
     def forward(self, idx, targets=None, cache=None, pos=0):
         B, T = idx.shape
@@ -232,24 +239,94 @@ def model_config(cfg):
                        attn=cfg['attn'], layer_pattern=cfg['layer_pattern'], global_layers=cfg['global_layers'],
                        qk_ln=cfg['qk_ln'], logit_scale=cfg['logit_scale'], mup_alpha=cfg['mup_alpha'],
                        rope=cfg['rope'], ranks=ranks, mlr_block_sizes=cfg['mlr_block_sizes'],
-                       btt_rank=cfg['btt_rank'], window=cfg['window'], n_compressed=cfg['n_compressed'],
-                       brl_block=cfg['brl_block'], mup_base_width=cfg['mup_base_width'])
+                       mlr_divide_levels=cfg['mlr_divide_levels'], btt_rank=cfg['btt_rank'],
+                       btt_factors=cfg['btt_factors'], bilinear_rms_cap=cfg['bilinear_rms_cap'],
+                       window=cfg['window'], gswa_ranks=cfg['gswa_ranks'], n_compressed=cfg['n_compressed'],
+                       brl_block=cfg['brl_block'], brl_history=cfg.get('brl_history', 'global'),
+                       mup_base_width=cfg['mup_base_width'])
+
+
+def upgrade_run_config(cfg):
+    """A checkpoint's run config from before the official settings (no 'emb_std' key), in today's terms, so it
+    builds the same model: its MLR layers used 1/r_l under 'sqrt' (today's 'auto'), its window w meant w keys
+    (today's look-back w - 1; BRL keeps its block of w tokens), and the new options had their old values."""
+    if 'emb_std' in cfg:
+        return cfg
+    w = cfg['window']
+    return {**cfg, 'logit_scale': 'auto' if cfg['logit_scale'] == 'sqrt' else cfg['logit_scale'],
+            'window': max(1, w - 1), 'brl_block': cfg['brl_block'] or w, 'emb_std': 1.0, 'adam_eps': 1e-8,
+            'mlr_divide_levels': False, 'btt_factors': 'sqrt', 'bilinear_rms_cap': False, 'gswa_ranks': ''}
 
 # -----------------------------------------------------------------------------
 # flags and presets
 
+# Every value of a preset, with where it comes from. "official" = the paper's public code (the MLR run of
+# scripts/language_modeling/submit_language_modeling_greene.sh over config/struct_configs/train_struct_gpt2.py
+# and train.py's defaults; src/model.py, src/muP.py, src/lr_schedule.py). Flags given on the command line
+# override a preset.
 PRESETS = {
-    # ~10 min for --attn mlr on an idle 2-core CPU (standard: ~5); SWA window T/8 like the paper's 128/1024
-    'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, window=32, global_layers='1,3',
-                batch_size=16, grad_accum=1, lr=3e-3, warmup_iters=100, max_iters=1000,
-                eval_interval=100, eval_iters=20),
-    # paper §5.1: 6 layers, head width 64, T = 1024, ranks 32|8|6|4|4|4|4|2, SWA w = 128, global layers
-    # 1 and 4, muP logits, AdamW, warmup then constant lr. The paper's batch size and lr were lost in the
-    # text conversion; these are ours.
-    'paper': dict(n_layer=6, n_head=8, n_embd=512, block_size=1024, window=128, global_layers='1,4',
-                  ranks='32|8|6|4|4|4|4|2', logit_scale='mup', batch_size=32, grad_accum=2, lr=3e-3,
-                  warmup_iters=500, max_iters=20000, eval_interval=500, eval_iters=50),
+    # Project's CPU scale (~10 min for --attn mlr on an idle 2-core CPU, standard ~5); the README's numbers.
+    'cpu': dict(
+        n_layer=4, n_head=4, n_embd=128, block_size=256,   # CPU scale (official: 6 layers, 12 x 64, T = 1024)
+        ranks='auto',                 # official 32|8|6|4|4|4|4|2 scaled to d = 32 (default_ranks)
+        window=32,                    # T/8 look-back, as the official 128 at T = 1024
+        global_layers='1,3',          # project choice for 4 layers (official: 0-based 0 and 3 of 6)
+        gswa_ranks='',                # half|half of the head (official 32|32 at d = 64)
+        qk_ln=False,                  # project default (official on)
+        mlr_divide_levels=False,      # project default (official on)
+        logit_scale='auto',           # MLR 1/r_l (official), standard / SWA 1/sqrt(d) (official LM: 8/d)
+        mup_alpha=8.0, mup_base_width=128,   # base width = our D (official 768)
+        emb_std=1.0,                  # project's N(0, 1) muP input layer (official 0.02)
+        bilinear_rms_cap=False, btt_factors='sqrt',   # project defaults (official: on, official factors)
+        batch_size=16, grad_accum=1,  # 4096 chars / step (official 32 x 1024)
+        lr=3e-3, weight_decay=0.1, adam_eps=1e-8,    # tuned here (official 1.65e-2, 0, 1e-20)
+        warmup_iters=100, lr_schedule='constant', max_iters=1000,   # official schedule shape, shorter
+        eval_interval=100, eval_iters=20),
+    # The official MLR language-model run (paper §5.1, Fig. 4), value by value.
+    'paper': dict(
+        n_layer=6,                    # train_struct_gpt2.py: n_layer = 6
+        n_embd=768, n_head=12,        # submit script: d_model 768; config: d_head = 64 -> 12 heads
+        block_size=1024,              # submit script: block_size=1024
+        ranks='32|8|6|4|4|4|4|2',     # submit script: mlr_rank_list
+        mlr_divide_levels=True,       # submit script: mlr_block_divide_by_num_levels=True (covering levels)
+        qk_ln=True,                   # config: do_qk_ln = True (MLR: whole head, before the rank split)
+        logit_scale='paper',          # per --attn, see PAPER_LOGIT_SCALE: MLR 1/r_l, standard / SWA 8/d
+        mup_alpha=8.0,                # src/model.py: k * 8 / sqrt(d) when mha_SP_attn_logits_scaling=False
+        mup_base_width=768,           # src/muP.py: base_width_factor = 768 (lr x 768 / fan_in)
+        emb_std=0.02,                 # src/muP.py: wte and wpe N(0, 0.02^2), lr x 1
+        window=128,                   # paper caption T' = 128; submit script's sequential-GSWA block
+        global_layers='0,3',          # config: sequential_GSWA_layer_list MHA|SWA|SWA|MHA|SWA|SWA (paper: 1 and 4)
+        gswa_ranks='32|32',           # config: gswa_rank_list (global_swa_split)
+        bilinear_rms_cap=True,        # src/model.py: bilinear projections always rescaled (`if True:`)
+        btt_factors='official',       # src/model.py: BilinearBTTAttention.factorize
+        batch_size=4, grad_accum=8,   # submit script batch_size=4; config gradient_accumulation_steps = 8
+        lr=1.65e-2,                   # submit script: init_lr 1.65e-2 (MLR, D = 768)
+        weight_decay=0.0,             # config: weight_decay = 0.0
+        adam_eps=1e-20,               # src/muP.py: AdamW(..., eps=1e-20); betas 0.9, 0.95 as our default
+        warmup_iters=2000,            # train.py: warmup_iters = 2000 (linear from 0)
+        lr_schedule='constant',       # config: decay_lr = False
+        max_iters=100_000,            # config: max_iters = 100_000
+        eval_interval=200,            # config: eval_interval = 200
+        eval_iters=200),              # train.py: eval_iters = 200; bf16 on GPU is --dtype auto, as train.py
 }
+
+# logit_scale 'paper': the scale each variant had in the official LM code (attention.logit_scales).
+PAPER_LOGIT_SCALE = {
+    'mlr': 'inv',                     # AttentionMLR: c_l = 1 / r_l
+    'standard': 'mup', 'swa': 'mup',  # mha_SP_attn_logits_scaling=False: 8 / d
+    'global_swa_split': 'mup',        # CausalSelfGlobalSlidingWindowAttention: 8 / r_global, 8 / r_local
+    'bilinear_mlr': 'mup',            # submit script's bilinear block: bilinear_mlr_muP_attn_logits_scaling=True
+}                                     # others (bilinear_btt, linear, brl): 'auto'
+
+
+def paper_logit_scale(attn, layer_pattern, n_layer, global_layers):
+    """logit_scale 'paper' resolved for this model: the one PAPER_LOGIT_SCALE value all its layers share."""
+    cfg = ModelConfig(n_layer=n_layer, attn=attn, layer_pattern=layer_pattern, global_layers=global_layers)
+    rules = {k: PAPER_LOGIT_SCALE.get(k, 'auto') for k in cfg.layer_kinds()}
+    if len(set(rules.values())) > 1:
+        raise ValueError(f"--logit_scale paper: the official code scales these layers differently ({rules}); "
+                         f"give --logit_scale auto, sqrt, mup or inv")
+    return next(iter(rules.values()))
 
 
 def positive_int(s):
@@ -260,9 +337,7 @@ def positive_int(s):
 
 
 def build_parser():
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
     g = p.add_argument_group('mode (default: train)')
     g.add_argument('--sample', action='store_true', help='generate text from <out_dir>/ckpt.pt instead of training')
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
@@ -282,15 +357,28 @@ def build_parser():
     g.add_argument('--ranks', default='auto', help="MLR rank allocation 'r0|r1|...' summing to d (auto: paper's scaled to d)")
     g.add_argument('--mlr_block_sizes', default='', help="MLR level block sizes, e.g. '256|64|16' (default T/2^l)")
     g.add_argument('--btt_rank', type=positive_int, default=1, help='bilinear_btt: BTT rank s')
-    g.add_argument('--window', type=positive_int, help='SWA / BRL local window w')
-    g.add_argument('--global_layers', help="global_swa: 0-based layers with global attention, e.g. '1,3'")
+    g.add_argument('--window', type=positive_int, help='SWA / BRL look-back w: query i sees keys i-w..i (w + 1 '
+                   'keys), as the official sliding_block_size')
+    g.add_argument('--global_layers', help="global_swa: 0-based layers with global attention, e.g. '0,3' (the "
+                   "paper's layers 1 and 4)")
+    g.add_argument('--gswa_ranks', help="global_swa_split: 'global|local' features per head ('' = half|half)")
     g.add_argument('--n_compressed', type=positive_int, default=16, help='BRL: number of compressed tokens m')
     g.add_argument('--brl_block', type=int, default=0, help='BRL: causal block size (0 = window)')
-    g.add_argument('--qk_ln', action='store_true', help='LayerNorm on queries and keys')
-    g.add_argument('--logit_scale', choices=['sqrt', 'mup'], default='sqrt', help='1/sqrt(d) or muP alpha/d')
-    g.add_argument('--mup_alpha', type=float, default=8.0, help='muP logit scale alpha')
+    g.add_argument('--brl_history', choices=['global', 'block'], default='global',
+                   help='BRL: compressed tokens of block b read block b-1 and those of b-1 (global) or block b-1 only')
+    g.add_argument('--qk_ln', action=argparse.BooleanOptionalAction, help='LayerNorm on queries and keys')
+    g.add_argument('--mlr_divide_levels', action=argparse.BooleanOptionalAction,
+                   help='MLR: divide each score by the number of levels covering the pair')
+    g.add_argument('--logit_scale', choices=['auto', 'sqrt', 'mup', 'inv', 'paper'],
+                   help="per score term of width R: sqrt 1/sqrt(R), mup alpha/R, inv 1/R, auto each variant's "
+                        "reference (MLR 1/r_l, others 1/sqrt(R)), paper the official LM run's (PAPER_LOGIT_SCALE)")
+    g.add_argument('--mup_alpha', type=float, help="alpha of --logit_scale mup")
+    g.add_argument('--emb_std', type=float, help='init std of the token and position embeddings')
+    g.add_argument('--bilinear_rms_cap', action=argparse.BooleanOptionalAction,
+                   help='bilinear_mlr / bilinear_btt: the official rescaling W / max(1, RMS(W) / init scale)')
+    g.add_argument('--btt_factors', choices=['sqrt', 'official'], help='bilinear_btt: BTT shape')
     g.add_argument('--rope', action='store_true', help='rotary positions (standard/swa) instead of learned ones')
-    g.add_argument('--mup_base_width', type=positive_int, default=128, help='muP: lr multiplier = base_width / fan_in')
+    g.add_argument('--mup_base_width', type=positive_int, help='muP: lr multiplier = base_width / fan_in')
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=positive_int, help='sequences per micro-step per process')
     g.add_argument('--grad_accum', type=positive_int, help='micro-steps per optimizer step')
@@ -299,8 +387,9 @@ def build_parser():
     g.add_argument('--lr', type=float, help='base AdamW lr (muP scales it per parameter)')
     g.add_argument('--lr_schedule', choices=['constant', 'cosine'], default='constant', help='after the warmup')
     g.add_argument('--warmup_iters', type=int, help='linear warmup steps')
-    g.add_argument('--weight_decay', type=float, default=0.1, help='AdamW weight decay (matrices only)')
-    g.add_argument('--beta2', type=float, default=0.95, help='AdamW beta2')
+    g.add_argument('--weight_decay', type=float, help='AdamW weight decay (matrices only)')
+    g.add_argument('--beta2', type=float, default=0.95, help='AdamW beta2 (beta1 0.9)')
+    g.add_argument('--adam_eps', type=float, help='AdamW eps')
     g.add_argument('--grad_clip', type=float, default=1.0, help='clip the gradient norm (0 = off)')
     g = p.add_argument_group('eval, logging, checkpoints')
     g.add_argument('--out_dir', default='', help="run directory ('' = out/lm_<attn>)")
@@ -308,13 +397,15 @@ def build_parser():
     g.add_argument('--eval_iters', type=positive_int, help='val batches per evaluation')
     g.add_argument('--log_interval', type=positive_int, default=10, help='steps between log lines')
     g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt')
+    g.add_argument('--overwrite', action='store_true', help='replace the run in <out_dir> (without it, or --resume, '
+                   'an out_dir that holds a checkpoint is refused)')
     g.add_argument('--no_bar', action='store_true', help='no tqdm progress bar')
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
     g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='autocast dtype (auto: bf16 on GPU)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
-    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default; on a busy machine '
-                   '1 avoids oversubscription, which here made 2 threads ~20x slower)')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core; '
+                   'threads that are out of work sleep after ~0.1 ms, so the default also suits a shared machine)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
     g = p.add_argument_group('sampling (--sample)')
     g.add_argument('--prompt', default='def ', help='text to continue')
@@ -336,47 +427,29 @@ def parse_args(argv=None):
     parser.set_defaults(**PRESETS[args.preset])
     args = parser.parse_args(argv)
     args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
-    defaults = {k: parser.get_default(k) for k in vars(args)}
-    args._given = sorted(k for k, v in vars(args).items() if v != defaults[k])  # explicitly set flags
+    if args.logit_scale == 'paper':  # the official LM run's scale for this --attn (PAPER_LOGIT_SCALE)
+        args.logit_scale = paper_logit_scale(args.attn, args.layer_pattern, args.n_layer, args.global_layers)
+    check_ranges(parser, args, positive=['lr', 'mup_alpha'], non_negative=[
+        'warmup_iters', 'max_flops', 'weight_decay', 'grad_clip', 'threads', 'temperature', 'top_k', 'brl_block'])
+    if not 0 <= args.beta2 < 1:
+        parser.error(f"--beta2 {args.beta2}: must be in [0, 1)")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    args._given = sorted(given_flags(parser, argv))  # the flags on the command line
     return args
 
 # -----------------------------------------------------------------------------
-# checkpoints: one dict, written atomically, read with weights_only=True
+# checkpoints: one dict {model, optimizer, config, step, ...}, written atomically (attention.save_checkpoint),
+# read with weights_only=True and one-line errors (attention.load_checkpoint)
 
-
-def save_checkpoint(path, ckpt):
-    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
-
-
-def load_checkpoint(path):
-    if not os.path.exists(path):
-        raise ValueError(f"no checkpoint at {path!r} (train first, or point --out_dir at a run directory)")
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        raise ValueError(f"checkpoint {path!r} is unreadable (truncated or corrupt?): {type(e).__name__}: "
-                         f"{str(e)[:200]}. Delete it or train again.") from None
-    missing = {'model', 'optimizer', 'config', 'step', 'itos'} - set(ckpt if isinstance(ckpt, dict) else ())
-    if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {sorted(missing)}; not written by train_lm.py?")
-    return ckpt
-
-
+CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'itos')
+# --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
 RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'eval_iters', 'log_interval', 'out_dir',
-                    'device', 'dtype', 'compile', 'threads', 'no_bar', 'cache_dir'}
+                    'device', 'dtype', 'compile', 'threads', 'no_bar', 'cache_dir', 'prompt', 'max_new_tokens',
+                    'num_samples', 'temperature', 'top_k', 'no_cache', 'bench_steps', 'bench_reps', 'plot'}
 
 # -----------------------------------------------------------------------------
 # training
-
-
-def pick_device(device):
-    if device == 'auto':
-        return 'cuda' if torch.cuda.is_available() else 'cpu'
-    if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
-        raise ValueError(f"--device {device!r}: valid are auto, cpu, cuda, cuda:N")
-    if device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r} but CUDA is not available here; use --device cpu")
-    return device
 
 
 def train(args):
@@ -400,13 +473,13 @@ def train(args):
             tqdm.write(msg)
             sys.stdout.flush()
 
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt_path, log_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'log.json')
+    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite)  # writable, no earlier run lost
     ckpt = None
-    if args.resume:  # shape-defining settings come from the checkpoint; run-length/logging flags may change
-        ckpt = load_checkpoint(ckpt_path)
-        for k, v in ckpt['config'].items():
-            if not (k in RESUME_OVERRIDES and k in args._given):
-                setattr(args, k, v)
+    if args.resume:  # the checkpoint's settings win; a conflicting flag is refused, run-length/logging may change
+        ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+        ckpt['config'] = upgrade_run_config(ckpt['config'])
+        resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
     cfg = {k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare',)}
 
     # data (rank 0 encodes the corpus once; the others wait for it)
@@ -429,16 +502,16 @@ def train(args):
     mconf = model_config(cfg)
     if cfg['ranks'] == 'auto':
         cfg['ranks'] = mconf.ranks or 'auto'  # the checkpoint keeps the resolved allocation
-    model = GPT(mconf, len(meta['itos'])).to(device)
+    model = GPT(mconf, len(meta['itos']), cfg.get('emb_std', 1.0)).to(device)
     groups = optimizer_groups(model, args.lr, args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2))
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2), eps=cfg.get('adam_eps', 1e-8))
     gen = torch.Generator().manual_seed(args.seed)  # the data order
     step, flops, train_time, history = 0, 0.0, 0.0, []
     if ckpt is not None:
         model.load_state_dict(ckpt['model'])
         optimizer.load_state_dict(ckpt['optimizer'])
         gen.set_state(ckpt['data_rng'])
-        torch.set_rng_state(ckpt['torch_rng'])
+        set_rng_state(ckpt['rng']) if 'rng' in ckpt else torch.set_rng_state(ckpt['torch_rng'])
         step, flops, train_time, history = ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
     raw_model = model
     if args.compile:
@@ -459,9 +532,7 @@ def train(args):
     log(f"attn={args.attn} ranks={mconf.ranks or '-'} | {n_params / 1e6:.2f}M params | data {meta['source']} "
         f"({meta['n_train'] / 1e6:.2f}M train / {meta['n_val'] / 1e6:.2f}M val chars, vocab {len(meta['itos'])}, "
         f"unigram entropy {meta['unigram_entropy']:.3f} nats) | {tokens_per_iter} tokens/step x {max_iters} steps, "
-        f"{flops_per_iter:.3g} FLOPs/step | device {device} {dtype} x{world}")
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
+        f"{flops_per_iter:.3g} FLOPs/step | device {device} {dtype} x{world} | threads: {torch.get_num_threads()}")
 
     @torch.no_grad()
     def evaluate():
@@ -486,62 +557,70 @@ def train(args):
         progress = (it - args.warmup_iters) / max(1, max_iters - args.warmup_iters)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
-    losses = []  # (step, train loss) of this invocation, for tests
+    def save():  # all that an exact resume needs
+        save_checkpoint(ckpt_path, dict(
+            script=SCRIPT, model=raw_model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, step=step,
+            flops=flops, train_time=train_time, history=history, itos=meta['itos'], data_rng=gen.get_state(),
+            rng=rng_state()))
+        write_json(log_path, dict(config=cfg, history=history))
+
+    losses = []  # (step, train loss) of every step of this invocation, for tests
     bar = tqdm(total=max_iters, initial=step, disable=not master or args.no_bar, leave=False, dynamic_ncols=True)
     steps_since_log, time_since_log = 0, 0.0
-    while True:
-        if (step % args.eval_interval == 0 or step >= max_iters) and not (ckpt is not None and step == ckpt['step']):
-            val = evaluate()
-            history.append(dict(step=step, flops=flops, time=train_time, val_loss=val))
-            log(f"step {step}: val loss {val:.4f} | {flops:.3g} FLOPs | {train_time:.0f}s")
-            if master:
-                save_checkpoint(ckpt_path, dict(
-                    model=raw_model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, step=step,
-                    flops=flops, train_time=train_time, history=history, itos=meta['itos'],
-                    data_rng=gen.get_state(), torch_rng=torch.get_rng_state()))
-                write_json(os.path.join(args.out_dir, 'log.json'), dict(config=cfg, history=history))
-        if step >= max_iters:
-            break
+    # Ctrl-C ends the step, saves and stops; not under DDP, where ranks could stop at different steps
+    with nullcontext(argparse.Namespace(stop=False)) if ddp else ctrl_c_finishes_step() as ctrl_c:
+        while True:
+            evaluated = ((step % args.eval_interval == 0 or step >= max_iters)
+                         and not (ckpt is not None and step == ckpt['step']))
+            if evaluated:
+                val = evaluate()
+                history.append(dict(step=step, flops=flops, time=train_time, val_loss=val))
+                log(f"step {step}: val loss {val:.4f} | {flops:.3g} FLOPs | {train_time:.0f}s")
+                if master:
+                    save()
+            if step >= max_iters:
+                break
+            if ctrl_c.stop:
+                if not evaluated:
+                    save()
+                raise Interrupted(f"at step {step}: saved {ckpt_path}; continue with --resume")
 
-        t0 = time.time()
-        lr = lr_at(step)
-        for g in optimizer.param_groups:
-            g['lr'] = lr * g['lr_mult']  # muP: each group keeps its multiplier
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            x, y = get_batch(splits['train'], args.batch_size, T, gen, rank, world)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if ddp:  # only sync gradients on the last micro-step
-                model.require_backward_grad_sync = micro == args.grad_accum - 1
-            with autocast:
-                _, loss = model(x, y)
-            (loss / args.grad_accum).backward()
-            loss_sum += loss.detach()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        flops += flops_per_iter
-        dt = time.time() - t0
-        train_time += dt
-        steps_since_log += 1
-        time_since_log += dt
-        bar.update(1)
-
-        if step % args.log_interval == 0 or step == max_iters:
+            t0 = time.time()
+            lr = lr_at(step)
+            for g in optimizer.param_groups:
+                g['lr'] = lr * g['lr_mult']  # muP: each group keeps its multiplier
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(args.grad_accum):
+                x, y = get_batch(splits['train'], args.batch_size, T, gen, rank, world)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if ddp:  # only sync gradients on the last micro-step
+                    model.require_backward_grad_sync = micro == args.grad_accum - 1
+                with autocast:
+                    _, loss = model(x, y)
+                (loss / args.grad_accum).backward()
+                loss_sum += loss.detach()
             loss_t = loss_sum / args.grad_accum
-            if ddp:
+            if ddp:  # every rank sees the same loss, so that all stop together on a NaN
                 dist.all_reduce(loss_t)
                 loss_t /= world
-            lossf = loss_t.item()  # syncs the GPU, so the times below are honest
-            time_since_log += time.time() - t0 - dt
+            lossf = check_loss(loss_t, step + 1, f"Try a lower --lr than {args.lr:g}, or a longer --warmup_iters "
+                                                 f"than {args.warmup_iters}")  # a NaN stops here, before the update
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            flops += flops_per_iter
+            dt = time.time() - t0
+            train_time += dt
+            steps_since_log += 1
+            time_since_log += dt
             losses.append((step, lossf))
-            if not math.isfinite(lossf):
-                raise ValueError(f"train loss is {lossf} at step {step}; try a lower --lr")
-            log(f"step {step:5d} | loss {lossf:.4f} | lr {lr:.2e} | {1000 * time_since_log / steps_since_log:.0f} ms/step"
-                f" | {tokens_per_iter * steps_since_log / time_since_log:.0f} tok/s | {flops:.3g} FLOPs")
-            steps_since_log, time_since_log = 0, 0.0
+            bar.update(1)
+            if step % args.log_interval == 0 or step == max_iters:
+                log(f"step {step:5d} | loss {lossf:.4f} | lr {lr:.2e} | {1000 * time_since_log / steps_since_log:.0f} "
+                    f"ms/step | {tokens_per_iter * steps_since_log / time_since_log:.0f} tok/s | {flops:.3g} FLOPs")
+                steps_since_log, time_since_log = 0, 0.0
     bar.close()
 
     result = dict(losses=losses, history=history, val_loss=history[-1]['val_loss'], out_dir=args.out_dir,
@@ -555,6 +634,9 @@ def train(args):
         if master:
             write_json(os.path.join(args.out_dir, 'ddp.json'), result)
         dist.destroy_process_group()
+    if master:
+        report_outputs(checkpoint=ckpt_path, log=log_path,
+                       ddp_check=os.path.join(args.out_dir, 'ddp.json') if ddp else None)
     return result
 
 # -----------------------------------------------------------------------------
@@ -599,8 +681,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
 
 def sample(args):
     device = pick_device(args.device)
-    ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'))
-    cfg, itos = ckpt['config'], ckpt['itos']
+    ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
+    cfg, itos = upgrade_run_config(ckpt['config']), ckpt['itos']
     model = GPT(model_config(cfg), len(itos)).to(device)
     model.load_state_dict(ckpt['model'])
     model.eval()
@@ -768,7 +850,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)

@@ -1,6 +1,6 @@
 """
 Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ...
-(seed 004 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; SPEC §11).
+(seed 004 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
 
 One bidirectional attention.Transformer (causal=False) reads token (or pixel) embeddings plus learned
 positions, with a padding mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval
@@ -39,6 +39,12 @@ import re
 import sys
 import time
 
+# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
+# milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
+if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
+    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
+    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -47,7 +53,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
+# run safety shared by the four train scripts (attention.py, last section)
+from attention import (ArgParser, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
+                       ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
+                       remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
+                       set_rng_state, write_json)
 
+SCRIPT = 'train_lra.py'
 TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
 
 # Table 12 of seed 004 (depth, features, heads, FF size, batch, pooling, lr) plus LRA's sequence lengths.
@@ -139,11 +151,11 @@ def generate_listops(n, min_len, max_len, seed, exclude=(), max_depth=10, max_ar
 
 
 def write_tsv(path, header, rows):
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        f.write('\t'.join(header) + '\n')
-        f.writelines('\t'.join(str(c) for c in r) + '\n' for r in rows)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, 'w') as f:
+            f.write('\t'.join(header) + '\n')
+            f.writelines('\t'.join(str(c) for c in r) + '\n' for r in rows)
+    atomic_write(path, write)
 
 
 def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
@@ -151,8 +163,9 @@ def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
     then val (seed+1), then train (seed+2), each avoiding the earlier ones, so the test set does not
     depend on n_train."""
     d = os.path.join(cache_dir, f'listops_len{min_len}-{max_len}_n{n_train}-{n_val}-{n_test}_seed{seed}')
-    if not os.path.exists(os.path.join(d, 'basic_train.tsv')):
+    if not os.path.exists(os.path.join(d, 'basic_train.tsv')):   # written last
         os.makedirs(d, exist_ok=True)
+        remove_orphan_tmp(d)                                      # of an earlier write that was killed
         seen = set()
         for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
             rows = generate_listops(n, min_len, max_len, seed + i, exclude=seen)
@@ -309,9 +322,11 @@ def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
 
 
 def save_npz(path, arrays):
-    tmp = path + '.tmp.npz'
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
+            np.savez_compressed(f, **arrays)
+    remove_orphan_tmp(os.path.dirname(path))  # of an earlier write that was killed
+    atomic_write(path, write)
 
 
 def show_pathfinder(data, path, n=16):
@@ -355,18 +370,31 @@ def load_listops_release(data_dir, max_len):
     """lra_release/listops-1000/basic_{train,val,test}.tsv: header Source<TAB>Target."""
     out = {}
     for split in ('train', 'val', 'test'):
-        with open(_one(os.path.join(data_dir, f'*_{split}.tsv'))) as f:
+        ids, labels = [], []
+        with open(_one(os.path.join(data_dir, f'*_{split}.tsv')), encoding='utf-8') as f:
             header = f.readline().rstrip('\n').split('\t')
             if header[:2] != ['Source', 'Target']:
                 raise ValueError(f"{f.name}: expected header Source<TAB>Target, got {header}")
-            rows = [line.rstrip('\n').split('\t') for line in f if line.strip()]
-        ids = []
-        for src, _ in rows:
-            try:
-                ids.append([LISTOPS_ID[t] for t in listops_tokens(src)])
-            except KeyError as e:
-                raise ValueError(f"{f.name}: unknown ListOps token {e.args[0]!r}; valid: {LISTOPS_VOCAB[1:]}") from None
-        out[split] = (_pad_rows(ids, max_len), np.array([int(float(t)) for _, t in rows], np.int64))
+            for n, line in enumerate(f, 2):
+                if not line.strip():
+                    continue
+                cols = line.rstrip('\n').split('\t')
+                if len(cols) != 2:
+                    raise ValueError(f"{f.name} line {n}: expected Source<TAB>Target, got {len(cols)} column(s)")
+                try:
+                    ids.append([LISTOPS_ID[t] for t in listops_tokens(cols[0])])
+                except KeyError as e:
+                    raise ValueError(f"{f.name} line {n}: unknown ListOps token {e.args[0]!r}; valid: "
+                                     f"{LISTOPS_VOCAB[1:]}") from None
+                if not re.fullmatch(r'\d(\.0*)?', cols[1].strip()):
+                    raise ValueError(f"{f.name} line {n}: label {cols[1]!r} is not a digit 0-9")
+                labels.append(int(float(cols[1])))
+        if not ids:
+            raise ValueError(f"{f.name}: no examples")
+        cut = sum(len(r) > max_len for r in ids)
+        if cut:   # said, not silent: a cut expression has another value
+            print(f"note: {cut} of {len(ids)} {split} examples in {f.name} are longer than --max_len {max_len} and cut")
+        out[split] = (_pad_rows(ids, max_len), np.array(labels, np.int64))
     return out
 
 
@@ -448,14 +476,31 @@ def load_pathfinder_release(data_dir):
     return {'train': (x[:a], y[:a]), 'val': (x[a:b], y[a:b]), 'test': (x[b:], y[b:])}
 
 
+RELEASE_CACHE_FORMAT = 2  # bump when a loader changes what it returns
+
+
+def release_fingerprint(data_dir, task, max_len):
+    """Key of the parsed-release cache: the task, max_len and every file under data_dir with its size and
+    mtime, so that an edited or replaced release file is parsed again instead of a stale cache being used."""
+    stats = []
+    for root, dirs, files in os.walk(data_dir):
+        dirs.sort()
+        for name in sorted(files):
+            st = os.stat(os.path.join(root, name))
+            stats.append((os.path.relpath(os.path.join(root, name), data_dir), st.st_size, st.st_mtime_ns))
+    return hashlib.sha1(json.dumps([RELEASE_CACHE_FORMAT, task, max_len, stats]).encode()).hexdigest()[:12]
+
+
 def load_task(args):
     """-> (splits {train, val, test: (x, y)}, meta {vocab, classes, pixels, dual})."""
     pixels = args.task in ('image', 'pathfinder')
     meta = dict(vocab=256 if pixels else (len(LISTOPS_VOCAB) if args.task == 'listops' else 257),
                 classes={'listops': 10, 'image': 10}.get(args.task, 2), pixels=pixels, dual=args.task == 'retrieval')
     if args.data_dir:
-        key = hashlib.md5(os.path.abspath(args.data_dir).encode()).hexdigest()[:8]
-        path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_{key}.npz')
+        if not os.path.isdir(args.data_dir):
+            raise ValueError(f"--data_dir {args.data_dir!r}: no such folder")
+        path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
+                                            f'{release_fingerprint(args.data_dir, args.task, args.max_len)}.npz')
         if os.path.exists(path):
             z = np.load(path)
             return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
@@ -463,7 +508,15 @@ def load_task(args):
                   'text': lambda d: load_text_release(d, args.max_len),
                   'retrieval': lambda d: load_retrieval_release(d, args.max_len),
                   'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
-        data = loader(args.data_dir)
+        try:   # a wrong folder or a damaged file: one line naming both, not a traceback from a loader
+            data = loader(args.data_dir)
+        except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
+            raise ValueError(f"--data_dir {args.data_dir!r} is not a readable {args.task} release folder: "
+                             f"{type(e).__name__}: {e}") from None
+        for split, (_, y) in data.items():
+            if len(y) == 0 or y.min() < 0 or y.max() >= meta['classes']:
+                raise ValueError(f"--data_dir {args.data_dir!r}: {split} labels must be 0..{meta['classes'] - 1} "
+                                 f"for {args.task}, got {sorted(set(y.tolist()))[:12] if len(y) else 'none'}")
         os.makedirs(args.cache_dir, exist_ok=True)
         save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
     elif args.task == 'listops':
@@ -549,18 +602,6 @@ def make_batch(x, pad, trim, device):
 # -----------------------------------------------------------------------------
 # training and evaluation
 
-def pick_device(name):
-    if name == 'auto':
-        return 'cuda' if torch.cuda.is_available() else 'cpu'
-    try:
-        torch.device(name)
-    except RuntimeError:
-        raise SystemExit(f"--device {name!r}: not a torch device (valid: auto, cpu, cuda, cuda:N)") from None
-    if name.startswith('cuda') and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: CUDA is not available here (valid: auto, cpu)")
-    return name
-
-
 @torch.no_grad()
 def evaluate(model, x, y, args, pad, device):
     model.eval()
@@ -572,12 +613,6 @@ def evaluate(model, x, y, args, pad, device):
     return correct / max(len(x), 1)
 
 
-def save_checkpoint(path, ckpt):
-    tmp = path + '.tmp'
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)    # atomic: a crash never leaves half a checkpoint
-
-
 def lr_at(step, args):
     """Linear warmup, then cosine decay to 10% of the peak."""
     if step < args.warmup:
@@ -586,23 +621,30 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
 
 
+# --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
+RESUME_OVERRIDES = {'steps', 'eval_interval', 'eval_batch_size', 'log_interval', 'out_dir', 'device', 'threads',
+                    'save', 'progress', 'cache_dir', 'compare', 'bench', 'bench_lens', 'bench_lens_list', 'bench_attn',
+                    'bench_batch', 'bench_reps', 'bench_max_sec', 'bench_max_gb'}
+CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'history', 'best')
+
+
 def train(args):
-    torch.manual_seed(args.seed)
+    """Train, evaluating and checkpointing <out_dir>/ckpt.pt every eval_interval steps; --resume continues the
+    checkpoint exactly (batch order, RNGs, running log); Ctrl-C saves and stops; a NaN loss stops the run."""
     device = pick_device(args.device)
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
+    prepare_out_dir(args.out_dir, [] if args.show else [ckpt_path, results_path], args.resume, args.overwrite)
     state = None
-    if args.resume:
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
-        for k in ('task', 'data_dir', 'attn', 'n_layer', 'n_head', 'n_embd', 'ff', 'max_len', 'window', 'n_compressed',
-                  'ranks', 'pooling', 'pos', 'pixel_embed', 'no_diff'):
-            setattr(args, k, state['config'][k])      # shape-defining settings come from the checkpoint
+    if args.resume:   # the checkpoint's settings win; a flag that conflicts with them is refused
+        state = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+        resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
+    torch.manual_seed(args.seed)
     data, meta = load_task(args)
     if args.show:
-        os.makedirs(args.out_dir, exist_ok=True)
-        return show_pathfinder(data, os.path.join(args.out_dir, 'lra_pathfinder_samples.png'))
-    (xtr, ytr), (xva, yva), (xte, yte) = data['train'], data['val'], data['test']
+        path = os.path.join(args.out_dir, 'lra_pathfinder_samples.png')
+        show_pathfinder(data, path)
+        return report_outputs(samples=path)
+    (xtr, _), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
     if xtr.shape[-1] > args.max_len:
         raise SystemExit(f"sequences of length {xtr.shape[-1]} exceed --max_len {args.max_len}")
     pad = not meta['pixels']
@@ -612,76 +654,107 @@ def train(args):
         raise SystemExit(f"error: {e}") from None
     model.to(device)
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
+    gen = torch.Generator().manual_seed(args.seed)           # the batch order
+    # the loop's state besides weights, optimizer and RNGs: a resumed run continues it exactly
+    st = dict(step=0, history=[], best={'val': -1.0, 'test': None, 'step': 0}, t_train=0.0,
+              order=torch.randperm(len(xtr), generator=gen), pos=0, losses=[], hits=0, seen=0)
     if state is not None:
         model.load_state_dict(state['model'])
         opt.load_state_dict(state['optimizer'])
+        if 'loop' in state:
+            st = state['loop']
+            gen.set_state(state['data_rng'])
+            set_rng_state(state['rng'])
+        else:                    # a checkpoint from before exact resume: its step, history and best only
+            st.update(step=state['step'], history=state['history'], best=state['best'])
+            print('note: an older checkpoint without the batch order: the resumed run draws a new one')
     n_params = sum(p.numel() for p in model.parameters())
     print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
-          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device}")
-    print('config: ' + json.dumps(vars(args), sort_keys=True))
-    os.makedirs(args.out_dir, exist_ok=True)
-    start, history = (state['step'], state['history']) if state else (0, [])
-    best = state['best'] if state else {'val': -1.0, 'test': None, 'step': 0}
-    gen = torch.Generator().manual_seed(args.seed + start)   # a resumed run draws a new batch order
-    order, pos = torch.randperm(len(xtr), generator=gen), 0
-    t_train = history[-1]['train_seconds'] if history else 0.0
-    t_start, n_tokens, losses, hits, seen = t_train, 0, [], 0, 0
-    bar = tqdm(range(start, args.steps), disable=not args.progress, desc=f'{args.task}/{args.attn}', leave=False)
-    for step in bar:
-        if pos + args.batch_size > len(order):
-            order, pos = torch.randperm(len(xtr), generator=gen), 0
-        idx = order[pos:pos + args.batch_size].numpy()
-        pos += args.batch_size
-        xb, mb = make_batch(xtr[idx], pad, args.trim, device)
-        yb = torch.as_tensor(ytr[idx]).to(device)
-        for g in opt.param_groups:
-            g['lr'] = lr_at(step, args) * g.get('lr_mult', 1.0)
-        t0 = time.perf_counter()
-        logits = model(xb, mb)
-        loss = F.cross_entropy(logits, yb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        if device.startswith('cuda'):
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        t_train += dt
-        n_tokens += int(mb.sum()) if mb is not None else xb.numel()
-        losses.append(loss.item())
-        hits += (logits.argmax(-1) == yb).sum().item()
-        seen += len(yb)
-        if (step + 1) % args.log_interval == 0:
-            msg = (f"step {step + 1}/{args.steps} | loss {np.mean(losses):.4f} | train acc {hits / seen:.3f} | "
-                   f"lr {lr_at(step, args):.2e} | {1e3 * dt:.0f} ms | {n_tokens / (t_train - t_start):.0f} tok/s")
-            tqdm.write(msg) if args.progress else print(msg)
-            bar.set_postfix(loss=f'{np.mean(losses):.3f}')
-            losses, hits, seen = [], 0, 0
-        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            val = evaluate(model, xva, yva, args, pad, device)
-            if val > best['val']:
-                best = {'val': val, 'test': evaluate(model, xte, yte, args, pad, device), 'step': step + 1}
-            history.append({'step': step + 1, 'val_acc': val, 'train_seconds': t_train})
-            msg = f"eval step {step + 1}: val acc {val:.4f} | best val {best['val']:.4f} (test {best['test']:.4f})"
-            tqdm.write(msg) if args.progress else print(msg)
-            if args.save:
-                save_checkpoint(ckpt_path, {'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                                            'config': vars(args), 'step': step + 1, 'history': history,
-                                            'best': best})
-    bar.close()
-    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': vars(args),
+          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
+    config = {k: v for k, v in vars(args).items() if not k.startswith('_')}
+    print('config: ' + json.dumps(config, sort_keys=True))
+
+    def save():
+        """ckpt.pt (with --save): all that an exact resume needs. -> its path, or None."""
+        if not args.save:
+            return None
+        save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                                    'config': config, 'step': st['step'], 'history': st['history'],
+                                    'best': st['best'], 'loop': st, 'data_rng': gen.get_state(), 'rng': rng_state()})
+        return ckpt_path
+
+    start, t_start = st['step'], st['t_train']
+    n_tokens = train_steps(model, opt, args, st, gen, data, pad, device, save)
+    t_train, best, history = st['t_train'], st['best'], st['history']
+    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config,
                'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
                'final_test_acc': evaluate(model, xte, yte, args, pad, device),
                'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
                'majority_test_acc': float(np.bincount(yte).max() / len(yte)),      # always guess the commonest class
                'train_seconds': t_train, 'ms_per_step': 1e3 * (t_train - t_start) / max(1, args.steps - start),
                'tokens_per_second': n_tokens / max(t_train - t_start, 1e-9), 'history': history}
-    with open(os.path.join(args.out_dir, 'results.json'), 'w') as f:
-        json.dump(results, f, indent=2)
+    write_json(results_path, results)
     print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
-          f"{best['val']:.4f} -> test {best['test']:.4f} | {t_train:.0f} s training | {args.out_dir}/results.json")
+          f"{best['val']:.4f} -> test {best['test']:.4f} | {t_train:.0f} s training")
+    report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
     return results
+
+
+def train_steps(model, opt, args, st, gen, data, pad, device, save):
+    """Steps st['step'] .. args.steps - 1, updating st; evaluate and save every eval_interval steps and at the
+    end. A NaN or inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step,
+    saves and raises Interrupted. -> tokens trained on in this call."""
+    (xtr, ytr), (xva, yva), (xte, yte) = data['train'], data['val'], data['test']
+    n_tokens, t_start = 0, st['t_train']
+    bar = tqdm(total=args.steps, initial=st['step'], disable=not args.progress, desc=f'{args.task}/{args.attn}',
+               leave=False)
+    say = tqdm.write if args.progress else print
+    with ctrl_c_finishes_step() as ctrl_c:
+        for step in range(st['step'], args.steps):
+            if st['pos'] + args.batch_size > len(st['order']):
+                st['order'], st['pos'] = torch.randperm(len(xtr), generator=gen), 0
+            idx = st['order'][st['pos']:st['pos'] + args.batch_size].numpy()
+            st['pos'] += args.batch_size
+            xb, mb = make_batch(xtr[idx], pad, args.trim, device)
+            yb = torch.as_tensor(ytr[idx]).to(device)
+            for g in opt.param_groups:
+                g['lr'] = lr_at(step, args) * g.get('lr_mult', 1.0)
+            t0 = time.perf_counter()
+            logits = model(xb, mb)
+            loss = F.cross_entropy(logits, yb)
+            # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
+            lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup)
+            if device.startswith('cuda'):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            st['t_train'] += dt
+            st['step'] = step + 1
+            n_tokens += int(mb.sum()) if mb is not None else xb.numel()
+            st['losses'].append(lossf)
+            st['hits'] += (logits.argmax(-1) == yb).sum().item()
+            st['seen'] += len(yb)
+            bar.update(1)
+            if (step + 1) % args.log_interval == 0:
+                say(f"step {step + 1}/{args.steps} | loss {np.mean(st['losses']):.4f} | train acc "
+                    f"{st['hits'] / st['seen']:.3f} | lr {lr_at(step, args):.2e} | {1e3 * dt:.0f} ms | "
+                    f"{n_tokens / max(st['t_train'] - t_start, 1e-9):.0f} tok/s")
+                bar.set_postfix(loss=f"{np.mean(st['losses']):.3f}")
+                st['losses'], st['hits'], st['seen'] = [], 0, 0
+            saved = None
+            if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+                val = evaluate(model, xva, yva, args, pad, device)
+                if val > st['best']['val']:
+                    st['best'] = {'val': val, 'test': evaluate(model, xte, yte, args, pad, device), 'step': step + 1}
+                st['history'].append({'step': step + 1, 'val_acc': val, 'train_seconds': st['t_train']})
+                say(f"eval step {step + 1}: val acc {val:.4f} | best val {st['best']['val']:.4f} "
+                    f"(test {st['best']['test']:.4f})")
+                saved = save()
+            if ctrl_c.stop and step + 1 < args.steps:
+                path = saved or save()
+                raise Interrupted(f"at step {step + 1}: " + (f"saved {path}; continue with --resume" if path
+                                                             else "nothing saved (--no-save)"))
+    bar.close()
+    return n_tokens
 
 
 # -----------------------------------------------------------------------------
@@ -748,7 +821,7 @@ def bench(args):
                 n_compressed=args.n_compressed, batch=args.bench_batch, reps=args.bench_reps, device=device,
                 threads=args.threads or torch.get_num_threads())
     print(f"bench: {args.n_layer} layers, D={args.n_embd}, {args.n_head} heads, window {args.window}, "
-          f"m={args.n_compressed}, batch {args.bench_batch}, fwd+bwd, device {device}")
+          f"m={args.n_compressed}, batch {args.bench_batch}, fwd+bwd, device {device}, threads: {opts['threads']}")
     rows, ctx = [], mp.get_context('spawn')
     for kind in kinds:
         for T in Ts:
@@ -768,10 +841,9 @@ def bench(args):
             rows.append(r if skip is None else {'attn': kind, 'T': T, 'skipped': skip})
             print(f"{kind:16s} T={T:6d}  " + (f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB" if skip is None
                                                else f"skipped ({skip})"))
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, 'bench.json'), 'w') as f:
-        json.dump({'options': opts, 'rows': rows}, f, indent=2)
+    write_json(os.path.join(args.out_dir, 'bench.json'), {'options': opts, 'rows': rows})
     plot_bench(rows, os.path.join(args.out_dir, 'lra_bench.png'), opts)
+    report_outputs(results=os.path.join(args.out_dir, 'bench.json'), plot=os.path.join(args.out_dir, 'lra_bench.png'))
     return rows
 
 
@@ -833,7 +905,7 @@ def compare(dirs, path):
 # command line
 
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
     g = p.add_argument_group('task and data')
     g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
     g.add_argument('--data_dir', default='', help='folder with the official release files of --task (see the '
@@ -856,7 +928,7 @@ def get_parser():
     g.add_argument('--n_embd', type=int, default=64, help='model width D')
     g.add_argument('--ff', type=int, default=0, help='MLP hidden width (0 = 4 x n_embd; Table 12 FF size with --preset lra)')
     g.add_argument('--n_head', type=int, default=4, help='number of heads')
-    g.add_argument('--window', type=int, default=32, help='swa / brl: local window w (|i - j| < w)')
+    g.add_argument('--window', type=int, default=32, help='swa / brl: local look-back w (keys |i - j| <= w)')
     g.add_argument('--n_compressed', type=int, default=16, help='brl: number of compressed tokens m')
     g.add_argument('--no_diff', action='store_true', help='brl: gamma = 0, no differential compression (Table 2)')
     g.add_argument('--ranks', default='', help="mlr: rank allocation like '8|4|2|2' (sums to the head width)")
@@ -895,8 +967,11 @@ def get_parser():
     g.add_argument('--out_dir', default='', help='output folder (default out/lra_<task>_<attn>)')
     g.add_argument('--device', default='auto', help='auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...')
     g.add_argument('--seed', type=int, default=0, help='seed of data generation, init and batch order')
-    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default)')
-    g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt (its model settings win)')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
+    g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt (its settings win; a '
+                   'flag that conflicts with them is refused)')
+    g.add_argument('--overwrite', action='store_true', help='replace the run in --out_dir (without it, or --resume, '
+                   'an out_dir that holds a run is refused)')
     g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write ckpt.pt at each eval')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
     return p
@@ -919,16 +994,22 @@ def parse_args(argv=None):
     for name in ('max_len', 'steps', 'batch_size', 'n_layer', 'n_embd', 'n_head', 'eval_interval', 'log_interval',
                  'n_train', 'n_val', 'n_test', 'eval_batch_size'):
         if getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.warmup < 0 or args.trim < 0:
-        p.error(f"--warmup and --trim must be >= 0, got {args.warmup} and {args.trim}")
+            p.error(f"--{name} {getattr(args, name)}: must be > 0")
+    check_ranges(p, args, positive=['lr', 'window', 'n_compressed', 'bench_batch', 'bench_reps', 'bench_max_sec',
+                                    'bench_max_gb'],
+                 non_negative=['warmup', 'trim', 'min_len', 'ff', 'weight_decay', 'grad_clip', 'threads'])
     try:
         args.bench_lens_list = [int(t) for t in args.bench_lens.split(',')]
     except ValueError:
-        p.error(f"--bench_lens must be comma-separated integers, got {args.bench_lens!r}")
+        args.bench_lens_list = []
+    if not args.bench_lens_list or min(args.bench_lens_list) <= 0:
+        p.error(f"--bench_lens {args.bench_lens!r}: expected comma-separated positive integers")
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     if args.attn == 'mlr':
         args.trim = 0            # MLR's level blocks are fixed from block_size: keep every batch at max_len
     args.out_dir = args.out_dir or os.path.join('out', f'lra_{args.task}_{args.attn}')
+    args._given = given_flags(p, argv)  # the flags on the command line (--resume refuses conflicting ones)
     return args
 
 
@@ -937,12 +1018,17 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compare:
-        os.makedirs(args.out_dir, exist_ok=True)
-        return compare([d.strip() for d in args.compare.split(',')], os.path.join(args.out_dir, 'lra_compare.png'))
+        dirs = [d.strip() for d in args.compare.split(',')]
+        missing = [d for d in dirs if not os.path.isfile(os.path.join(d, 'results.json'))]
+        if missing:
+            raise ValueError(f"--compare {missing[0]!r}: no results.json there (not a finished train_lra.py run?)")
+        prepare_out_dir(args.out_dir)
+        return compare(dirs, os.path.join(args.out_dir, 'lra_compare.png'))
     if args.bench:
+        prepare_out_dir(args.out_dir)
         return bench(args)
     return train(args)
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)

