@@ -9,17 +9,23 @@ Each test checks an invariant or a reference equality that would fail if the cod
 
 import argparse
 import collections
+import contextlib
+import glob
+import inspect
 import json
 import math
 import os
 import pickle
 import re
+import shutil
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import attention as A
@@ -797,6 +803,610 @@ def test_brl_first_block_does_not_compress_and_blocks_use_history():
     _, new2 = att(x2, ct)
     moved = [(new2[:, b] - new[:, b]).abs().max().item() > 1e-9 for b in range(4)]
     assert moved == [False, False, True, False], moved
+
+
+# -----------------------------------------------------------------------------
+# BRL: the causal recurrence over blocks, per-head gamma, b_rel, against a per-head, per-block reference
+
+# -----------------------------------------------------------------------------
+# a plain reference: one sequence, one head and one block at a time, softmax and norms by hand
+
+def t5_bucket(d, n_buckets, span):
+    """T5's bucket of one distance, with Python floats."""
+    exact = n_buckets // 2
+    if d < exact:
+        return d
+    return min(n_buckets - 1, int(exact + math.log(d / exact) / math.log(max(span, 2 * exact) / exact)
+                                  * (n_buckets - exact)))
+
+
+def ref_bias(layer, table, dists):
+    """(H, m, n) b_rel by Python loops."""
+    if table is None:
+        return torch.zeros(layer.H, layer.m, len(dists), dtype=torch.float64)
+    span = layer.cfg.block_size if not layer.cfg.causal else (layer.cfg.brl_block or layer.cfg.window)
+    return table[:, :, [t5_bucket(int(d), table.shape[-1], span) for d in dists]]
+
+
+def ref_U(layer, c, hist=None, dists=None):
+    """U(c; hist) for one block: c (m, D), hist (n, D) or None."""
+    H, D, m = layer.H, c.shape[-1], c.shape[0]
+    dh = D // H
+    if hist is None:
+        comp = c
+    else:
+        gamma = torch.exp(layer.gamma_q * layer.gamma_k1) - torch.exp(layer.gamma_q * layer.gamma_k2)
+        if not layer.cfg.brl_gamma:
+            gamma = torch.zeros_like(gamma)
+        bias = ref_bias(layer, layer.comp_rel, dists)
+        q, k1, k2, v = layer.f_q(c), layer.f_k1(hist), layer.f_k2(hist), layer.f_v(hist)
+        heads = []
+        for h in range(H):
+            sl = slice(h * dh, (h + 1) * dh)
+            s1 = torch.softmax(q[:, sl] @ k1[:, sl].T / (m * math.sqrt(D)) + bias[h], dim=-1)   # (m, n)
+            s2 = torch.softmax(q[:, sl] @ k2[:, sl].T / (m * math.sqrt(D)) + bias[h], dim=-1)
+            o = (s1 - gamma[h] * s2) @ v[:, sl]                                                 # (m, dh)
+            o = (o - o.mean(-1, keepdim=True)) / torch.sqrt(o.var(-1, unbiased=False, keepdim=True) + 1e-5)
+            heads.append(o * layer.comp_norm.weight[sl] + layer.comp_norm.bias[sl])             # group norm
+        comp = torch.cat(heads, dim=-1)
+    beta = layer.cfg.brl_beta
+    return (1 - beta) * layer.ct_ln(comp) + beta * layer.f_m(c)
+
+
+def ref_prop(layer, x, ct):
+    """F_prop for one block: x (n, D) whose token i sits at offset i, ct (m, D)."""
+    H, D = layer.H, x.shape[-1]
+    dh = D // H
+    bias = ref_bias(layer, layer.prop_rel, range(x.shape[0]))                                   # (H, m, n)
+    q, k, v = layer.f_phi(x), layer.f_pk(ct), layer.f_pv(ct)
+    out = []
+    for h in range(H):
+        sl = slice(h * dh, (h + 1) * dh)
+        s = torch.softmax(q[:, sl] @ k[:, sl].T / math.sqrt(dh) + bias[h].T, dim=-1)            # (n, m)
+        out.append(layer.lam[h] * s @ v[:, sl])
+    return F.relu(layer.prop_ln(torch.cat(out, dim=-1)))
+
+
+def ref_layer(layer, x, c, length=None):
+    """F_BRL and ct for one sequence x (T, D) with compressed tokens c (N, m, D); bidirectional: only
+    x[:length] is real (the rest padding)."""
+    T = x.shape[0]
+    if not layer.cfg.causal:
+        L = length or T
+        y = layer.local(x[None, :L])[0]
+        ct = ref_U(layer, c[0], x[:L], range(L))
+        return y + ref_prop(layer, x[:L], ct), ct[None]
+    nb = layer.cfg.brl_block or layer.cfg.window
+    blocks = [x[i:i + nb] for i in range(0, T, nb)]
+    cts = [ref_U(layer, c[0])]
+    for b in range(1, len(blocks)):
+        dists = [nb - s for s in range(nb)]
+        if layer.cfg.brl_history == 'global':   # [ct_{b-1}; x_{b-1}]
+            cts.append(ref_U(layer, c[b], torch.cat([cts[-1], blocks[b - 1]]), [nb] * layer.m + dists))
+        else:                                   # x_{b-1} only
+            cts.append(ref_U(layer, c[b], blocks[b - 1], dists))
+    y = layer.local(x[None])[0] + torch.cat([ref_prop(layer, xb, ct) for xb, ct in zip(blocks, cts)])
+    return y, torch.stack(cts)
+
+
+def brl_layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    return randomize_(A.BRLAttention(small_config(attn='brl', **kw)).double(), seed=seed)
+
+
+# -----------------------------------------------------------------------------
+# the layer equals the reference: both causal rules, uneven last block, bidirectional with padding
+
+@pytest.mark.parametrize('kw', [dict(brl_history='global'), dict(brl_history='block'),
+                                dict(brl_history='global', window=4, brl_block=6),
+                                dict(brl_history='global', brl_gamma=False, brl_rel_buckets=6)])
+def test_causal_layer_equals_reference(kw):
+    layer = brl_layer(**kw)
+    T = 29                                   # not a multiple of the block: a short last block
+    nb = layer.block_size(T)
+    N = -(-T // nb)
+    x = torch.randn(2, T, 64, dtype=torch.float64)
+    c = torch.randn(2, N, 4, 64, dtype=torch.float64)
+    y, ct = layer(x, c)
+    for i in range(2):
+        want_y, want_ct = ref_layer(layer, x[i], c[i])
+        assert_close(ct[i], want_ct, what=f'{kw}: compressed tokens vs reference')
+        assert_close(y[i], want_y, what=f'{kw}: F_BRL vs reference')
+
+
+def test_bidirectional_layer_equals_reference_with_padding():
+    layer = brl_layer(causal=False)
+    x = torch.randn(2, 40, 64, dtype=torch.float64)
+    c = torch.randn(2, 1, 4, 64, dtype=torch.float64)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, 27:] = False
+    y, ct = layer(x, c, mask)
+    for i, L in enumerate((27, 40)):
+        want_y, want_ct = ref_layer(layer, x[i], c[i], L)
+        assert_close(ct[i], want_ct, what=f'bidirectional compressed tokens, row {i}')
+        assert_close(y[i, :L], want_y, what=f'bidirectional F_BRL, row {i}')
+
+
+# -----------------------------------------------------------------------------
+# receptive field: global through the compressed tokens, never the future
+
+def jacobian_norms(model, T, D):
+    """|d out_t / d in_s| (max over features) as a (T, T) matrix, float64."""
+    x = torch.randn(1, T, D, dtype=torch.float64)
+    J = torch.autograd.functional.jacobian(lambda z: model(z), x)                               # (1, T, D, 1, T, D)
+    return J[0, :, :, 0].abs().amax(dim=(1, 3))                                                 # (T, T)
+
+
+def test_global_rule_reaches_every_earlier_token_and_no_later_one():
+    """Causal BRL, 5 blocks of 4 tokens, window 4: with the 'global' rule one layer already makes output t
+    depend on every input s <= t; with the 'block' rule one layer reaches back only into block b-1."""
+    T, D = 20, 16
+    kw = dict(n_layer=1, n_embd=D, n_head=2, block_size=T, window=4, n_compressed=3)
+    for history in ('global', 'block'):
+        torch.manual_seed(0)
+        model = randomize_(A.Transformer(small_config(attn='brl', brl_history=history, **kw)).double())
+        J = jacobian_norms(model, T, D)
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        assert J[future].max() == 0, f'{history}: an output depends on a later input'
+        if history == 'global':
+            assert J[~future].min() > 1e-8, f'global: some output ignores an earlier input: {J[~future].min():.2e}'
+        else:
+            assert J[16:, :12].max() == 0, 'block rule, one layer: block 4 should not see blocks 0, 1, 2'
+            assert J[16:, 12:16].min() > 1e-8, 'block rule: block 4 sees block 3 through its compressed tokens'
+
+
+def test_perturbing_block_zero_moves_the_last_block():
+    """Perturbation (float64, two layers, 6 blocks): a change to token 0 reaches the last block; a change to
+    token t leaves every output before t exactly where it was."""
+    torch.manual_seed(0)
+    model = randomize_(A.Transformer(small_config(attn='brl', n_layer=2, block_size=48)).double())
+    x = torch.randn(2, 48, 64, dtype=torch.float64)
+    y = model(x)
+    x0 = x.clone()
+    x0[:, 0] += torch.randn(2, 64, dtype=torch.float64)    # not a constant: LayerNorm would remove that
+    assert (model(x0)[:, 40:] - y[:, 40:]).abs().max() > 1e-6, 'token 0 should reach the last block'
+    for t in (7, 8, 30):
+        xt = x.clone()
+        xt[:, t:] += torch.randn_like(xt[:, t:])
+        assert_close(model(xt)[:, :t], y[:, :t], atol=0, rtol=0, what=f'outputs before {t} moved')
+    # the 'block' rule with the same weights cannot reach 40 tokens back in two layers
+    model.cfg.brl_history = 'block'
+    assert_close(model(x0)[:, 40:], model(x)[:, 40:], atol=1e-12, what="block rule: token 0 reached the last block")
+
+
+# -----------------------------------------------------------------------------
+# decoding token by token equals the full forward, across several block boundaries
+
+@pytest.mark.parametrize('history', ['global', 'block'])
+@pytest.mark.parametrize('window,brl_block', [(8, 0), (4, 6)])
+def test_decoding_equals_forward(history, window, brl_block):
+    torch.manual_seed(0)
+    model = randomize_(A.Transformer(small_config(attn='brl', window=window, brl_block=brl_block,
+                                                  brl_history=history)).double())
+    x = torch.randn(2, 37, 64, dtype=torch.float64)       # 5 to 7 blocks, the last one unfinished
+    full = model(x)
+    cache = model.new_cache()
+    steps = torch.cat([model(x[:, t:t + 1], cache=cache) for t in range(37)], dim=1)
+    assert_close(steps, full, what=f'{history}, window {window}, block {brl_block}: decoding vs forward')
+    # the cache holds the local keys, m compressed tokens and the unfinished block, not the whole past
+    nb = brl_block or window
+    per_layer = model.blocks[0].attn.local.cache_numel(cache[0].local) + 4 * 64 + (37 % nb or nb) * 64
+    assert model.key_cache_numel(cache) == 2 * per_layer
+
+
+# -----------------------------------------------------------------------------
+# reductions, gamma per head, b_rel
+
+@pytest.mark.parametrize('kw', [dict(causal=False), dict(brl_history='global'), dict(brl_history='block')])
+def test_lambda_zero_is_local_attention(kw):
+    layer = brl_layer(**kw)
+    with torch.no_grad():
+        layer.lam.zero_()
+    x = torch.randn(2, 32, 64, dtype=torch.float64)
+    y, _ = layer(x, torch.randn(2, layer.cfg.causal and 4 or 1, 4, 64, dtype=torch.float64))
+    assert_close(y, layer.local(x), what=f'{kw}: lambda = 0 vs local attention')
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_gamma_zero_is_one_softmax_cross_attention_with_b_rel(causal):
+    """gamma = 0: F_comp is softmax(Q K1^T / (m sqrt(D)) + b_rel) V per head; K2 plays no part. Distances
+    below n_buckets / 2 have a bucket each, so b_rel is the table's first columns (read by hand here)."""
+    layer = brl_layer(causal=causal, brl_gamma=False)
+    c, hist = torch.randn(2, 1, 4, 64, dtype=torch.float64), torch.randn(2, 1, 12, 64, dtype=torch.float64)
+    dist = torch.arange(12) if not causal else torch.arange(12).flip(0) + 1     # 12 .. 1, as block b-1 would
+    got = layer.compress(c, hist, dist)
+    q = layer.f_q(c).view(2, 1, 4, 4, 16).transpose(2, 3)
+    k = layer.f_k1(hist).view(2, 1, 12, 4, 16).transpose(2, 3)
+    v = layer.f_v(hist).view(2, 1, 12, 4, 16).transpose(2, 3)
+    att = torch.softmax(q @ k.transpose(-2, -1) / (4 * 8) + layer.comp_rel[:, :, dist], dim=-1) @ v
+    comp = layer.comp_norm(att.transpose(2, 3).reshape(8, 64)).view(2, 1, 4, 64)
+    assert_close(got, 0.5 * layer.ct_ln(comp) + 0.5 * layer.f_m(c), what=f'gamma = 0, causal={causal}')
+    with torch.no_grad():
+        layer.f_k2.weight.add_(1.0)
+    assert_close(layer.compress(c, hist, dist), got, what='gamma = 0 should not read K2')
+
+
+def test_gamma_is_per_head_with_the_papers_init():
+    torch.manual_seed(0)
+    layer = A.BRLAttention(A.ModelConfig(n_head=256, n_embd=256, n_compressed=2))
+    for p in (layer.gamma_q, layer.gamma_k1, layer.gamma_k2):
+        assert p.shape == (256,) and 0.08 < p.std().item() < 0.12 and abs(p.mean().item()) < 0.02
+    g = layer.gamma()
+    assert g.shape == (256,)
+    assert_close(g, torch.exp(layer.gamma_q * layer.gamma_k1) - torch.exp(layer.gamma_q * layer.gamma_k2))
+    assert g.std() > 0, 'heads should start with different gammas'
+
+
+def test_relative_buckets_follow_t5():
+    d = torch.tensor([0, 1, 3, 4, 5, 8, 15, 16, 31, 32, 64, 1000])
+    got = A.relative_buckets(d, 8, 64)
+    # exact below 4, then 4 + 4 log(d / 4) / log(16): 4 -> 4, 8 -> 5, 16 -> 6, 32 -> 7, >= 64 -> 7 (clamped)
+    assert got.tolist() == [0, 1, 3, 4, 4, 5, 5, 6, 6, 7, 7, 7]
+    assert got.tolist() == [t5_bucket(int(v), 8, 64) for v in d]
+
+
+def test_b_rel_is_learned_and_can_be_switched_off():
+    torch.manual_seed(0)
+    model = randomize_(A.Transformer(small_config(attn='brl')))
+    model(torch.randn(2, 40, 64)).square().sum().backward()
+    att = model.blocks[0].attn
+    for name, p in [('b_rel of F_comp', att.comp_rel), ('b_rel of F_prop', att.prop_rel),
+                    ('gamma_q', att.gamma_q), ('x_ct', model.compressed_tokens)]:
+        assert p.grad is not None and p.grad.abs().sum() > 0, f'no gradient reaches {name}'
+    off = A.BRLAttention(small_config(attn='brl', brl_rel_buckets=0))
+    assert off.comp_rel is None and off.prop_rel is None
+    assert sum(p.numel() for p in att.parameters()) - sum(p.numel() for p in off.parameters()) == 2 * 4 * 4 * 32
+
+
+# -----------------------------------------------------------------------------
+# cost: what the backward pass keeps grows linearly with n; config errors; the train_lm flag
+
+def saved_bytes(layer, T):
+    """Bytes of the distinct storages autograd saves for the backward pass of one layer at length T."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randn(1, T, 32, requires_grad=True)
+    c = torch.randn(1, -(-T // layer.block_size(T)), 4, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x, c)
+    del out
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize('kw', [dict(causal=True), dict(causal=False)])
+def test_saved_memory_grows_linearly(kw):
+    layer = A.BRLAttention(A.ModelConfig(n_head=2, n_embd=32, window=16, n_compressed=4, block_size=2048, **kw))
+    ratio = saved_bytes(layer, 2048) / saved_bytes(layer, 256)
+    assert ratio <= 9, f'8x longer sequence keeps {ratio:.1f}x the activations (linear: about 8)'
+
+
+@pytest.mark.parametrize('kw,match', [(dict(brl_history='all'), "brl_history must be 'global' or 'block', got 'all'"),
+                                      (dict(brl_rel_buckets=1), 'brl_rel_buckets must be 0')])
+def test_bad_brl_settings_raise_one_clear_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        A.Transformer(small_config(attn='brl', **kw))
+
+
+def test_train_lm_passes_brl_history():
+    args = ['--attn', 'brl', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '32',
+            '--window', '8', '--n_compressed', '4']
+    assert train_lm.model_config(vars(train_lm.parse_args(args))).brl_history == 'global'
+    assert train_lm.model_config(vars(train_lm.parse_args(args + ['--brl_history', 'block']))).brl_history == 'block'
+
+
+# -----------------------------------------------------------------------------
+# the papers' settings: presets and defaults hold the official code's values, one place chooses the logit
+# scale, one-level MLR = standard at equal scale, the official SWA masks, the Chronos tokenizer and score
+
+def preset_source_lines(obj_name, module, start_key=None):
+    """Source lines of a module-level dict (from `obj_name = ` to the first line that closes it at column 0),
+    optionally from the line holding start_key on."""
+    src = inspect.getsource(module).splitlines()
+    i = next(n for n, line in enumerate(src) if line.startswith(f"{obj_name} = "))
+    j = next(n for n in range(i + 1, len(src)) if src[n].startswith((')', '}')))
+    lines = src[i:j + 1]
+    if start_key:
+        lines = lines[next(n for n, line in enumerate(lines) if start_key in line):]
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# train_lm.py --preset paper: the official MLR run, value by value
+
+def test_lm_paper_preset_values():
+    a = train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr'])
+    want = dict(n_layer=6, n_embd=768, n_head=12, block_size=1024, ranks='32|8|6|4|4|4|4|2', mlr_divide_levels=True,
+                qk_ln=True, logit_scale='inv', mup_alpha=8.0, mup_base_width=768, emb_std=0.02, window=128,
+                global_layers='0,3', gswa_ranks='32|32', bilinear_rms_cap=True, btt_factors='official', batch_size=4,
+                grad_accum=8, lr=1.65e-2, weight_decay=0.0, adam_eps=1e-20, beta2=0.95, grad_clip=1.0,
+                warmup_iters=2000, lr_schedule='constant', max_iters=100_000, eval_interval=200, eval_iters=200,
+                dtype='auto')
+    got = {k: getattr(a, k) for k in want}
+    assert got == want
+    assert a.n_embd // a.n_head == 64                                  # head width of the official run
+
+
+def test_lm_paper_preset_every_value_names_its_source():
+    lines = preset_source_lines('PRESETS', train_lm, start_key="'paper'")
+    for key in train_lm.PRESETS['paper']:
+        line = next((line for line in lines if f"{key}=" in line), None)
+        assert line is not None and '#' in line, f"paper preset value {key!r} has no source comment"
+
+
+def test_lm_paper_preset_global_layers_are_0_and_3():
+    """The paper's 'first and fourth layers' are 0-based 0 and 3 (official MHA|SWA|SWA|MHA|SWA|SWA)."""
+    a = train_lm.parse_args(['--preset', 'paper', '--attn', 'global_swa'])
+    kinds = train_lm.model_config(vars(a)).layer_kinds()
+    assert [i for i, k in enumerate(kinds) if k == 'standard'] == [0, 3]
+    assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']
+
+
+def test_lm_paper_logit_scale_per_variant():
+    """logit_scale 'paper': MLR c_l = 1/r_l, standard / SWA 8/d, as the official LM code."""
+    scale = {attn: train_lm.parse_args(['--preset', 'paper', '--attn', attn]).logit_scale
+             for attn in ('mlr', 'standard', 'swa', 'global_swa', 'global_swa_split', 'bilinear_btt')}
+    assert scale == dict(mlr='inv', standard='mup', swa='mup', global_swa='mup', global_swa_split='mup',
+                         bilinear_btt='auto')
+    cfg = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr'])))
+    layer = A.MLRAttention(cfg)
+    assert layer.scales == [1 / r for r in (32, 8, 6, 4, 4, 4, 4, 2)]
+    assert isinstance(layer.q_ln, torch.nn.LayerNorm) and layer.q_ln.normalized_shape == (64,)   # whole head
+    cfg = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'paper', '--attn', 'standard'])))
+    assert A.StandardAttention(cfg).scale() == 8 / 64
+    with pytest.raises(ValueError, match='scales these layers differently'):
+        train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr', '--layer_pattern', 'mlr,standard,mlr,mlr,mlr,mlr'])
+
+
+def test_lm_embedding_init_std():
+    cfg = A.ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=64)
+    for std in (0.02, 1.0):
+        torch.manual_seed(0)
+        m = train_lm.GPT(cfg, 96, emb_std=std)
+        for w in (m.wte.weight, m.wpe.weight):
+            assert abs(w.std().item() / std - 1) < 0.05
+
+
+# -----------------------------------------------------------------------------
+# MLR as the official code: QK-LN over the whole head before the split, c_l = 1/r_l, divide by covering levels
+
+def official_mlr_reference(layer, x):
+    """Dense MLR attention written from the official AttentionMLR: LN over the whole head, split by ranks,
+    level l adds (1/r_l) q_l.k_l inside its blocks of T/2^l, times 1/(levels covering the pair), causal."""
+    B, T, D = x.shape
+    H, d, ranks = layer.H, layer.d, layer.ranks
+    heads = lambda t: t.view(B, T, H, d).transpose(1, 2)                          # (B, H, T, d)
+    q = F.layer_norm(heads(x @ layer.q_proj.weight.T), (d,), layer.q_ln.weight)
+    k = F.layer_norm(heads(x @ layer.k_proj.weight.T), (d,), layer.k_ln.weight)
+    v = heads(x @ layer.v_proj.weight.T)
+    pos = torch.arange(T)
+    s, cover = 0, 0
+    for l, (ql, kl) in enumerate(zip(q.split(ranks, -1), k.split(ranks, -1))):
+        size = T // 2 ** l
+        same = (pos[:, None] // size == pos[None, :] // size).to(x.dtype)
+        s = s + same * (ql @ kl.transpose(-2, -1)) / ranks[l]
+        cover = cover + same
+    s = (s / cover).masked_fill(pos[None, :] > pos[:, None], float('-inf'))
+    y = torch.softmax(s, -1) @ v
+    return y.transpose(1, 2).reshape(B, T, D) @ layer.o_proj.weight.T
+
+
+def test_mlr_official_qk_ln_scale_and_covering_levels():
+    cfg = small_config(n_head=2, ranks='16|8|4|4', qk_ln=True, mlr_divide_levels=True)
+    layer = randomize_(A.MLRAttention(cfg).double(), std=0.3)
+    x = torch.randn(2, 64, 64, dtype=torch.float64)
+    assert_close(layer(x), official_mlr_reference(layer, x), what='MLR vs the official formula')
+
+
+@pytest.mark.parametrize('scale', ['sqrt', 'mup', 'inv'])
+@pytest.mark.parametrize('qk_ln', [False, True])
+def test_one_level_mlr_equals_standard_at_equal_scale(scale, qk_ln):
+    for causal in (True, False):
+        kw = dict(logit_scale=scale, qk_ln=qk_ln, causal=causal, mup_alpha=4.0 if scale == 'mup' else 8.0)
+        std = randomize_(A.StandardAttention(small_config(**kw)).double(), std=0.3)
+        mlr = A.MLRAttention(small_config(ranks='16', **kw)).double()
+        mlr.load_state_dict(std.state_dict())
+        assert mlr.scales == [std.scale()]
+        x = torch.randn(2, 64, 64, dtype=torch.float64)
+        assert_close(mlr(x), std(x), what=f'one-level MLR vs standard, {scale}, qk_ln={qk_ln}, causal={causal}')
+
+
+# -----------------------------------------------------------------------------
+# the logit scale: one place, honoured or refused
+
+def test_logit_scales_formulas():
+    cfg = lambda s: A.ModelConfig(logit_scale=s, mup_alpha=8.0)
+    assert A.logit_scales(cfg('sqrt'), 'mlr', [4, 16]) == [0.5, 0.25]
+    assert A.logit_scales(cfg('mup'), 'mlr', [4, 16]) == [2.0, 0.5]
+    assert A.logit_scales(cfg('inv'), 'standard', [4, 16]) == [0.25, 1 / 16]
+    auto = {k: A.logit_scales(cfg('auto'), k, [16])[0] for k in A.ATTENTION}
+    assert auto['mlr'] == 1 / 16 and auto['global_swa_split'] == 0.5                 # official 1/r_l, 8/r
+    assert all(auto[k] == 0.25 for k in ('standard', 'swa', 'bilinear_mlr', 'bilinear_btt', 'linear'))
+
+
+@pytest.mark.parametrize('kind', ['standard', 'swa', 'mlr', 'bilinear_mlr', 'bilinear_btt', 'global_swa_split'])
+def test_mup_alpha_is_honoured(kind):
+    x = torch.randn(1, 64, 64, dtype=torch.float64)
+    outs = []
+    for alpha in (2.0, 16.0):
+        torch.manual_seed(0)
+        model = randomize_(A.Transformer(small_config(attn=kind, logit_scale='mup', mup_alpha=alpha)).double())
+        outs.append(model(x))
+    assert (outs[0] - outs[1]).abs().max() > 1e-3, f'{kind} ignored mup_alpha'
+
+
+def test_unusable_scale_settings_are_refused():
+    with pytest.raises(ValueError, match='linear attention'):
+        A.Transformer(small_config(attn='linear', logit_scale='mup'))
+    with pytest.raises(ValueError, match='mup_alpha = 4.0 is only used'):
+        A.Transformer(small_config(attn='mlr', mup_alpha=4.0))                 # 'auto' = 1/r_l: no alpha
+    with pytest.raises(ValueError, match='logit_scale must be one of'):
+        A.Transformer(small_config(logit_scale='sp'))
+
+
+# -----------------------------------------------------------------------------
+# SWA window and the within-head Global + SWA, against the official masks
+
+def official_swa_mask(T, w):
+    return torch.ones(T, T).tril().triu(-w).bool()           # official: triu(tril(ones), diagonal=-w), w + 1 keys
+
+
+@pytest.mark.parametrize('w', [1, 5, 16])
+def test_swa_window_is_the_official_lookback(w):
+    layer = A.SWAAttention(small_config(attn='swa', window=w))
+    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    s = (q @ k.transpose(-2, -1) / 4).masked_fill(~official_swa_mask(40, w), float('-inf'))
+    assert_close(layer.attend(q, k, v, None), torch.softmax(s, -1) @ v, what=f'SWA w={w}')
+    assert layer.keys_seen() == w + 1
+
+
+def test_global_swa_split_is_the_official_two_softmax_sum():
+    cfg = small_config(attn='global_swa_split', window=6, gswa_ranks='10|6')
+    layer = A.GlobalSWASplitAttention(cfg)
+    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    causal = torch.ones(40, 40).tril().bool()
+    sg = (q[..., :10] @ k[..., :10].transpose(-2, -1) * 8 / 10).masked_fill(~causal, float('-inf'))
+    sl = (q[..., 10:] @ k[..., 10:].transpose(-2, -1) * 8 / 6).masked_fill(~official_swa_mask(40, 6), float('-inf'))
+    ref = (torch.softmax(sg, -1) + torch.softmax(sl, -1)) @ v       # summed, rows sum to 2
+    assert_close(layer.attend(q, k, v, None), ref, what='global_swa_split vs the official formula')
+    with pytest.raises(ValueError, match='gswa_ranks'):
+        A.Transformer(small_config(attn='global_swa_split', gswa_ranks='8|4'))
+
+
+# -----------------------------------------------------------------------------
+# train_icl.py defaults: the official ICL runs at CPU scale
+
+def test_icl_defaults_are_official():
+    a = icl.resolve(icl.build_parser().parse_args([]))
+    want = dict(n_layer=6, n_head=8, qk_ln=True, batch_size=64, weight_decay=0.0, logit_scale='sqrt',
+                bilinear_rms_cap=True, btt_factors='official', btt_rank=1, read_in_std=0.02, pos_std=0.02,
+                mup_base_width=768, adam_eps=1e-20, warmup=1000, schedule='constant', grad_clip=0.0,
+                curr_d_start=4, curr_n_start=8, curr_ratio=0.06)
+    assert {k: getattr(a, k) for k in want} == want
+    assert a.n_points == 2 * a.d                                     # official n_positions = 2 n_dims
+    lines = preset_source_lines('DEFAULTS', icl)
+    for key in icl.DEFAULTS:
+        line = next(line for line in lines if f"{key}=" in line)
+        assert '#' in line or key in ('d', 'n_embd', 'steps', 'curr_d_start', 'curr_n_start', 'curr_interval',
+                                      'curr_ratio'), f'ICL default {key!r} has no source comment'
+
+
+def test_icl_default_logit_scales():
+    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT."""
+    base = icl.build_parser().parse_args(['--n_embd', '64', '--d', '8'])
+    for attn, ranks in (('standard', ''), ('bilinear_mlr', '4|2|1|1'), ('bilinear_btt', '')):
+        a = icl.resolve(icl.variant(base, attn=attn, ranks=ranks))
+        layer = icl.ICLModel(icl.model_config(a), a.d).body.blocks[0].attn
+        if attn == 'standard':
+            assert layer.scale() == 8 ** -0.5 and isinstance(layer.q_ln, torch.nn.LayerNorm)
+        elif attn == 'bilinear_mlr':
+            assert layer.level_scales == [(p * r) ** -0.5 for p, r in zip((1, 2, 4, 8), (4, 2, 1, 1))]
+        else:
+            assert layer.c == 64 ** -0.5 and (layer.btts[0].c1, layer.btts[0].c2) == (4, 16)
+
+
+def test_icl_official_adaptive_curriculum():
+    """train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--steps', '500001']))
+    assert icl.curriculum_schedule(a) == (2000, 4)
+    assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
+        [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
+    short = icl.resolve(icl.build_parser().parse_args([]))             # 2000 steps: the same shape, shorter
+    assert icl.curriculum_schedule(short) == (8, 1)
+
+
+def test_official_btt_factors():
+    assert [A.official_btt_factors(D) for D in (16, 32, 64, 256, 512, 1024)] == \
+        [(2, 8), (4, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
+
+
+def test_rms_cap_is_the_official_rescaling():
+    d_in, d_out = 16, 4
+    s0 = math.sqrt(min(d_in, d_out)) / d_in
+    big, small = torch.full((3, d_out, d_in), 2 * s0), torch.full((3, d_out, d_in), 0.5 * s0)
+    assert_close(A.rms_cap([big], d_in, d_out)[0], torch.full_like(big, s0), atol=1e-6, what='capped to s0')
+    assert torch.equal(A.rms_cap([small], d_in, d_out)[0], small)     # below the cap: untouched
+    # bilinear MLR with the cap = the same layer whose level weights were rescaled by hand
+    cfg = small_config(attn='bilinear_mlr', ranks='8|4|2|2', bilinear_rms_cap=True)
+    capped = randomize_(A.BilinearMLRAttention(cfg).double(), std=0.5)
+    plain = A.BilinearMLRAttention(small_config(attn='bilinear_mlr', ranks='8|4|2|2')).double()
+    plain.load_state_dict(capped.state_dict())
+    with torch.no_grad():
+        for m in list(plain.q_maps) + list(plain.k_maps):
+            w = m.weight
+            rms = torch.sqrt(w.pow(2).mean() + 1e-8)
+            w /= max(1.0, (rms / (math.sqrt(min(m.bi, m.bo)) / m.bi)).item())
+    x = torch.randn(2, 32, 64, dtype=torch.float64)
+    assert_close(capped(x), plain(x), what='bilinear MLR with rms cap')
+
+
+# -----------------------------------------------------------------------------
+# Chronos tokenizer and relative score
+
+@pytest.mark.parametrize('vocab,low,high', [(4096, -15.0, 15.0), (40, -2.0, 3.0)])
+def test_chronos_tokenizer_is_the_published_formula(vocab, low, high):
+    tok = ts.MeanScaleUniformBins(vocab, low, high)
+    n = vocab - 3                                                   # centres: n_tokens - n_special - 1
+    centres = low + (high - low) * np.arange(n) / (n - 1)
+    assert np.allclose(tok.centers.numpy(), centres, atol=1e-5)
+    step = (high - low) / (n - 1)
+    k = np.array([0, 1, n // 2, n - 2, n - 1])
+    x = np.concatenate([centres[k], centres[k] + 0.49 * step, centres[k] - 0.49 * step, [1e6, -1e6, np.nan]])
+    # published: id = bucketize(x, [-1e20, midpoints, 1e20], right=True) + 2, clamped to vocab - 1; NaN -> PAD
+    mids = (centres[1:] + centres[:-1]) / 2
+    want = np.searchsorted(np.concatenate([[-1e20], mids, [1e20]]), x, side='right') + 2
+    want = np.minimum(want, vocab - 1)
+    want[np.isnan(x)] = 0
+    got = tok.tokenize(torch.tensor(x, dtype=torch.float32)[None], torch.ones(1))[0].numpy()
+    assert (got == want).all(), (got, want)
+    assert got[0] == 3 and got[4] == vocab - 1 and got[-3] == vocab - 1 and got[-2] == 3 and got[-1] == tok.PAD
+    assert (tok.PAD, tok.EOS) == (0, 1)
+    dec = tok.detokenize(torch.tensor(want[:-1])[None], torch.ones(1))[0].numpy()
+    assert np.allclose(dec, centres[np.clip(want[:-1] - 3, 0, n - 1)], atol=1e-5)
+
+
+def test_relative_score_is_per_dataset_geometric_mean():
+    s = lambda mase, naive, ql, nql, y: dict(mase=mase, naive_mase=naive, ql=ql, naive_ql=nql, abs_y=y,
+                                             wql=ql / y, naive_wql=nql / y)
+    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 3.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
+    r = ts.summarize(scores, ['A', 'A', 'B'])
+    # A: MASE 2 / 2 = 1, WQL (1 + 3) / 40 over (4 + 2) / 40 = 2/3; B: MASE 2, WQL 5
+    assert r['per_dataset']['A']['rel_mase'] == 1.0 and r['per_dataset']['B']['rel_mase'] == 2.0
+    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0))
+    assert math.isclose(r['rel_wql'], math.sqrt(2 / 3 * 5.0))
+    assert math.isclose(r['per_dataset']['A']['wql'], 4 / 40)
+    # per case it would differ: geometric mean of 0.5, 1.5, 2 over three cases
+    assert not math.isclose(r['rel_mase'], (0.5 * 1.5 * 2.0) ** (1 / 3))
+
+
+# -----------------------------------------------------------------------------
+# smoke runs of the presets on CPU (small overrides, documented in the README notes)
+
+def test_smoke_lm_paper_preset(tmp_path):
+    text = tmp_path / 'corpus.txt'
+    text.write_text(''.join(chr(32 + (i * 7919) % 90) + ('\n' if i % 61 == 0 else '') for i in range(20000)))
+    r = train_lm.main(['--preset', 'paper', '--attn', 'mlr', '--max_iters', '2', '--batch_size', '1',
+                       '--grad_accum', '1', '--eval_iters', '1', '--device', 'cpu', '--n_layer', '1',
+                       '--n_embd', '64', '--n_head', '1', '--block_size', '256', '--data', str(text),
+                       '--cache_dir', str(tmp_path / 'cache'), '--out_dir', str(tmp_path / 'run'), '--no_bar'])
+    assert len(r['losses']) >= 1 and all(math.isfinite(l) for _, l in r['losses'])
+
+
+def test_smoke_icl_defaults(tmp_path):
+    r = icl.main(['--steps', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '10', '--eval_interval', '0',
+                  '--out_dir', str(tmp_path), '--assets_dir', '', '--no-progress', '--attn', 'bilinear_btt'])
+    assert all(math.isfinite(v) for v in r['model']['mean'])
+
+
+def test_smoke_lra_preset(tmp_path):
+    r = lra.main(['--preset', 'lra', '--task', 'listops', '--attn', 'swa', '--steps', '2', '--batch_size', '2',
+                  '--n_layer', '1', '--n_embd', '32', '--ff', '32', '--window', '16', '--max_len', '160',
+                  '--min_len', '40', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--eval_batch_size', '4',
+                  '--eval_interval', '2', '--log_interval', '1', '--cache_dir', str(tmp_path / 'data'),
+                  '--out_dir', str(tmp_path / 'run'), '--threads', '1', '--no-progress'])
+    assert r is not None
 
 
 # -----------------------------------------------------------------------------
@@ -1857,6 +2467,677 @@ def test_lm_prompt_outside_vocabulary(lm_corpus, tmp_path):
     train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         train_lm.main(['--sample', '--out_dir', str(tmp_path), '--prompt', 'Zebra!'])
+
+
+# -----------------------------------------------------------------------------
+# run safety of the four train scripts: one-line errors with the right exit code, no run destroyed by a
+# rerun, no orphaned tmp files after a kill mid-checkpoint, a NaN loss stops the run with no NaN checkpoint,
+# Ctrl-C saves and --resume continues exactly
+
+def run_cli(main, argv, capsys):
+    """What `python train_x.py ARGV` does, in this process: -> (exit code, its stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        A.run_main(main, argv)
+    return e.value.code, capsys.readouterr().err
+
+
+CTRL_C_ACK = 'Ctrl-C: saving a checkpoint after this step (Ctrl-C again to quit at once)'
+
+
+def assert_one_line_error(code, err, want_code, words, prog):
+    lines = [line for line in err.strip().splitlines() if line and line != CTRL_C_ACK]  # the ack comes at the press
+    assert code == want_code, f"exit code {code}, want {want_code}: {err}"
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: "), f"not one line of {prog}: {err!r}"
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+
+
+class LossTap:
+    """Stands in for torch.nn.functional.<name>: records the loss of every training call (grad enabled; the
+    evaluations run under no_grad), turns call `nan_at` (1-based) into NaN, presses Ctrl-C during `ctrl_c_at`."""
+
+    def __init__(self, monkeypatch, name, nan_at=None, ctrl_c_at=None):
+        self.real, self.values, self.nan_at, self.ctrl_c_at = getattr(F, name), [], nan_at, ctrl_c_at
+        while isinstance(self.real, LossTap):        # a later tap replaces an earlier one
+            self.real = self.real.real
+        monkeypatch.setattr(F, name, self)
+
+    def __call__(self, *args, **kw):
+        out = self.real(*args, **kw)
+        if torch.is_grad_enabled():
+            self.values.append(out.item())
+            if len(self.values) == self.ctrl_c_at:
+                signal.raise_signal(signal.SIGINT)
+            if len(self.values) == self.nan_at:
+                out = out * float('nan')
+        return out
+
+
+def tmp_files(folder):
+    return glob.glob(os.path.join(str(folder), '*.tmp*'))
+
+
+def all_finite(state_dict):
+    return all(bool(torch.isfinite(v).all()) for v in state_dict.values() if v.is_floating_point())
+
+
+@pytest.fixture(scope='module')
+def orphan(tmp_path_factory):
+    """What a kill -9 in the middle of a checkpoint write leaves: a process that dies inside atomic_write."""
+    d = tmp_path_factory.mktemp('killed')
+    code = ("import os, signal, sys; sys.path.insert(0, {here!r}); import attention as A\n"
+            "def write(tmp):\n    open(tmp, 'wb').write(b'half a checkpoint')\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "A.atomic_write({path!r}, write)").format(here=HERE, path=str(d / 'ckpt.pt'))
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    left = tmp_files(d)
+    assert len(left) == 1 and not os.path.exists(d / 'ckpt.pt')
+    return left[0]
+
+
+@contextlib.contextmanager
+def dying_torch_save(monkeypatch):
+    """torch.save writes half a file and dies there, as a crash or Ctrl-C in the middle of a write would."""
+    real = torch.save
+
+    def dying_save(obj, f, *args, **kw):
+        with open(f, 'wb') as fh:
+            fh.write(b'half a checkpoint')
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, 'save', dying_save)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(torch, 'save', real)
+
+
+def plant_orphan(orphan, folder, name):
+    """A killed writer's tmp file for <folder>/<name>, with the dead writer's pid."""
+    pid = orphan.rsplit('.tmp', 1)[1]
+    shutil.copy(orphan, os.path.join(str(folder), f'{name}.tmp{pid}'))
+    return os.path.join(str(folder), f'{name}.tmp{pid}')
+
+
+# -----------------------------------------------------------------------------
+# the shared building blocks (attention.py, last section)
+
+
+def test_atomic_write_failure_leaves_old_file_and_no_tmp(tmp_path):
+    path = tmp_path / 'f.json'
+    A.write_json(str(path), {'a': 1})
+
+    def fail(tmp):
+        open(tmp, 'w').write('{"a": 2, "b"')
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        A.atomic_write(str(path), fail)
+    assert path.read_text().replace(' ', '').replace('\n', '') == '{"a":1}' and not tmp_files(tmp_path)
+
+
+def test_orphan_tmp_of_dead_writer_removed_live_kept(tmp_path, orphan):
+    dead = plant_orphan(orphan, tmp_path, 'ckpt.pt')
+    live = tmp_path / f'ckpt.pt.tmp{os.getpid()}'     # a writer that is still running: left alone
+    live.write_bytes(b'x')
+    (tmp_path / 'old.npz.tmp.npz').write_bytes(b'x')  # the older pid-less scheme
+    A.remove_orphan_tmp(str(tmp_path))
+    assert not os.path.exists(dead) and live.exists() and not (tmp_path / 'old.npz.tmp.npz').exists()
+
+
+def test_save_checkpoint_refuses_nan_weights(tmp_path):
+    path = tmp_path / 'ckpt.pt'
+    with pytest.raises(A.Diverged, match='not finite at step 7'):
+        A.save_checkpoint(str(path), dict(model={'w': torch.tensor([1.0, float('nan')])}, step=7))
+    assert not os.path.exists(path) and not tmp_files(tmp_path)
+
+
+@pytest.mark.parametrize('value', [float('nan'), float('inf'), -float('inf'), 1e25])
+def test_check_loss_stops_on_nan_inf_and_runaway(value):
+    with pytest.raises(A.Diverged, match='at step 4'):
+        A.check_loss(torch.tensor(value, requires_grad=True), 4)
+    assert A.check_loss(torch.tensor(2.5), 4) == 2.5
+
+
+def test_given_flags_sees_flags_given_with_their_default_value():
+    p = A.ArgParser()
+    p.add_argument('--attn', default='standard')
+    p.add_argument('--lr', type=float, default=1e-3)
+    p.set_defaults(lr=3e-3)
+    assert A.given_flags(p, ['--attn', 'standard']) == {'attn'}
+    assert p.parse_args([]).lr == 3e-3                 # the parser is left as it was
+
+
+def test_resume_settings_lists_every_conflict():
+    import argparse
+    args = argparse.Namespace(attn='standard', lr=0.1, n_embd=32, max_iters=9, resume=True)
+    with pytest.raises(ValueError) as e:
+        A.resume_settings(dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False), args,
+                          {'attn', 'lr', 'n_embd', 'max_iters', 'resume'}, may_change={'max_iters'})
+    assert "--attn: checkpoint 'mlr' vs given 'standard'" in str(e.value)
+    assert '--lr: checkpoint 0.01 vs given 0.1' in str(e.value) and 'n_embd' not in str(e.value)
+
+
+def test_check_ranges_and_one_line_parser_error(capsys):
+    import argparse
+    p = A.ArgParser(prog='x.py')
+    with pytest.raises(SystemExit) as e:
+        A.check_ranges(p, argparse.Namespace(steps=0), positive=['steps'])
+    assert_one_line_error(e.value.code, capsys.readouterr().err, 2, ['--steps 0', '> 0'], 'x.py')
+
+
+@pytest.mark.parametrize('argv,words', [(['--Ts', '0'], ['--Ts', "'0'"]), (['--Ts', '64,x'], ["'64,x'"])])
+def test_attention_benchmark_cli_bad_lengths(argv, words, capsys):
+    code, err = run_cli(A.benchmark_main, argv, capsys)
+    assert_one_line_error(code, err, 2, words, 'attention.py')
+
+
+def test_help_shows_defaults(capsys, monkeypatch):
+    """Every script's --help shows the defaults (the four train scripts' parsers are checked at the end)."""
+    monkeypatch.setenv('COLUMNS', '200')
+    with pytest.raises(SystemExit) as e:
+        A.benchmark_main(['--help'])
+    text = capsys.readouterr().out
+    assert e.value.code == 0 and text.count('(default:') == text.count('\n  --') >= 3, text
+    out = subprocess.run([sys.executable, os.path.join(HERE, 'structured.py'), '--help'], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS='1', COLUMNS='200'))
+    assert out.returncode == 0 and out.stdout.count('(default:') >= 7, out.stdout
+
+# -----------------------------------------------------------------------------
+# train_lm.py
+
+
+def lm_args(lm_corpus, out, *extra):
+    return lm_tiny_args(lm_corpus, out, '--max_iters', '2', '--eval_interval', '2', *extra)
+
+
+def lm_run(lm_corpus, out, *extra):
+    return train_lm.main(lm_args(lm_corpus, out, *extra))
+
+
+def write_random(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'wb') as f:
+        f.write(torch.randint(0, 256, (3000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+                .numpy().tobytes())
+
+
+def truncate(path):
+    raw = open(path, 'rb').read()
+    open(path, 'wb').write(raw[:len(raw) // 3])
+
+
+def write_foreign(path, script='train_lra.py'):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(dict(script=script, model={}, optimizer={}, config={}, step=1), path)
+
+
+def setup_case(how, out, ckpt, run, other_script):
+    """The setups that the bad-input cases of all four scripts share: 'unwritable' (a file where the parent of
+    --out_dir should be), 'random' bytes or 'foreign' (another script's checkpoint) at the checkpoint's path,
+    or a finished 'run', maybe 'truncated' after."""
+    if how == 'unwritable':
+        (out.parent / 'a_file').write_text('x')
+    elif how == 'random':
+        write_random(ckpt)
+    elif how == 'foreign':
+        write_foreign(ckpt, other_script)
+    elif how in ('run', 'truncated'):
+        run()
+        if how == 'truncated':
+            truncate(ckpt)
+
+
+def range_cases(**bad):
+    """Flags given a value outside their range: exit code 2, and the one line names the flag and the value."""
+    return [(f'{flag}={value}', [f'--{flag}', value], None, 2, [f'--{flag} {value}']) for flag, value in bad.items()]
+
+
+def shared_cases(script, first_file, other_script):
+    """The bad-input cases of every train script (setups: setup_case): --resume with --overwrite, a device that
+    is not there, an --out_dir that cannot be written, a rerun over a finished run (first_file: the first of
+    its files named), and --resume with no, a truncated, a random-bytes or another script's checkpoint."""
+    no_device = ['--device', 'cuda'] if not torch.cuda.is_available() else ['--device', 'mps']
+    return [
+        ('resume_and_overwrite', ['--resume', '--overwrite'], None, 2, ['--resume', '--overwrite']),
+        ('device_missing', no_device, None, 1, [f"--device '{no_device[1]}'"]),
+        ('device_name', ['--device', 'tpu'], None, 1, ["--device 'tpu'", 'valid']),
+        ('unwritable_out_dir', ['--out_dir', 'UNWRITABLE'], 'unwritable', 1, ['--out_dir', 'cannot be written']),
+        ('rerun_without_resume', [], 'run', 1, [f'{first_file} exists', '--resume', '--overwrite']),
+        ('resume_nothing', ['--resume'], None, 1, ['no checkpoint']),
+        ('resume_truncated', ['--resume'], 'truncated', 1, ['truncated or corrupt']),
+        ('resume_random', ['--resume'], 'random', 1, ['truncated or corrupt']),
+        ('resume_foreign', ['--resume'], 'foreign', 1, [f'not a {script} checkpoint', other_script]),
+    ]
+
+
+def lm_setup(lm_corpus, out, how):
+    if how == 'binary_data':
+        (out.parent / 'bin').mkdir(exist_ok=True)
+        (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
+    setup_case(how, out, str(out / 'ckpt.pt'), lambda: lm_run(lm_corpus, out), 'train_lra.py')
+
+
+LM_BAD = range_cases(warmup_iters='-5', threads='-1', temperature='-1', top_k='-3', lr='nan', beta2='1.5') + [
+    # (case, extra flags, setup, exit code, words the one line must hold)
+    ('batch_size', ['--batch_size', '0'], None, 2, ['--batch_size', '0']),      # argparse type: its own words
+    ('max_iters', ['--max_iters', '-1'], None, 2, ['--max_iters', '-1']),
+    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
+    ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
+    ('no_data', ['--data', '/nonexistent/corpus.txt'], None, 1, ['/nonexistent/corpus.txt']),
+    ('binary_data', ['--data', 'BIN'], 'binary_data', 1, ['no non-empty UTF-8']),
+    ('block_size', ['--block_size', '4096'], None, 1, ['--block_size 4096']),
+    ('n_head', ['--n_embd', '30', '--n_head', '4'], None, 1, ['--n_embd 30', '--n_head 4']),
+    ('ranks', ['--attn', 'mlr', '--ranks', '8|4'], None, 1, ['8|4']),
+    ('resume_attn', ['--resume', '--attn', 'mlr'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'mlr'"]),
+    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
+    ('resume_shape', ['--resume', '--n_layer', '3', '--window', '4'], 'run', 1,
+     ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 8 vs given 4']),
+    ('sample_random', ['--sample'], 'random', 1, ['truncated or corrupt']),
+] + shared_cases('train_lm.py', 'ckpt.pt', 'train_lra.py')
+
+
+@pytest.mark.parametrize('case,extra,setup,code,words', LM_BAD, ids=[c[0] for c in LM_BAD])
+def test_lm_bad_input_one_line(lm_corpus, tmp_path, capsys, case, extra, setup, code, words):
+    out = tmp_path / 'run'
+    lm_setup(lm_corpus, out, setup)
+    extra = [{'BIN': str(tmp_path / 'bin'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'out')}.get(a, a) for a in extra]
+    got, err = run_cli(train_lm.main, lm_args(lm_corpus, out, *extra), capsys)
+    assert_one_line_error(got, err, code, words, 'train_lm.py')
+
+
+def test_lm_overwrite_replaces_the_run(lm_corpus, tmp_path):
+    lm_run(lm_corpus, tmp_path)
+    res = lm_run(lm_corpus, tmp_path, '--overwrite', '--attn', 'swa')
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['config']['attn'] == 'swa' and res['losses'][0][0] == 1
+
+
+def test_lm_nan_stops_at_that_step_without_nan_checkpoint(lm_corpus, tmp_path, monkeypatch, capsys):
+    LossTap(monkeypatch, 'cross_entropy', nan_at=3)
+    code, err = run_cli(train_lm.main, lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '6', '--eval_interval', '2'),
+                        capsys)
+    assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_lm.py')
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
+
+
+def test_lm_ctrl_c_saves_and_resume_is_exact(lm_corpus, tmp_path, monkeypatch, capsys):
+    argv = lambda out, *x: lm_tiny_args(lm_corpus, out, '--max_iters', '6', '--eval_interval', '4', *x)
+    whole = LossTap(monkeypatch, 'cross_entropy')
+    a = train_lm.main(argv(tmp_path / 'a'))
+    first = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=3)
+    code, err = run_cli(train_lm.main, argv(tmp_path / 'b'), capsys)
+    assert_one_line_error(code, err, 130, ['interrupted: at step 3', 'ckpt.pt', '--resume'], 'train_lm.py')
+    assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['step'] == 3
+    rest = LossTap(monkeypatch, 'cross_entropy')
+    b = train_lm.main(argv(tmp_path / 'b', '--resume'))
+    assert first.values + rest.values == whole.values
+    strip = lambda h: [{k: v for k, v in r.items() if k != 'time'} for r in h]
+    assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
+
+
+def kill_mid_checkpoint(main, argv, loss, ckpt, orphan, monkeypatch, capsys):
+    """Every script: Ctrl-C in step 3 (checkpoint eval_interval 2, so the Ctrl-C one at step 3), a tmp file that
+    a kill -9 left, then a --resume that dies halfway through writing the step-4 checkpoint. The orphan is
+    gone, no tmp file is left, the step-3 checkpoint is intact. -> what resuming once more returns."""
+    LossTap(monkeypatch, loss, ctrl_c_at=3)
+    assert run_cli(main, argv, capsys)[0] == 130
+    dead = plant_orphan(orphan, ckpt.parent, ckpt.name)
+    with dying_torch_save(monkeypatch), pytest.raises(KeyboardInterrupt):
+        main(argv + ['--resume'])
+    assert not os.path.exists(dead) and not tmp_files(ckpt.parent)
+    assert torch.load(ckpt, weights_only=True)['step'] == 3
+    return main(argv + ['--resume'])
+
+
+def test_lm_kill_during_checkpoint_loses_nothing(lm_corpus, tmp_path, monkeypatch, capsys, orphan):
+    argv = lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '6', '--eval_interval', '2')
+    res = kill_mid_checkpoint(train_lm.main, argv, 'cross_entropy', tmp_path / 'ckpt.pt', orphan, monkeypatch, capsys)
+    assert [s for s, _ in res['losses']] == [4, 5, 6]
+
+
+def test_lm_reports_skipped_files_and_outputs(lm_corpus, tmp_path, capsys):
+    d = tmp_path / 'src'
+    d.mkdir()
+    (d / 'a.txt').write_text('hello world, some text here\n' * 80)
+    (d / 'latin1.txt').write_bytes('caf\xe9\n'.encode('latin-1') * 50)
+    lm_run(lm_corpus, tmp_path / 'out', '--data', str(d))
+    text = capsys.readouterr().out
+    assert 'skipped 1 file(s) that are not UTF-8 text (latin1.txt)' in text
+    assert text.strip().splitlines()[-1] == (f"outputs: checkpoint {tmp_path / 'out' / 'ckpt.pt'} | "
+                                             f"log {tmp_path / 'out' / 'log.json'}")
+
+# -----------------------------------------------------------------------------
+# train_icl.py
+
+
+ICL_RUN = 'icl_standard_H2_D16'
+
+
+def icl_argv(out, *extra):
+    return icl_tiny_argv('standard', out, *extra)
+
+
+def icl_setup(out, how):
+    setup_case(how, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
+
+
+ICL_BAD = range_cases(steps='0', batch_size='-1', lr='nan', warmup='-1', threads='-2', log_interval='0',
+                      eval_interval='-1') + [
+    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
+    ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
+    ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
+    ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
+    ('attn', ['--attn', 'nope'], None, 1, ["'nope'"]),
+    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'"]),
+    ('n_head', ['--n_head', '3'], None, 1, ['3']),
+    ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
+     ['--assets_dir', 'cannot be written']),
+    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.0001 vs given 0.5']),
+    ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
+] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
+
+
+@pytest.mark.parametrize('case,extra,setup,code,words', ICL_BAD, ids=[c[0] for c in ICL_BAD])
+def test_icl_bad_input_one_line(tmp_path, capsys, case, extra, setup, code, words):
+    out = tmp_path / 'run'
+    icl_setup(out, setup)
+    extra = [{'UNWRITABLE': str(tmp_path / 'a_file' / 'x')}.get(a, a) for a in extra]
+    got, err = run_cli(icl.main, icl_argv(out, *extra), capsys)
+    assert_one_line_error(got, err, code, words, 'train_icl.py')
+
+
+def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch, capsys):
+    LossTap(monkeypatch, 'mse_loss', nan_at=3)
+    code, err = run_cli(icl.main, icl_argv(tmp_path, '--steps', '6'), capsys)
+    assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_icl.py')
+    ckpt = torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)
+    assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
+    assert not os.path.exists(tmp_path / f'{ICL_RUN}.json')                # no results from a diverged run
+
+
+def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys):
+    argv = lambda out, *x: icl_argv(out, '--steps', '6', '--eval_interval', '4', *x)
+    whole = LossTap(monkeypatch, 'mse_loss')
+    a = icl.main(argv(tmp_path / 'a'))
+    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
+    code, err = run_cli(icl.main, argv(tmp_path / 'b'), capsys)
+    assert_one_line_error(code, err, 130, ['interrupted:', 'at step 3', f'{ICL_RUN}.pt', '--resume'], 'train_icl.py')
+    rest = LossTap(monkeypatch, 'mse_loss')
+    b = icl.main(argv(tmp_path / 'b', '--resume'))
+    assert first.values + rest.values == whole.values and len(whole.values) == 6
+    strip = lambda h: [{k: v for k, v in r.items() if k != 'time_s'} for r in h]
+    assert strip(a['history']) == strip(b['history'])
+    assert a['model'] == b['model'] and a['train_flops'] == b['train_flops']
+
+
+def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys, orphan):
+    res = kill_mid_checkpoint(icl.main, icl_argv(tmp_path, '--steps', '6'), 'mse_loss', tmp_path / f'{ICL_RUN}.pt',
+                              orphan, monkeypatch, capsys)
+    assert [h['step'] for h in res['history']] == [0, 2, 4, 6]
+
+
+def test_icl_sweep_writes_no_assets_by_default(tmp_path, capsys):
+    argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2', '--workers', '1')]
+    i = argv.index('--assets_dir')
+    del argv[i:i + 2]
+    assert icl.build_parser().parse_args(argv).assets_dir == ''
+    icl.main(argv)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('outputs: results ')
+
+# -----------------------------------------------------------------------------
+# train_lra.py
+
+
+
+def lra_argv(out, cache, *extra):
+    return ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
+            '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL, *extra]
+
+
+def write_listops_release(d, bad_line=None):
+    """A release-layout ListOps folder (basic_{train,val,test}.tsv); bad_line replaces train line 3."""
+    d.mkdir(parents=True, exist_ok=True)
+    rows = [('( ( ( [MAX 2 ) 9 ) ] )', 9), ('( ( [SM 4 ) 7 ) ] )', 1), ('( ( ( [MED 1 ) 3 ) ] )', 2),
+            ('( ( ( [MIN 5 ) 6 ) ] )', 5)]
+    for split in ('train', 'val', 'test'):
+        lra.write_tsv(str(d / f'basic_{split}.tsv'), ['Source', 'Target'], rows * 2)
+    if bad_line is not None:
+        lines = (d / 'basic_train.tsv').read_text().splitlines()
+        lines[2] = bad_line
+        (d / 'basic_train.tsv').write_text('\n'.join(lines) + '\n')
+    return d
+
+
+def lra_setup(out, cache, how, tmp_path):
+    if how == 'no_tab':
+        write_listops_release(tmp_path / 'rel', bad_line='( ( [MAX 2 ) ] ) 2')
+    elif how == 'bad_label':
+        write_listops_release(tmp_path / 'rel', bad_line='( ( [MAX 2 ) ] )\tseven')
+    elif how == 'label_range':
+        write_listops_release(tmp_path / 'rel', bad_line='( ( [MAX 2 ) ] )\t12')
+    elif how == 'binary_tsv':
+        write_listops_release(tmp_path / 'rel')
+        (tmp_path / 'rel' / 'basic_val.tsv').write_bytes(b'\xff\xfe\x00\x01' * 50)
+    elif how == 'wrong_folder':
+        (tmp_path / 'rel').mkdir()
+        (tmp_path / 'rel' / 'README.txt').write_text('not LRA')
+    elif how == 'random_cifar':
+        d = write_cifar(tmp_path)
+        (d / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
+        os.rename(d, tmp_path / 'rel')
+    setup_case(how, out, str(out / 'ckpt.pt'), lambda: lra.main(lra_argv(out, cache)), 'train_ts.py')
+
+
+LRA_BAD = range_cases(steps='0', batch_size='0', lr='-1', warmup='-1', threads='-1', window='0') + [
+    ('bench_lens', ['--bench', '--bench_lens', '0'], None, 2, ["--bench_lens '0'"]),
+    ('bench_reps', ['--bench', '--bench_reps', '0'], None, 2, ['--bench_reps 0']),
+    ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
+    ('pathfinder_len', ['--task', 'pathfinder', '--max_len', '500'], None, 2, ['--max_len 500']),
+    ('n_head', ['--n_head', '3'], None, 1, ['n_head', '3']),
+    ('no_data_dir', ['--data_dir', '/nonexistent/lra'], None, 1, ["--data_dir '/nonexistent/lra'"]),
+    ('tsv_no_tab', ['--data_dir', 'REL'], 'no_tab', 1, ['basic_train.tsv line 3', 'Source<TAB>Target']),
+    ('tsv_bad_label', ['--data_dir', 'REL'], 'bad_label', 1, ['basic_train.tsv line 3', "'seven'"]),
+    ('tsv_label_range', ['--data_dir', 'REL'], 'label_range', 1, ['basic_train.tsv line 3', "label '12'"]),
+    ('tsv_binary', ['--data_dir', 'REL'], 'binary_tsv', 1, ['not a readable listops release folder', 'decode']),
+    ('wrong_release_folder', ['--data_dir', 'REL'], 'wrong_folder', 1, ['not a readable listops release folder',
+                                                                         '*_train.tsv']),
+    ('cifar_random_bytes', ['--task', 'image', '--max_len', '1024', '--data_dir', 'REL'], 'random_cifar', 1,
+     ['not a readable image release folder']),
+    ('resume_attn', ['--resume', '--attn', 'swa'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'swa'"]),
+    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.001 vs given 0.5']),
+    ('compare_missing', ['--compare', 'NOWHERE'], None, 1, ["--compare 'NOWHERE'", 'results.json']),
+] + shared_cases('train_lra.py', 'ckpt.pt', 'train_ts.py')
+
+
+@pytest.mark.parametrize('case,extra,setup,code,words', LRA_BAD, ids=[c[0] for c in LRA_BAD])
+def test_lra_bad_input_one_line(lra_cache, tmp_path, capsys, case, extra, setup, code, words):
+    out = tmp_path / 'run'
+    lra_setup(out, lra_cache, setup, tmp_path)
+    subst = {'REL': str(tmp_path / 'rel'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'x'), 'NOWHERE': 'NOWHERE'}
+    extra = [subst.get(a, a) for a in extra]
+    cache = str(tmp_path / 'cache') if (tmp_path / 'rel').exists() else lra_cache
+    got, err = run_cli(lra.main, lra_argv(out, cache, *extra), capsys)
+    assert_one_line_error(got, err, code, words, 'train_lra.py')
+
+
+def test_lra_release_cache_follows_file_content(tmp_path):
+    """An edited release file is parsed again: the cache is keyed on the files' sizes and mtimes."""
+    d = write_listops_release(tmp_path / 'rel')
+    args = lra.parse_args(['--data_dir', str(d), '--max_len', '16', '--cache_dir', str(tmp_path / 'cache')])
+    assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [9, 1]
+    (d / 'basic_train.tsv').write_text('Source\tTarget\n( ( [MAX 2 ) ] )\t2\n( ( [MIN 4 ) ] )\t4\n')
+    assert lra.load_task(args)[0]['train'][1].tolist() == [2, 4]
+    assert len(os.listdir(tmp_path / 'cache')) == 2 and not tmp_files(tmp_path / 'cache')
+
+
+def test_lra_nan_stops_at_that_step_without_nan_checkpoint(lra_cache, tmp_path, monkeypatch, capsys):
+    LossTap(monkeypatch, 'cross_entropy', nan_at=3)
+    code, err = run_cli(lra.main, lra_argv(tmp_path, lra_cache, '--steps', '6', '--eval_interval', '2'), capsys)
+    assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_lra.py')
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
+    assert not os.path.exists(tmp_path / 'results.json')
+
+
+def test_lra_ctrl_c_saves_and_resume_is_exact(lra_cache, tmp_path, monkeypatch, capsys):
+    """Batches of 8 from 48 examples: the order is redrawn after 6 steps, so 9 steps cross an epoch."""
+    argv = lambda out, *x: lra_argv(out, lra_cache, '--steps', '9', '--eval_interval', '4', '--log_interval', '3',
+                                    *x)
+    whole = LossTap(monkeypatch, 'cross_entropy')
+    a = lra.main(argv(tmp_path / 'a'))
+    first = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=5)
+    code, err = run_cli(lra.main, argv(tmp_path / 'b'), capsys)
+    assert_one_line_error(code, err, 130, ['interrupted: at step 5', 'ckpt.pt', '--resume'], 'train_lra.py')
+    rest = LossTap(monkeypatch, 'cross_entropy')
+    b = lra.main(argv(tmp_path / 'b', '--resume'))
+    assert first.values + rest.values == whole.values and len(whole.values) == 9
+    strip = lambda h: [{k: v for k, v in r.items() if k != 'train_seconds'} for r in h]
+    assert strip(a['history']) == strip(b['history'])
+    assert (a['final_test_acc'], a['best_val_acc'], a['best_step']) == (b['final_test_acc'], b['best_val_acc'],
+                                                                        b['best_step'])
+
+
+def test_lra_kill_during_checkpoint_loses_nothing(lra_cache, tmp_path, monkeypatch, capsys, orphan):
+    argv = lra_argv(tmp_path, lra_cache, '--steps', '6', '--eval_interval', '2')
+    res = kill_mid_checkpoint(lra.main, argv, 'cross_entropy', tmp_path / 'ckpt.pt', orphan, monkeypatch, capsys)
+    assert [h['step'] for h in res['history']] == [2, 4, 6]
+
+
+def test_lra_show_writes_to_out_dir_not_assets(tmp_path, capsys):
+    lra.main(['--task', 'pathfinder', '--show', '--n_train', '16', '--n_val', '2', '--n_test', '2',
+              '--cache_dir', str(tmp_path / 'cache'), '--out_dir', str(tmp_path / 'out')])
+    assert (tmp_path / 'out' / 'lra_pathfinder_samples.png').exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == \
+        f"outputs: samples {tmp_path / 'out' / 'lra_pathfinder_samples.png'}"
+    assert lra.parse_args(['--task', 'pathfinder', '--show']).out_dir == os.path.join('out', 'lra_pathfinder_standard')
+
+# -----------------------------------------------------------------------------
+# train_ts.py
+
+
+
+@pytest.fixture(scope='module')
+def ts_data(tmp_path_factory):
+    """A KernelSynth cache shared by this module's runs, and a small ETT-format CSV."""
+    root = tmp_path_factory.mktemp('ts')
+    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
+                               f"{np.cos(i / 6):.4f}" for i in range(400)]
+    (root / 'ett.csv').write_text('\n'.join(lines) + '\n')
+    return root
+
+
+def ts_argv(out, ts_data, *extra):
+    return ['--out_dir', str(out), '--data_dir', str(ts_data / 'ks'), '--attn', 'standard', '--n_layer', '1',
+            '--n_head', '2', '--n_embd', '16', '--max_steps', '4', '--eval_interval', '2', '--batch_size', '4',
+            '--val_windows', '8', '--quiet', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
+            '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
+            '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
+
+
+def ett_argv(csv, *extra):
+    return ['--task', 'longhorizon', '--data', str(csv), '--seq_len', '24', '--horizons', '8', '--dlinear_steps', '4',
+            *extra]
+
+
+def write_bad_csv(ts_data, tmp_path, how):
+    """The fixture CSV with one defect."""
+    lines = (ts_data / 'ett.csv').read_text().splitlines()
+    if how == 'nan_cell':
+        lines[5] = lines[5].rsplit(',', 1)[0] + ',nan'
+    elif how == 'empty_cell':
+        lines[5] = lines[5].rsplit(',', 1)[0] + ','
+    elif how == 'bad_date':
+        lines[7] = '2016-13-45 00:00:00' + lines[7][19:]
+    elif how == 'ragged':
+        lines[9] = lines[9] + ',7'
+    path = tmp_path / 'bad.csv'
+    if how == 'binary':
+        path.write_bytes(b'\x89PNG\r\n\x1a\n\xff\xfe' * 40)
+    else:
+        path.write_text('\n'.join(lines) + '\n')
+
+
+def ts_setup(out, ts_data, tmp_path, how):
+    if how in ('nan_cell', 'empty_cell', 'bad_date', 'ragged', 'binary'):
+        write_bad_csv(ts_data, tmp_path, how)
+    setup_case(how, out, str(out / 'ckpt_chronos_standard.pt'), lambda: ts.main(ts_argv(out, ts_data)),
+               'train_icl.py')
+
+
+TS_BAD = range_cases(batch_size='0', max_steps='0', warmup='-1', threads='-1', lr='0', eval_interval='0',
+                     num_samples='0', context='0', grad_clip='0') + [
+    ('horizons', ett_argv('x', '--horizons', '0,8'), None, 2, ["--horizons '0,8'"]),
+    ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
+    ('series_len', ['--series_len', '20'], None, 1, ['--series_len 20', '--context 24', '--horizon 8']),
+    ('mlr_levels', ['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], None, 1, ['divisible by 4', 'T = 34']),
+    ('ett_missing', ett_argv('/nonexistent/ETTh1.csv'), None, 1, ["'/nonexistent/ETTh1.csv'"]),
+    ('ett_nan_cell', ett_argv('BAD'), 'nan_cell', 1, ["row 6 column 'OT'", "'nan'", 'finite']),   # file lines
+    ('ett_empty_cell', ett_argv('BAD'), 'empty_cell', 1, ["row 6 column 'OT'", "''"]),
+    ('ett_bad_date', ett_argv('BAD'), 'bad_date', 1, ['row 8', "'2016-13-45 00:00:00' is not a date"]),
+    ('ett_ragged_row', ett_argv('BAD'), 'ragged', 1, ['row 10', '4 values but 3 columns']),
+    ('ett_binary', ett_argv('BAD'), 'binary', 1, ['bad.csv', 'not a text CSV']),
+    ('ett_horizon_too_long', ett_argv('ETT', '--horizons', '8,96'), None, 1, ['--horizons 96', '--seq_len 24']),
+    ('resume_shape', ['--resume', '--n_embd', '32'], 'run', 1, ['--n_embd: checkpoint 16 vs given 32']),
+    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
+] + shared_cases('train_ts.py', 'results_chronos.json', 'train_icl.py')
+
+
+@pytest.mark.parametrize('case,extra,setup,code,words', TS_BAD, ids=[c[0] for c in TS_BAD])
+def test_ts_bad_input_one_line(ts_data, tmp_path, capsys, case, extra, setup, code, words):
+    out = tmp_path / 'run'
+    ts_setup(out, ts_data, tmp_path, setup)
+    subst = {'BAD': str(tmp_path / 'bad.csv'), 'ETT': str(ts_data / 'ett.csv'),
+             'UNWRITABLE': str(tmp_path / 'a_file' / 'x')}
+    extra = [subst.get(a, a) for a in extra]
+    got, err = run_cli(ts.main, ts_argv(out, ts_data, *extra), capsys)
+    assert_one_line_error(got, err, code, words, 'train_ts.py')
+
+
+def test_ts_nan_stops_at_that_step_without_nan_checkpoint(ts_data, tmp_path, monkeypatch, capsys):
+    LossTap(monkeypatch, 'cross_entropy', nan_at=3)
+    code, err = run_cli(ts.main, ts_argv(tmp_path, ts_data, '--max_steps', '6'), capsys)
+    assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_ts.py')
+    ckpt = torch.load(tmp_path / 'ckpt_chronos_standard.pt', weights_only=True)
+    assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
+    assert not os.path.exists(tmp_path / 'results_chronos.json')         # no scores of an untrained model
+
+
+def test_ts_ctrl_c_saves_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
+    """Long-horizon: DLinear (4 steps), then standard attention (6 steps) with the best weights restored at
+    the end; Ctrl-C in the third step of the second model."""
+    argv = lambda out, *x: ts_argv(out, ts_data, *ett_argv(ts_data / 'ett.csv'), '--max_steps', '6', *x)
+    whole = LossTap(monkeypatch, 'mse_loss')
+    a = ts.main(argv(tmp_path / 'a'))
+    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=7)
+    code, err = run_cli(ts.main, argv(tmp_path / 'b'), capsys)
+    assert_one_line_error(code, err, 130, ['interrupted:', 'standard-H8', 'at step 3', '--resume'], 'train_ts.py')
+    rest = LossTap(monkeypatch, 'mse_loss')
+    b = ts.main(argv(tmp_path / 'b', '--resume'))
+    assert first.values + rest.values == whole.values and len(whole.values) == 10
+    for model in ('dlinear', 'standard'):
+        ra, rb = a['runs']['8'][model], b['runs']['8'][model]
+        assert (ra['mse'], ra['mae'], ra['best_val_mse']) == (rb['mse'], rb['mae'], rb['best_val_mse'])
+        strip = lambda h: [{k: v for k, v in r.items() if k != 'ms_per_step'} for r in h]
+        assert strip(ra['history']) == strip(rb['history'])
+
+
+def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan):
+    res = kill_mid_checkpoint(ts.main, ts_argv(tmp_path, ts_data, '--max_steps', '6'), 'cross_entropy',
+                              tmp_path / 'ckpt_chronos_standard.pt', orphan, monkeypatch, capsys)
+    assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"outputs: results {tmp_path}")
+
+# -----------------------------------------------------------------------------
+# all four
+
+
+@pytest.mark.parametrize('build', [train_lm.build_parser, icl.build_parser, lra.get_parser, ts.get_parser])
+def test_train_script_help_shows_defaults(build, monkeypatch):
+    monkeypatch.setenv('COLUMNS', '200')
+    text = build().format_help()
+    flags = text.count('\n  --')
+    assert text.count('(default:') >= 0.9 * flags, f"{flags} flags, {text.count('(default:')} defaults shown"
 
 
 if __name__ == '__main__':
