@@ -899,75 +899,6 @@ class Transformer(nn.Module):
 # -----------------------------------------------------------------------------
 # benchmark: python attention.py
 
-def _proc_kb(key):
-    with open('/proc/self/status') as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key))
-
-
-def measure(step, reps=2):
-    """Wall time (ms, best of reps) and peak memory (MB) of step(). On a GPU the peak is CUDA's allocator
-    peak; on Linux CPUs it is the growth of peak RSS, after resetting the peak via /proc/self/clear_refs."""
-    import time
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:  # hand freed heap memory back to the OS first, so that RSS is the memory in use
-        import ctypes
-        import gc
-        gc.collect()
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')
-        base = _proc_kb('VmRSS') * 1024
-    step()
-    if cuda:
-        torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() if cuda else _proc_kb('VmHWM') * 1024) - base
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times), peak / 2 ** 20
-
-
-def dense_mask_attention(q, k, v, causal=True):
-    """Standard attention written in plain torch, the way kernels.py writes its paths: T x T scores."""
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal:
-        T = q.shape[2]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float('-inf'))
-    return torch.softmax(s, dim=-1) @ v
-
-
-def benchmark_cores(Ts, BH=16, d=64, window=128, ranks=(32, 8, 6, 4, 4, 4, 4, 2)):
-    """fwd+bwd of each attention core on (1, BH, T, d) q, k, v (causal), against SDPA in the same run."""
-    dev = 'cuda' if torch.cuda.is_available() else 'cpu'
-    cores = {
-        'sdpa': lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        'dense_mask': dense_mask_attention,
-        'mlr': lambda q, k, v: kernels.mlr_attention(q, k, v, list(ranks), causal=True),
-        'swa': lambda q, k, v: kernels.sliding_window_attention(q, k, v, window, causal=True),
-        'linear': lambda q, k, v: kernels.linear_attention(q, k, v, causal=True),
-    }
-    print(f"attention cores, fwd+bwd, causal, (B*H, d) = ({BH}, {d}), window {window}, MLR ranks "
-          f"{'|'.join(map(str, ranks))}, on {dev}")
-    print(f"{'core':11s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'x dense':>8s} {'peak MB':>8s} {'x sdpa':>7s}")
-    rows = []
-    for T in Ts:
-        q, k, v = (torch.randn(1, BH, T, d, device=dev, requires_grad=True) for _ in range(3))
-        res = {name: measure(lambda: fn(q, k, v).sum().backward()) for name, fn in cores.items()}
-        for name, (ms, mb) in res.items():
-            print(f"{name:11s} {T:5d} {ms:9.1f} {ms / res['sdpa'][0]:7.2f} {ms / res['dense_mask'][0]:8.2f} "
-                  f"{mb:8.1f} {mb / max(res['sdpa'][1], 1e-3):7.2f}")
-            rows.append(dict(core=name, T=T, ms=ms, peak_mb=mb))
-    return rows
-
-
 def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', n_compressed=64):
     """fwd+bwd of one full attention layer of each kind (projections included), same input."""
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -988,7 +919,7 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
                 step = lambda: sum(t.sum() for t in layer(x, ct)).backward()
             else:
                 step = lambda: layer(x).sum().backward()
-            res[kind] = measure(step, reps=1) + (layer.flops(T),)
+            res[kind] = kernels.measure(step, reps=1) + (layer.flops(T),)
             del layer
         for kind, (ms, mb, fl) in res.items():
             b = res[kinds[0]]
@@ -1008,15 +939,18 @@ def benchmark_brl(Ts, causal=False):
 
 
 def mlr_flop_check(T=1024, ranks=(32, 8, 6, 4, 4, 4, 4, 2), BH=16):
-    """FLOPs of kernels.mlr_attention measured by torch.utils.flop_counter beside the formula."""
+    """Forward FLOPs of kernels.mlr_attention on CPU (the flash path) measured by torch.utils.flop_counter,
+    beside its formula, MLR's exact count and dense-mask attention's."""
     from torch.utils.flop_counter import FlopCounterMode
     q, k, v = (torch.randn(1, BH, T, sum(ranks)) for _ in range(3))
     with FlopCounterMode(display=False) as fc:
         kernels.mlr_attention(q, k, v, list(ranks), causal=True)
-    formula = BH * kernels.mlr_attention_flops(T, list(ranks), causal=True)
+    formula = BH * kernels.mlr_attention_flash_flops(T, list(ranks), causal=True)
+    exact = BH * kernels.mlr_attention_flops(T, list(ranks), causal=True)
     dense = BH * 2 * 2 * T * T * sum(ranks)
-    print(f"MLR T={T} ranks {'|'.join(map(str, ranks))}: measured {fc.get_total_flops() / 1e9:.3f} GFLOP, "
-          f"formula {formula / 1e9:.3f} GFLOP, dense-mask attention {dense / 1e9:.3f} GFLOP")
+    print(f"MLR T={T} ranks {'|'.join(map(str, ranks))}, forward: measured {fc.get_total_flops() / 1e9:.3f} GFLOP "
+          f"= the flash path's formula {formula / 1e9:.3f} (MLR's exact count {exact / 1e9:.3f}, the rest is its "
+          f"dense bottom tiles); dense-mask attention {dense / 1e9:.3f}")
     return fc.get_total_flops(), formula
 
 
@@ -1307,7 +1241,8 @@ def benchmark_main(argv=None):
     p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
     p.add_argument('--layers', action='store_true', help='one full layer of every variant (D=256, 4 heads)')
     p.add_argument('--Ts', type=_lengths, default=None, help="comma list of sequence lengths (when not given: "
-                   "512,1024,2048,4096 for the cores, 256,512,1024 with --layers, 1024 ... 16384 with --brl)")
+                   "512,1024,2048,4096 for the cores (multiples of 128), 256,512,1024 with --layers, "
+                   "1024 ... 16384 with --brl)")
     p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the block recurrence)')
     args = p.parse_args(argv)
     if args.brl:
@@ -1316,8 +1251,11 @@ def benchmark_main(argv=None):
         return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
                                 args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8',
                                 n_compressed=16)
+    if args.Ts and any(T % 128 for T in args.Ts):
+        p.error(f"--Ts {','.join(map(str, args.Ts))}: the attention cores need multiples of 128 (8 MLR levels)")
     mlr_flop_check()
-    return benchmark_cores(args.Ts or [512, 1024, 2048, 4096])
+    dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    return kernels.benchmark(dev, torch.float32, args.Ts or [512, 1024, 2048, 4096], reps=2)  # = kernels.py --bench
 
 
 if __name__ == '__main__':

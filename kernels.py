@@ -1257,7 +1257,8 @@ def _bench_cores(device, dtype, ranks):
         'swa_flash': (lambda q, k, v: sliding_window_attention_flash(q, k, v, 128),
                       lambda T: sliding_window_attention_flops(T, 128, d)),
         'swa_torch': (lambda q, k, v: sliding_window_attention_torch(q, k, v, 128),
-                        lambda T: sliding_window_attention_flops(T, 128, d)),
+                      lambda T: sliding_window_attention_flops(T, 128, d)),
+        'linear': (lambda q, k, v: linear_attention(q, k, v), lambda T: linear_attention_flops(T, d)),
     }
     if device == 'cuda' and HAS_TRITON and dtype in _TRITON_DTYPES:
         cores['mlr_triton'] = (lambda q, k, v: mlr_attention_triton(q, k, v, ranks), cores['mlr_flash'][1])

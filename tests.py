@@ -8,6 +8,7 @@ Each test checks an invariant or a reference equality that would fail if the cod
 """
 
 import argparse
+import ast
 import collections
 import contextlib
 import glob
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -3138,6 +3140,154 @@ def test_train_script_help_shows_defaults(build, monkeypatch):
     text = build().format_help()
     flags = text.count('\n  --')
     assert text.count('(default:') >= 0.9 * flags, f"{flags} flags, {text.count('(default:')} defaults shown"
+
+
+# -----------------------------------------------------------------------------
+# the repository stands on its own: README.md's links resolve inside it, no file points outside it, and the
+# train scripts set OpenMP's wait policy before torch loads
+
+# Hosts README.md may link to: the papers (arXiv, OpenReview) and public code (GitHub). Anything else leaves
+# the repository for no reason a reader can follow.
+ALLOWED_HOSTS = {'arxiv.org', 'openreview.net', 'github.com'}
+
+
+def readme_prose(text):
+    """README text without fenced code blocks and inline code spans, where a `[x](y)` is not a link."""
+    text = re.sub(r'^```.*?^```[^\n]*$', '', text, flags=re.S | re.M)
+    return re.sub(r'`[^`\n]*`', '', text)
+
+
+def markdown_links(text):
+    """Targets of [text](target) and ![alt](target) in markdown prose (an optional "title" dropped)."""
+    return [m.group(1).split()[0] for m in re.finditer(r'!?\[[^\]]*\]\(([^)\s]+(?:\s+"[^"]*")?)\)', text)]
+
+
+def github_anchor(heading):
+    """The anchor GitHub gives a heading: link text kept, code marks and punctuation dropped, spaces -> '-'."""
+    text = re.sub(r'!?\[([^\]]*)\]\([^)]*\)', r'\1', heading).replace('`', '')
+    return re.sub(r'[^\w\- ]', '', text.strip().lower()).replace(' ', '-')
+
+
+def heading_anchors(text):
+    anchors, seen = set(), {}
+    for line in readme_prose_keep_code_spans(text).splitlines():
+        m = re.match(r'#{1,6}\s+(.*?)\s*#*\s*$', line)
+        if m:
+            a = github_anchor(m.group(1))
+            n = seen.get(a, 0)
+            seen[a] = n + 1
+            anchors.add(a if n == 0 else f"{a}-{n}")   # GitHub numbers repeated headings
+    return anchors
+
+
+def readme_prose_keep_code_spans(text):
+    """README text without fenced code blocks (a '# comment' inside one is no heading)."""
+    return re.sub(r'^```.*?^```[^\n]*$', '', text, flags=re.S | re.M)
+
+
+def repo_files(exts):
+    """Tracked and untracked-but-not-ignored files with these extensions (git), else a walk of the tree that
+    skips hidden folders (.venv, .git) and the ignored run outputs."""
+    try:
+        out = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'], cwd=HERE,
+                             capture_output=True, text=True, check=True).stdout.split('\n')
+        files = [f for f in out if f]
+    except (OSError, subprocess.CalledProcessError):
+        files = []
+        for root, dirs, names in os.walk(HERE):
+            dirs[:] = [d for d in dirs if not d.startswith('.') and d not in ('out', 'data', '__pycache__')]
+            files += [os.path.relpath(os.path.join(root, n), HERE) for n in names]
+    return [f for f in files if f.endswith(exts) and os.path.isfile(os.path.join(HERE, f))]
+
+
+def check_readme_links(text, root):
+    """Every problem with the links of a README at `root`: a relative link to a missing file or outside
+    the repository, an in-page anchor no heading has, an external link to a host not allowed."""
+    problems, anchors = [], heading_anchors(text)
+    for target in markdown_links(readme_prose(text)):
+        url = urllib.parse.urlsplit(target)
+        if url.scheme in ('http', 'https'):
+            host = url.netloc.lower().removeprefix('www.')
+            if host not in ALLOWED_HOSTS:
+                problems.append(f"{target}: links outside the repository to {host} (allowed: papers and code "
+                                f"on {', '.join(sorted(ALLOWED_HOSTS))})")
+            continue
+        if url.scheme or url.netloc:
+            problems.append(f"{target}: not a relative link or an http(s) link to a paper or code")
+            continue
+        path = urllib.parse.unquote(url.path)
+        if path:
+            full = os.path.realpath(os.path.join(root, path))
+            if os.path.commonpath([full, os.path.realpath(root)]) != os.path.realpath(root):
+                problems.append(f"{target}: points outside the repository")
+            elif not os.path.exists(full):
+                problems.append(f"{target}: no such file in the repository")
+        elif url.fragment and url.fragment not in anchors:
+            problems.append(f"{target}: no heading has this anchor")
+    return problems
+
+
+def test_readme_relative_links_exist():
+    with open(os.path.join(HERE, 'README.md'), encoding='utf-8') as f:
+        text = f.read()
+    assert len(markdown_links(readme_prose(text))) > 20, "found almost no links: the link parser is broken"
+    problems = check_readme_links(text, HERE)
+    assert not problems, 'README.md links:\n' + '\n'.join(problems)
+
+
+def test_readme_link_checker_catches_bad_links(tmp_path):
+    """The checker itself: each kind of bad link is reported, and the good ones are not."""
+    (tmp_path / 'a.py').write_text('')
+    text = ('# Title: one\n\n[ok](a.py) [ok](#title-one) [ok](https://arxiv.org/abs/1) `[code](gone.py)`\n'
+            '```\n[in a block](gone.py)\n# not a heading\n```\n'
+            '[bad](missing.py) [bad](../outside.md) [bad](#not-a-heading) [bad](https://example.com/x)\n')
+    problems = check_readme_links(text, str(tmp_path))
+    assert [p.split(':')[0] for p in problems] == ['missing.py', '../outside.md', '#not-a-heading',
+                                                   'https']   # 'https://example.com/x' splits at its ':'
+
+
+TRAIN_SCRIPTS = ('train_lm.py', 'train_icl.py', 'train_lra.py', 'train_ts.py')
+
+
+def test_train_scripts_set_the_openmp_wait_policy_before_torch_loads():
+    """OpenMP reads its wait policy once, when torch loads it: each train script must set it before any
+    top-level import that brings torch in (torch itself, or one of the repository's modules)."""
+    torch_bringers = {'torch', 'attention', 'kernels', 'structured'}
+    for script in TRAIN_SCRIPTS:
+        with open(os.path.join(HERE, script), encoding='utf-8') as f:
+            body = ast.parse(f.read()).body
+        sets_policy = [i for i, node in enumerate(body) if isinstance(node, ast.If)
+                       and 'OMP_WAIT_POLICY' in ast.unparse(node.test)]
+        imports = [i for i, node in enumerate(body)
+                   if (isinstance(node, ast.Import) and any(a.name.split('.')[0] in torch_bringers
+                                                            for a in node.names))
+                   or (isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] in torch_bringers)]
+        assert sets_policy, f"{script}: no `if 'OMP_WAIT_POLICY' not in os.environ:` block"
+        assert imports and sets_policy[0] < imports[0], f"{script}: torch is imported before the wait policy is set"
+
+
+def test_openmp_wait_policy_default_and_override():
+    """Unset: PASSIVE with a short libgomp spin. Set by the user: left alone, and no spin count forced on it."""
+    code = "import train_lm, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    base = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')}
+    base['OMP_NUM_THREADS'] = '1'
+    for extra, expected in (({}, 'PASSIVE 10000'), ({'OMP_WAIT_POLICY': 'ACTIVE'}, 'ACTIVE None')):
+        out = subprocess.run([sys.executable, '-c', code], cwd=HERE, env={**base, **extra}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split('\n')[-2] == expected, (extra, out.stdout)
+
+
+def test_no_file_points_outside_the_repository():
+    """No .py or .md file of the repository refers to the working notes kept beside it."""
+    outside = 'shared' + '/'        # spelled in two parts so this file does not match itself
+    hits = []
+    for rel in repo_files(('.py', '.md')):
+        with open(os.path.join(HERE, rel), encoding='utf-8', errors='replace') as f:
+            for n, line in enumerate(f, 1):
+                if outside in line:
+                    hits.append(f"{rel}:{n}: {line.strip()}")
+    assert not hits, 'references to a folder outside the repository:\n' + '\n'.join(hits)
 
 
 if __name__ == '__main__':
