@@ -263,8 +263,8 @@ def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
 # backward pass (O(T²) memory in all) and its slice backward allocates full-size zero buffers per level.
 # This path is FlashAttention-2 on the CPU, done with torch ops:
 # - Forward: each tile (one level's sibling pairs, or the bottom blocks below) is cut into pieces of at most
-#   PIECE score entries (1 MB in float32, so a piece stays in a core's L2 cache while it is exponentiated
-#   and multiplied by v). A piece yields a partial softmax (output, log-sum-exp) merged into the running
+#   PIECE score entries per thread (1 MB in float32, so each thread's share stays in its core's L2 cache
+#   while it is exponentiated and multiplied by v). A piece yields a partial softmax (output, log-sum-exp) merged into the running
 #   (o, lse) of its query rows. Only q, k, v, o and lse are saved.
 # - Backward: the split-KV identity. With the final lse and delta = rowsum(do * o), the probabilities of any
 #   key subset are p = exp(s - lse), and that subset's share of the gradients is
@@ -281,7 +281,7 @@ def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
 #   tile of T = 2048 (R = 8, 16 heads, one thread) it took 7.9 ns per (query, key) pair, forward and
 #   backward, where these pieces take 6.0.
 
-PIECE = 1 << 18   # score entries per piece
+PIECE = 1 << 18   # score entries per piece and per CPU thread (each thread's share stays in its core's L2)
 BOTTOM = 32       # smallest block size scored by sibling tiles; smaller levels go into the dense bottom tiles
 
 
@@ -332,9 +332,10 @@ def _key_keep(key_mask, H, size, a, b):
 
 
 def _pieces(N, rows, keys):
-    """Slices (blocks, rows) of an (N, rows, keys) score tile into pieces of about PIECE entries."""
-    step = min(rows, max(16, PIECE // keys))
-    group = max(1, PIECE // (step * keys))
+    """Slices (blocks, rows) of an (N, rows, keys) score tile into pieces of about PIECE entries per thread."""
+    entries = PIECE * torch.get_num_threads()
+    step = min(rows, max(16, entries // keys))
+    group = max(1, entries // (step * keys))
     for n0 in range(0, N, group):
         for r0 in range(0, rows, step):
             yield slice(n0, min(n0 + group, N)), slice(r0, min(r0 + step, rows))
