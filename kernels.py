@@ -264,8 +264,8 @@ def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
 # This path is FlashAttention-2 on the CPU, done with torch ops:
 # - Forward: each tile (one level's sibling pairs, or the bottom blocks below) is cut into pieces of at most
 #   PIECE score entries per thread (1 MB in float32, so each thread's share stays in its core's L2 cache
-#   while it is exponentiated and multiplied by v). A piece yields a partial softmax (output, log-sum-exp) merged into the running
-#   (o, lse) of its query rows. Only q, k, v, o and lse are saved.
+#   while it is exponentiated and multiplied by v). A piece yields a partial softmax (output, log-sum-exp)
+#   merged into the running (o, lse) of its query rows. Only q, k, v, o and lse are saved.
 # - Backward: the split-KV identity. With the final lse and delta = rowsum(do * o), the probabilities of any
 #   key subset are p = exp(s - lse), and that subset's share of the gradients is
 #       dv += pᵀ do,   ds = p * (do vᵀ - delta),   dq += ds k,   dk += dsᵀ q
@@ -312,7 +312,8 @@ def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
     causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
     factor = None
     if divide_by_levels:
-        factor = 1.0 / (j + 1 + sum((m for _, _, m in groups), torch.zeros(S, S, dtype=like.dtype, device=like.device)))
+        covering = torch.full((S, S), j + 1.0, dtype=like.dtype, device=like.device)   # levels 0..j
+        factor = 1.0 / (covering + sum(m for _, _, m in groups))
     return groups, causal_keep, factor
 
 
@@ -1290,7 +1291,8 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
     print(f"attention cores on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {sum(ranks)}, "
           f"MLR ranks {'|'.join(map(str, ranks))} (mlr_flash_eq: 8 equal levels), SWA window 128; "
           f"{torch.get_num_threads()} thread(s); {peak:.0f} GFLOP/s for a 4096² matmul here")
-    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'peak MB':>8s} {'x sdpa':>7s} {'GFLOP/s':>8s} {'% mm':>5s}")
+    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'peak MB':>8s} {'x sdpa':>7s} {'GFLOP/s':>8s} "
+          f"{'% mm':>5s}")
     rows = []
     for T in Ts:
         q, k, v = (torch.randn(1, BH, T, sum(ranks), device=device, dtype=dtype, requires_grad=True)
