@@ -1312,28 +1312,32 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
     return rows
 
 
-def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2)):
+def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), window=128):
     """FlashAttention's test of a low-precision kernel: its error against the float64 reference must be at
     most 2x the error of the reference itself computed in that precision. Forward and all gradients."""
     g = torch.Generator(device='cpu').manual_seed(0)
     q, k, v, do = (torch.randn(1, BH, T, sum(ranks), generator=g, dtype=torch.float64).to(device) for _ in range(4))
-    paths = {'mlr_flash': mlr_attention_flash}
+    mlr = lambda f: (lambda q, k, v: f(q, k, v, list(ranks)))
+    swa = lambda f: (lambda q, k, v: f(q, k, v, window))
+    checks = [('mlr_flash', mlr(mlr_attention_flash), mlr(mlr_attention_reference)),
+              ('swa_flash', swa(sliding_window_attention_flash), swa(sliding_window_attention_reference))]
     if device == 'cuda' and HAS_TRITON:
-        paths['mlr_triton'] = mlr_attention_triton
+        checks += [('mlr_triton', mlr(mlr_attention_triton), mlr(mlr_attention_reference)),
+                   ('swa_triton', swa(sliding_window_attention_triton), swa(sliding_window_attention_reference))]
 
     def run(fn, dtype):
         x = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*x, list(ranks))
+        out = fn(*x)
         out.backward(do.to(dtype))
         return [out.double()] + [t.grad.double() for t in x]
 
-    exact = run(mlr_attention_reference, torch.float64)
     ok = True
-    for dtype in dtypes:
-        ref_err = [(a - b).abs().max().item() for a, b in zip(run(mlr_attention_reference, dtype), exact)]
-        for name, fn in paths.items():
-            if name == 'mlr_triton' and dtype not in _TRITON_DTYPES:
+    for name, fn, ref in checks:
+        exact = run(ref, torch.float64)
+        for dtype in dtypes:
+            if name.endswith('triton') and dtype not in _TRITON_DTYPES:
                 continue
+            ref_err = [(a - b).abs().max().item() for a, b in zip(run(ref, dtype), exact)]
             err = [(a - b).abs().max().item() for a, b in zip(run(fn, dtype), exact)]
             good = all(e <= 2 * r + 1e-12 for e, r in zip(err, ref_err))
             ok &= good
@@ -1430,7 +1434,7 @@ if __name__ == '__main__':
     dtypes = {'float32': [torch.float32], 'bfloat16': [torch.bfloat16]}.get(
         args.dtype, [torch.float32] if device == 'cpu' else [torch.bfloat16, torch.float32])
     rows = [row for dtype in dtypes for row in benchmark(device, dtype, Ts, args.reps)]
-    print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks):")
+    print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks, window 128):")
     ok = accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16])
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)

@@ -559,6 +559,22 @@ def _run(args, env=None, timeout=600):
     return out.returncode, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize('flags,words', [
+    (['--Ts', '0'], ["--Ts '0'", 'multiples of 128']), (['--Ts', '1024,100'], ['1024,100', 'multiples of 128']),
+    (['--reps', '0'], ['--reps 0', 'at least 1']),
+])
+def test_kernels_cli_refuses_bad_flags(flags, words):
+    """python kernels.py: one line naming the bad value, exit 2, before any work."""
+    rc, out = _run(['kernels.py', '--bench', *flags], env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=120)
+    lines = [l for l in out.splitlines() if 'error:' in l]
+    assert rc == 2 and len(lines) == 1 and all(w in lines[0] for w in words), out
+
+
+def test_kernels_help_shows_defaults():
+    rc, out = _run(['kernels.py', '--help'], env=dict(os.environ, OMP_NUM_THREADS='1', COLUMNS='200'), timeout=120)
+    assert rc == 0 and out.count('(default:') >= 6, out
+
+
 # -----------------------------------------------------------------------------
 # the kernels against the references, under the interpreter
 
