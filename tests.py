@@ -1954,19 +1954,107 @@ def test_icl_bad_input_is_a_clear_error(tmp_path):
 
 def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
     argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2',
-                     '--workers', '1', '--assets_dir', str(tmp_path / 'assets'))
+                     '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
     first = icl.main(argv)
-    assert len(first['table']) == 3 and not first['reused']
+    assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
     assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
     for name in ('icl_bottleneck.png', 'icl_bottleneck.json', 'icl_position.png'):
         assert os.path.exists(tmp_path / 'assets' / name)
     again = icl.main(argv)                                                  # same settings: nothing retrained
-    assert len(again['reused']) == 3
+    assert len(again['reused']) == 4
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
     with pytest.raises(ValueError, match='--overwrite'):                   # other settings: not over those runs
         icl.main(argv + ['--lr', '2e-3'])
     changed = icl.main(argv + ['--lr', '2e-3', '--overwrite'])             # unless asked: retrained
     assert not changed['reused']
+
+
+# -----------------------------------------------------------------------------
+# train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
+
+def icl_sweep_argv(tmp_path, sweep, *extra):
+    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--steps', '2', '--workers', '1', *extra)
+
+
+def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
+    first = icl.main(argv)
+    assert 'estimate: 8 of 8 runs to train' in capsys.readouterr().out
+    assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
+    with open(tmp_path / 'sweep_bottleneck.json') as f:
+        saved = json.load(f)
+    assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
+    for row in saved['table']:
+        per_seed = [saved['runs'][f'{row["model"]}, seed={s}']['model']['at_2d'] for s in (0, 1)]
+        assert row['err_at_2d_seeds'] == per_seed
+        assert row['err_at_2d'] == pytest.approx(np.mean(per_seed))
+        assert row['err_at_2d_std'] == pytest.approx(np.std(per_seed, ddof=1))
+    seeds = {r['config']['seed'] for r in saved['runs'].values()}
+    evals = {r['config']['eval_seed'] for r in saved['runs'].values()}
+    assert seeds == {0, 1} and len(evals) == 1                           # own training seed, shared test prompts
+    for name in ('icl_bottleneck.png', 'icl_position.png'):
+        assert os.path.exists(tmp_path / name)
+
+    again = icl.main(argv)                                                # nothing retrained
+    assert 'all 8 runs are finished' in capsys.readouterr().out
+    assert len(again['reused']) == 8
+    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
+
+    more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
+    assert 'estimate: 4 of 12 runs to train' in capsys.readouterr().out
+    assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
+    assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
+
+
+def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
+    icl.main(argv)
+    gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1.json'))[:2]
+    for p in gone:                                 # as if the sweep had been killed before these two finished
+        os.remove(tmp_path / p)
+        os.remove(tmp_path / p.replace('.json', '.pt'))
+    capsys.readouterr()
+    again = icl.main(argv)
+    assert 'estimate: 2 of 8 runs to train' in capsys.readouterr().out
+    assert len(again['reused']) == 6
+
+
+@pytest.mark.parametrize('sweep', ['compute', 'linear'])
+def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
+    extra = ['--mlr_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']
+    out = icl.main(icl_sweep_argv(tmp_path, sweep, '--seeds', '2', *extra))
+    n_points = 4 if sweep == 'compute' else 2
+    assert len(out['table']) == n_points and len(out['runs']) == 2 * n_points
+    key = 'err_at_2d' if sweep == 'compute' else 'test'
+    for row in out['table']:
+        assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
+    assert os.path.exists(tmp_path / f'icl_{sweep}.png')
+
+
+def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
+    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: None)
+    icl.main(['--sweep', 'bottleneck', '--quick', '--steps', '7', '--out_dir', str(tmp_path)])
+    a = seen['args']
+    assert a.steps == 7                                                   # given: wins
+    assert a.widths == icl.QUICK['bottleneck']['widths'] and a.seeds == icl.QUICK['bottleneck']['seeds']
+    assert a.lr == icl.SWEEP_RECIPE['bottleneck']['lr']                   # the recipe under --quick
+    seen.clear()
+    icl.main(['--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
+    assert seen['args'].steps == icl.SWEEP_RECIPE['bottleneck']['steps'] and seen['args'].seeds == 3
+    with pytest.raises(SystemExit):
+        icl.main(['--quick'])                                             # --quick needs a sweep
+    with pytest.raises(SystemExit):
+        icl.main(['--sweep', 'bottleneck', '--seeds', '0'])
+
+
+def test_bottleneck_mlr_ranks_sum_to_the_head_width():
+    spec = icl.build_parser().get_default('bottleneck_mlr_ranks')
+    for hw in (1, 2, 4, 5, 8):
+        ranks = [int(r) for r in icl.bottleneck_mlr_ranks(spec, hw).split('|')]
+        assert sum(ranks) == hw                                           # the official code asserts this
+    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) == '6'
 
 
 # -----------------------------------------------------------------------------
@@ -2521,6 +2609,116 @@ def test_lm_prompt_outside_vocabulary(lm_corpus, tmp_path):
     train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         train_lm.main(['--sample', '--out_dir', str(tmp_path), '--prompt', 'Zebra!'])
+
+
+# -----------------------------------------------------------------------------
+# train_lm.py --preset compare and --sweep compare: equal-FLOP budgets, seeds, paired statistics, reuse
+
+# -----------------------------------------------------------------------------
+# --preset compare: the official run's T, head width, ranks and optimizer, at a CPU width
+
+
+def test_lm_compare_preset_values():
+    a = train_lm.parse_args(['--preset', 'compare', '--attn', 'mlr'])
+    want = dict(n_layer=6, block_size=1024, mlr_divide_levels=True, qk_ln=True, logit_scale='inv', mup_alpha=8.0,
+                mup_base_width=768, emb_std=0.02, window=128, global_layers='0,3', weight_decay=0.0, adam_eps=1e-20,
+                beta2=0.95, lr_schedule='constant')
+    assert {k: getattr(a, k) for k in want} == want
+    assert a.n_embd // a.n_head == 64                                   # the official head width
+    assert train_lm.model_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'   # the official ranks at T = 1024
+    kinds = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
+    assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']  # official MHA|SWA|SWA|MHA|SWA|SWA
+
+
+def test_lm_compare_preset_every_value_names_its_source():
+    from tests import preset_source_lines
+    lines = preset_source_lines('PRESETS', train_lm, start_key="'compare'")
+    for key in train_lm.PRESETS['compare']:
+        line = next((line for line in lines if f"{key}=" in line), None)
+        assert line is not None and '#' in line, f"compare preset value {key!r} has no source comment"
+
+
+def test_lm_sweep_selects_the_compare_preset_and_checks_variants(capsys):
+    assert train_lm.parse_args(['--sweep', 'compare']).block_size == 1024
+    assert train_lm.parse_args(['--sweep', 'compare', '--preset', 'cpu']).block_size == 256
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(['--sweep', 'compare', '--variants', 'standard,mrl'])
+    assert "--variants 'standard,mrl': 'mrl' is not an attention variant" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(['--sweep', 'compare', '--variants', 'mlr,swa,mlr'])
+    assert "a variant is named twice" in capsys.readouterr().err
+
+
+def test_lm_sweep_stats_paired_differences():
+    """sweep_stats on hand-made histories: mean ± std over seeds, paired MLR - baseline per seed, equal-time loss."""
+    h = lambda loss, t: [dict(step=0, flops=0.0, time=0.0, val_loss=4.0), dict(step=2, flops=10.0, time=t, val_loss=loss)]
+    runs = [dict(variant=v, seed=s, done=True, history=h(loss, t), steps=2, val_loss=loss, flops=10.0, train_time=t)
+            for v, s, loss, t in [('standard', 0, 2.0, 10.0), ('standard', 1, 2.2, 10.0),
+                                  ('mlr', 0, 1.9, 20.0), ('mlr', 1, 2.0, 20.0)]]
+    st = train_lm.sweep_stats(runs, ['standard', 'mlr'])
+    assert st['variants']['standard']['val_loss'] == pytest.approx((2.1, np.std([2.0, 2.2], ddof=1)))
+    assert st['paired']['standard']['diffs'] == pytest.approx([-0.1, -0.2])
+    assert st['paired']['standard']['mean'] == pytest.approx(-0.15)
+    assert st['paired']['standard']['t'] == pytest.approx(-0.15 / (np.std([-0.1, -0.2], ddof=1) / math.sqrt(2)))
+    assert st['paired']['standard']['exceeds_spread'] is False        # |t| = 3 < 12.71 (1 degree of freedom)
+    assert st['equal_time'] == 10.0                                    # mlr at half its time: 4 -> 1.9 halfway
+    assert st['variants']['mlr']['val_loss_at_time'][0] == pytest.approx((2.95 + 3.0) / 2)
+    assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
+
+# -----------------------------------------------------------------------------
+# the sweep machinery end to end: 2 seeds x 2 variants x 3 steps, in 2 processes; then reuse and resume
+
+
+def lm_sweep_argv(lm_corpus, tmp_path, *extra):
+    argv = lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
+                        '--variants', 'standard,mlr', '--seeds', '2', '--max_iters', '3', '--eval_interval', '2',
+                        '--lr', '1e-2', *extra)
+    return argv
+
+
+def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
+    res = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2'))
+    names = ['standard_seed1337', 'mlr_seed1337', 'standard_seed1338', 'mlr_seed1338']
+    assert res['codes'] == {n: 0 for n in names} and res['reused'] == []
+    with open(res['paths']['json']) as f:
+        saved = json.load(f)
+    assert saved['variants'] == ['standard', 'mlr'] and saved['seeds'] == [1337, 1338]
+    runs = {(r['variant'], r['seed']): r for r in saved['runs']}
+    assert len(runs) == 4 and all(r['done'] for r in runs.values())
+    budget = saved['budget_flops']
+    for r in runs.values():                                            # every run stops at the budget, within a step
+        h = r['history']
+        assert [p['step'] for p in h][:2] == [0, 2] and all({'flops', 'time', 'val_loss'} <= set(p) for p in h)
+        step_flops = h[-1]['flops'] / h[-1]['step']
+        assert budget <= h[-1]['flops'] < budget + step_flops and r['val_loss'] == h[-1]['val_loss']
+    assert runs['standard', 1337]['steps'] == 3                        # the budget is 3 standard steps
+    st = saved['stats']
+    for v in ('standard', 'mlr'):
+        losses = [runs[v, s]['val_loss'] for s in (1337, 1338)]
+        assert st['variants'][v]['val_loss'] == pytest.approx([np.mean(losses), np.std(losses, ddof=1)])
+        assert f"| {v} | 2 | " in res['table'] and train_lm.pm(st['variants'][v]['val_loss']) in res['table']
+    diffs = [runs['mlr', s]['val_loss'] - runs['standard', s]['val_loss'] for s in (1337, 1338)]
+    assert st['paired']['standard']['diffs'] == pytest.approx(diffs)
+    assert st['paired']['standard']['mean'] == pytest.approx(np.mean(diffs))
+    assert f"| mlr − standard | {diffs[0]:+.4f}, {diffs[1]:+.4f} |" in res['table']
+    assert os.path.getsize(res['paths']['plot']) > 1000 and open(res['paths']['table']).read() == res['table']
+
+    again = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0'))   # a rerun trains nothing
+    assert sorted(again['reused']) == sorted(names) and again['trained'] == []
+    assert again['table'] == res['table']
+
+    os.rename(tmp_path / 'sweep' / 'standard_seed1338', tmp_path / 'gone')   # a missing run is trained again...
+    more = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))  # ...and a larger
+    assert sorted(more['trained']) == sorted(names) and more['reused'] == []   # budget resumes the others
+    for r in more['runs']:
+        old = runs[r['variant'], r['seed']]['history']
+        if r['variant'] == 'mlr' or r['seed'] == 1337:                 # resumed: the old history goes on
+            assert r['history'][:len(old)] == old and r['history'][-1]['flops'] >= more['budget'] > budget
+        else:
+            assert r['history'][-1]['step'] == 4                      # trained from scratch to the new budget
+
+    with pytest.raises(ValueError, match="holds a run with --lr 0.01, this sweep asks 0.02"):
+        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--lr', '2e-2'))
 
 
 # -----------------------------------------------------------------------------

@@ -16,12 +16,15 @@ QK-LN, batch 64, the official logit scales, weight rescaling, BTT shape, schedul
 d = 5, D = 32, 2000 steps.
   python train_icl.py --attn standard --n_head 1 --n_embd 32             # one model (about 50 s of CPU)
   python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --steps 20000   # a bigger one
-  python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT)
+  python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT/MLR)
+  python train_icl.py --sweep bottleneck --quick   # its short version (one width, one seed; estimate printed)
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
   python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
   python train_icl.py --help
 Results land in --out_dir (a JSON and a checkpoint per run); sweeps also copy their PNG and JSON to
---assets_dir, and reuse finished runs with the same training settings (--no-reuse to retrain).
+--assets_dir, and reuse finished runs with the same training settings (--no-reuse to retrain). Every sweep
+point is trained with --seeds seeds (default 3; tables give mean ± std); a sweep prints its time estimate
+first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and resumes from finished (run, seed) pairs.
 """
 import argparse
 import copy
@@ -159,11 +162,23 @@ def build_parser():
     g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
     g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
     g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
-    g.add_argument('--mlr_ranks', type=str, default='2|2|2|2,4|4',
-                   help='compute sweep: bilinear-MLR rank allocations, comma-separated (one run each)')
+    # was '2|2|2|2,4|4': level 0 of 2|2|2|2 LayerNorms 2 features (a sign, no gradient; bottleneck_mlr_ranks)
+    g.add_argument('--mlr_ranks', type=str, default='4|2|1|1,4|4',
+                   help='compute sweep: bilinear-MLR rank allocations, comma-separated (one run each); every level '
+                        'should hold >= 4 features p_l r_l, since each level is LayerNormed over them')
+    g.add_argument('--bottleneck_mlr_ranks', type=str, default='4:1|1|2,8:4|2|1|1',
+                   help="bottleneck sweep: bilinear-MLR ranks per head width, 'width:ranks,...'; a head width not "
+                        "listed gets one level of rank = head width (see bottleneck_mlr_ranks)")
     g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes')
+    g.add_argument('--seeds', type=int, default=3,
+                   help='sweeps: training seeds per sweep point (--seed, --seed + 1, ...; the held-out prompts stay '
+                        'the same); tables give mean ± std over them, plots mean and spread')
+    g.add_argument('--quick', action='store_true',
+                   help='sweeps: the short version for readers (QUICK: fewer steps and points, same ordering at '
+                        'lower precision, <= 8 min with --workers 2); flags given explicitly still win')
     g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
-                   help='sweeps: take a run from --out_dir instead of retraining when its training settings match')
+                   help='sweeps: take a run from --out_dir instead of retraining when its training settings match '
+                        '(per seed: a cut-off sweep resumes from its finished (run, seed) pairs)')
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', type=str, default='out/icl', help='where JSON results and checkpoints go')
     g.add_argument('--assets_dir', type=str, default='',
@@ -630,9 +645,34 @@ def write_sweep(args, name, payload, plot_fn):
 # -----------------------------------------------------------------------------
 # Sweeps (the papers' figures at CPU scale; every model gets the same steps and batch)
 
+# Each sweep's CPU recipe: where it departs from DEFAULTS (the official settings) and why. Applied to every flag
+# not given on the command line; --quick then applies QUICK the same way.
+SWEEP_RECIPE = {
+    'bottleneck': dict(
+        widths='32,40,64',   # 8 heads of width 4 < d = 5, 5 = d and 8 > d: both sides of the threshold
+        steps=3000,          # official 500 001 (GPU). Short CPU trials (README, "CPU recipe"): enough for 1 head to
+                             # get near 0.1 in one trial, NOT enough for the 8-head models, which mostly stay on
+                             # the predict-0 plateau this long; the threshold does not show at this length
+        lr=3e-4,             # official grids hold 1e-4 (all) and 5e-4, 1e-3 (standard), 1e-3 (bilinear MLR);
+                             # 1 head, seed 0: 0.108 at 3000 steps (1e-4: 0.156 at 2000). The official warmup
+                             # (1000) stays: with warmup 250 the same model was still at the plateau at 3000
+        n_eval_during=128, eval_interval=250),   # fewer, smaller evals during training: CPU time
+    'compute': dict(),
+    'linear': dict(),
+}
+# --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
+QUICK = {
+    # D = 32 only (8 heads of width 4 < d): at 1200 steps no model, not even 1 head, had left the plateau
+    'bottleneck': dict(widths='32', steps=2000, seeds=1, n_eval=500, n_boot=200),
+    # (not run yet; more steps than the official 1000 of warmup)
+    'compute': dict(steps=1500, seeds=1, n_eval=500, n_boot=200),
+    'linear': dict(depths='1,3', steps=1500, seeds=1, n_eval=500, n_boot=200),
+}
+
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
-                'widths', 'compute_width', 'linear_width', 'depths', 'mlr_ranks', 'reuse', 'resume', 'overwrite'}
+                'widths', 'compute_width', 'linear_width', 'depths', 'mlr_ranks', 'reuse', 'resume', 'overwrite',
+                'seeds', 'quick', 'bottleneck_mlr_ranks'}
 
 
 def finished_run(args):
@@ -677,6 +717,7 @@ def sweep_preflight(jobs):
 def run_jobs(jobs, workers):
     """Train each (args, name); with workers > 1, in that many fresh processes (1 torch thread each)."""
     sweep_preflight(jobs)
+    print_estimate(jobs, workers)
     if workers <= 1:
         return [_train_job(j) for j in jobs]
     import concurrent.futures
@@ -693,22 +734,141 @@ def variant(args, **overrides):
     return a
 
 
+def measured_ms_per_step(args, reps=3):
+    """Wall ms of one training step (forward, backward, AdamW) of this run's model at the full prompt length,
+    measured here on 1 thread: the median of `reps` steps after one warm-up step."""
+    a = resolve(args)
+    torch.manual_seed(0)
+    model = ICLModel(model_config(a), a.d, a.pos_std, a.read_in_std)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    xs, ys, _ = sample_prompts(torch.Generator().manual_seed(0), a.batch_size, a.d, a.n_points)
+    times = []
+    for _ in range(reps + 1):
+        t = time.time()
+        F.mse_loss(model(xs, ys), ys).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.time() - t)
+    return 1e3 * float(np.median(times[1:]))
+
+
+def print_estimate(jobs, workers):
+    """Before a sweep trains: its expected wall time from a measured ms/step per distinct model (the seeds of a
+    point share one measurement). Per run: steps x ms/step, plus the evaluations (a forward is ~1/3 of a step)."""
+    todo = [a for a, _ in jobs if not (a.reuse and finished_run(a) is not None)]
+    if not todo:
+        print(f'estimate: all {len(jobs)} runs are finished in --out_dir; nothing to train')
+        return 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                       # as the workers run
+    ms, per_run = {}, []
+    for a in todo:
+        key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
+        if key not in ms:
+            ms[key] = measured_ms_per_step(a)
+        evals = (a.steps // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
+        per_run.append(ms[key] / 1e3 * (a.steps + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
+    torch.set_num_threads(threads)
+    w = max(1, min(workers, len(todo)))
+    est = max(sum(per_run) / w, max(per_run))
+    print(f'estimate: {len(todo)} of {len(jobs)} runs to train ({len(jobs) - len(todo)} finished ones reused), '
+          f'{sum(per_run) / 60:.1f} min of training on 1 thread each -> about {est / 60:.1f} min wall with '
+          f'{w} worker(s) on an idle machine (ms/step measured now: '
+          + ', '.join(f'{k[0]}{" " + k[4] if k[4] else ""} H{k[1]} D{k[2]} L{k[3]} {v:.0f}'
+                      for k, v in ms.items()) + ')')
+    return est
+
+
+def training_seeds(args):
+    return list(range(args.seed, args.seed + args.seeds))
+
+
+def run_points(args, points):
+    """Train every sweep point {label: (args, run name)} with --seeds training seeds (run names end in _s<seed>).
+    The held-out prompts are the same for every seed (eval_seed fixed from --seed), so the spread over seeds
+    is the training seed's. -> {label: [result of each seed]}, in the order of training_seeds."""
+    eval_seed = args.eval_seed if args.eval_seed >= 0 else args.seed + 1000003
+    jobs = {(label, s): (variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}')
+            for label, (a, name) in points.items() for s in training_seeds(args)}
+    results = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
+    return {label: [results[(label, s)] for s in training_seeds(args)] for label in points}
+
+
+def mean_std(values):
+    """(mean, sample std over seeds; 0 for one seed) of a list of numbers (None entries skipped)."""
+    v = np.array([x for x in values if x is not None], dtype=float)
+    if v.size == 0:
+        return None, None
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
+
+
+def seed_summary(rs, key, get):
+    """{key: mean, key_std: std, key_seeds: per-seed values} of get(result) over one point's seeds."""
+    vals = [get(r) for r in rs]
+    m, s = mean_std(vals)
+    return {key: m, f'{key}_std': s, f'{key}_seeds': vals}
+
+
+def mean_history(rs, key):
+    """Training curves averaged over seeds: (x steps, flops, mean, std) at the evaluation steps all seeds share."""
+    steps = sorted(set.intersection(*({h['step'] for h in r['history']} for r in rs)))
+    by = [{h['step']: h for h in r['history']} for r in rs]
+    vals = np.array([[b[s][key] for s in steps] for b in by])                  # (seeds, evals)
+    return (np.array(steps), np.array([by[0][s]['flops'] for s in steps]), vals.mean(0),
+            vals.std(0, ddof=1) if len(rs) > 1 else np.zeros(len(steps)))
+
+
+def reused_runs(runs):
+    return [f'{k}, seed={r["config"]["seed"]}' for k, rs in runs.items() for r in rs if r.get('reused')]
+
+
+def seed_runs(runs):
+    """The sweep JSON's per-seed results: {'<label>, seed=<s>': run} (baselines kept once, outside)."""
+    return compact({f'{k}, seed={r["config"]["seed"]}': r for k, rs in runs.items() for r in rs})
+
+
+def bottleneck_mlr_ranks(spec, head_width):
+    """Bilinear-MLR ranks for one head width from --bottleneck_mlr_ranks ('width:ranks,...'); one level of rank
+    head_width when the width is not listed. The ranks sum to the head width, as the official code asserts.
+    Why the defaults look odd: the official code (and this one) LayerNorms each level's p_l r_l features, and a
+    LayerNorm over 1 feature outputs 0, over 2 features +-g (a sign, zero gradient almost everywhere), so such
+    levels never learn. The official runs never meet this (head width 32, every level >= 8 features); at head
+    width 4 no allocation avoids it, so 1|1|2 spends 2 ranks on those dead levels and keeps a learnable level
+    of 4 blocks x rank 2 = rank 8 >= d; at head width 8, 4|2|1|1 has >= 4 features on every level."""
+    for item in spec.split(','):
+        w, _, ranks = item.partition(':')
+        if w.strip() == str(head_width):
+            return ranks.strip()
+    return str(head_width)
+
+
 def sweep_bottleneck(args):
-    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention and 8-head bilinear BTT."""
+    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
+    and 8-head bilinear MLR, each point trained with --seeds seeds."""
     widths = [int(w) for w in args.widths.split(',')]
     models = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
-              'bilinear BTT, 8 heads': ('bilinear_btt', 8)}
+              'bilinear BTT, 8 heads': ('bilinear_btt', 8), 'bilinear MLR, 8 heads': ('bilinear_mlr', 8)}
     t0 = time.time()
-    jobs = {f'{label}, D={D}': (variant(args, attn=attn, n_head=H, n_embd=D), f'bottleneck_{attn}_H{H}_D{D}')
-            for D in sorted(widths, reverse=True) for label, (attn, H) in reversed(models.items())}  # costliest first
-    runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
+    points = {}
+    for D in sorted(widths, reverse=True):                            # costliest first
+        for label, (attn, H) in reversed(models.items()):
+            ranks = bottleneck_mlr_ranks(args.bottleneck_mlr_ranks, D // H) if attn == 'bilinear_mlr' else ''
+            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
+                                         f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
+    runs = run_points(args, points)
     wall = time.time() - t0
-    table = [{'model': k, 'D': r['config']['n_embd'], 'head_width': r['config']['n_embd'] // r['config']['n_head'],
-              'score_rank': score_rank(r['config']),
-              'err_at_2d': r['model']['at_2d'], 'ci': r['model']['at_2d_ci'], 'train_flops': r['train_flops'],
-              'time_s': r['train_time_s'], 'cpu_s': r.get('cpu_time_s')} for k, r in runs.items()]
-    print_table(table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d', 'ci', 'train_flops', 'time_s', 'cpu_s'])
-    base = next(iter(runs.values()))['baselines']
+    table = []
+    for k, rs in runs.items():
+        c = rs[0]['config']
+        table.append({'model': k, 'D': c['n_embd'], 'head_width': c['n_embd'] // c['n_head'], 'ranks': c['ranks'],
+                      'score_rank': score_rank(c), 'seeds': len(rs),
+                      **seed_summary(rs, 'err_at_2d', lambda r: r['model']['at_2d']),
+                      'ci_seed0': rs[0]['model']['at_2d_ci'], 'train_flops': rs[0]['train_flops'],
+                      'time_s': mean_std([r['train_time_s'] for r in rs])[0],
+                      'cpu_s': mean_std([r.get('cpu_time_s') for r in rs])[0]})
+    print_table(table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'train_flops',
+                        'time_s'])
+    base = next(iter(runs.values()))[0]['baselines']
     print('baselines at N=2d: ' + ', '.join(f'{k} {v["at_2d"]:.4f}' for k, v in base.items())
           + f' | sweep wall {wall:.0f}s')
 
@@ -717,14 +877,17 @@ def sweep_bottleneck(args):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label in models:
             rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
-            ax.errorbar([t['D'] for t in rows], [t['err_at_2d'] for t in rows],
-                        yerr=np.array([[t['err_at_2d'] - t['ci'][0], t['ci'][1] - t['err_at_2d']] for t in rows]).T,
-                        marker='o', capsize=3, label=label, color=color(label))
+            if not rows:
+                continue
+            x, m, s = (np.array([t[f] for t in rows]) for f in ('D', 'err_at_2d', 'err_at_2d_std'))
+            ax.errorbar(x, m, yerr=s, marker='o', capsize=3, label=f'{label} (mean ± std, {rows[0]["seeds"]} seeds)',
+                        color=color(label))
+            ax.fill_between(x, np.maximum(m - s, 1e-4), m + s, alpha=0.15, color=color(label))
         for name, b in base.items():
             if name != 'least_squares':
                 ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
         ax.set(xscale='log', yscale='log', xlabel='model width D', ylabel=f'error at N = 2d (d = {args.d})',
-               title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.steps} steps\n'
+               title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.steps} steps, lr {args.lr:g}\n'
                      '(least squares = 0 here)')
         ax.set_xticks(widths, [str(w) for w in widths])
         ax.xaxis.set_minor_locator(plt.NullLocator())
@@ -733,17 +896,18 @@ def sweep_bottleneck(args):
         fig.savefig(path, dpi=90)
         plt.close(fig)
 
-    payload = {'sweep': 'bottleneck', 'wall_s': wall, 'reused': [k for k, r in runs.items() if r.get('reused')],
-               'sum_run_time_s': sum(t['time_s'] for t in table), 'table': table,
+    payload = {'sweep': 'bottleneck', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
+               'sum_run_time_s': sum(t['time_s'] * t['seeds'] for t in table), 'table': table,
                'baselines_at_2d': {k: v['at_2d'] for k, v in base.items()},
-               'baselines': next(iter(runs.values()))['baselines'], 'runs': compact(runs)}
+               'baselines': base, 'runs': seed_runs(runs)}
     old = os.path.join(args.out_dir, 'sweep_bottleneck.json')
-    if len(payload['reused']) == len(runs) and os.path.exists(old):   # a replot: keep the wall time of the training
+    n_runs = sum(len(rs) for rs in runs.values())
+    if len(payload['reused']) == n_runs and os.path.exists(old):     # a replot: keep the wall time of the training
         with open(old) as f:
             o = json.load(f)
         payload['wall_s_when_trained'] = o.get('wall_s_when_trained', o['wall_s'])
     write_sweep(args, 'bottleneck', payload, plot)
-    widest = {k.rsplit(',', 1)[0]: r for k, r in runs.items() if r['config']['n_embd'] == max(widths)}
+    widest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == max(widths)}
     pos_path = os.path.join(args.out_dir, 'icl_position.png')
     plot_positions(widest, pos_path, f'error per position, D = {max(widths)}, d = {args.d}')
     if args.assets_dir:
@@ -758,33 +922,40 @@ def sweep_compute(args):
               for r in args.mlr_ranks.split(',')}
     models.update({'bilinear BTT, 8 heads': ('bilinear_btt', 8, ''), 'standard, 1 head': ('standard', 1, ''),
                    'standard, 8 heads': ('standard', 8, '')})
-    jobs = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
-                    f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}') for label, (attn, H, ranks) in models.items()}
-    runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
-    table = [{'model': k, 'score_rank': score_rank(r['config']), 'err_at_2d': r['model']['at_2d'],
-              'ci': r['model']['at_2d_ci'],
-              'flops_per_step': r['train_flops'] / args.steps, 'train_flops': r['train_flops'],
-              'time_s': r['train_time_s'], 'cpu_s': r.get('cpu_time_s')} for k, r in runs.items()]
-    print_table(table, ['model', 'score_rank', 'err_at_2d', 'ci', 'flops_per_step', 'train_flops', 'time_s', 'cpu_s'])
+    points = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
+                      f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
+              for label, (attn, H, ranks) in models.items()}
+    t0 = time.time()
+    runs = run_points(args, points)
+    wall = time.time() - t0
+    table = [{'model': k, 'score_rank': score_rank(rs[0]['config']), 'seeds': len(rs),
+              **seed_summary(rs, 'err_at_2d', lambda r: r['model']['at_2d']),
+              'flops_per_step': rs[0]['train_flops'] / args.steps, 'train_flops': rs[0]['train_flops'],
+              'time_s': mean_std([r['train_time_s'] for r in rs])[0],
+              'cpu_s': mean_std([r.get('cpu_time_s') for r in rs])[0]} for k, rs in runs.items()]
+    print_table(table, ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'flops_per_step', 'train_flops',
+                        'time_s'])
 
     def plot(path):
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6, 4))
-        for k, r in runs.items():
-            h = [x for x in r['history'] if x['flops'] > 0]
-            ax.plot([x['flops'] for x in h], [x['at_2d'] for x in h], label=k, color=color(k),
-                    ls=':' if k.startswith('bilinear MLR') and k != next(iter(runs)) else '-')
+        for k, rs in runs.items():
+            _, flops, m, s = mean_history(rs, 'at_2d')
+            keep = flops > 0
+            ls = ':' if k.startswith('bilinear MLR') and k != next(iter(runs)) else '-'
+            ax.plot(flops[keep], m[keep], label=f'{k} ({len(rs)} seeds)', color=color(k), ls=ls)
+            ax.fill_between(flops[keep], np.maximum(m - s, 1e-4)[keep], (m + s)[keep], alpha=0.15, color=color(k))
         ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
                ylabel=f'error at N = 2d (d = {args.d})',
                title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals during training, {args.n_eval_during} '
-                     'held-out prompts each)')
+                     'held-out prompts each; mean ± std over seeds)')
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
         plt.close(fig)
 
-    payload = {'sweep': 'compute', 'table': table, 'baselines': next(iter(runs.values()))['baselines'],
-               'runs': compact(runs)}
+    payload = {'sweep': 'compute', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
+               'table': table, 'baselines': next(iter(runs.values()))[0]['baselines'], 'runs': seed_runs(runs)}
     write_sweep(args, 'compute', payload, plot)
     return payload
 
@@ -792,42 +963,53 @@ def sweep_compute(args):
 def sweep_linear(args):
     """Seed 003: softmax (quadratic) vs linear attention at depths 1/3/6, d = 5, 10 pairs + query, 4 heads;
     isotropic and anisotropic test error at the query, steps to 90% of the loss drop."""
-    jobs = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
-                                          n_points=11, test_cov='aniso',
-                                          grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
-                                  f'linear_{attn}_L{L}')
-            for L in sorted((int(x) for x in args.depths.split(',')), reverse=True) for attn in ('standard', 'linear')}
-    runs = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
-    table = [{'model': k, 'params': r['body_params'], 'train_loss': r['final_train_loss_ema'] / r['config']['d'],
-              'test': r['model']['query'], 'test_ci': r['model']['query_ci'], 'aniso_test': r['model_shifted']['query'],
-              'aniso_ci': r['model_shifted']['query_ci'], 'steps_to_90': steps_to_90(r['history']),
-              'time_s': r['train_time_s'], 'cpu_s': r.get('cpu_time_s')} for k, r in runs.items()]
-    for t in table:
-        t['samples_to_90'] = None if t['steps_to_90'] is None else t['steps_to_90'] * args.batch_size
-    print_table(table, ['model', 'params', 'train_loss', 'test', 'aniso_test', 'steps_to_90', 'samples_to_90', 'time_s',
-                        'cpu_s'])
-    base = next(iter(runs.values()))
+    points = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
+                                            n_points=11, test_cov='aniso',
+                                            grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
+                                    f'linear_{attn}_L{L}')
+              for L in sorted((int(x) for x in args.depths.split(',')), reverse=True)
+              for attn in ('standard', 'linear')}
+    t0 = time.time()
+    runs = run_points(args, points)
+    wall = time.time() - t0
+    table = []
+    for k, rs in runs.items():
+        row = {'model': k, 'params': rs[0]['body_params'], 'seeds': len(rs)}
+        for key, get in (('train_loss', lambda r: r['final_train_loss_ema'] / r['config']['d']),
+                         ('test', lambda r: r['model']['query']), ('aniso_test', lambda r: r['model_shifted']['query']),
+                         ('steps_to_90', lambda r: steps_to_90(r['history']))):
+            row.update(seed_summary(rs, key, get))
+        row['samples_to_90'] = None if row['steps_to_90'] is None else row['steps_to_90'] * args.batch_size
+        row['time_s'] = mean_std([r['train_time_s'] for r in rs])[0]
+        row['cpu_s'] = mean_std([r.get('cpu_time_s') for r in rs])[0]
+        table.append(row)
+    print_table(table, ['model', 'params', 'train_loss', 'test', 'aniso_test', 'steps_to_90', 'samples_to_90',
+                        'time_s'])
+    base = next(iter(runs.values()))[0]
+    depths = sorted({rs[0]['config']['n_layer'] for rs in runs.values()})
 
     def plot(path):
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6, 4))
-        for k, r in runs.items():
-            ax.plot([x['step'] for x in r['history']], [x['query'] for x in r['history']],
-                    ls='-' if k.startswith('standard') else '--', label=k,
-                    color=f"C{sorted({q['config']['n_layer'] for q in runs.values()}).index(r['config']['n_layer'])}")
+        for k, rs in runs.items():
+            steps, _, m, s = mean_history(rs, 'query')
+            c = f"C{depths.index(rs[0]['config']['n_layer'])}"
+            ax.plot(steps, m, ls='-' if k.startswith('standard') else '--', label=f'{k} ({len(rs)} seeds)', color=c)
+            ax.fill_between(steps, np.maximum(m - s, 1e-4), m + s, alpha=0.12, color=c)
         for name in ('averaging', 'zero'):
             ax.axhline(base['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')
         ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
-               title='softmax vs linear attention (seed 003 setting, CPU scale)')
+               title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean ± std over seeds')
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
         plt.close(fig)
 
-    payload = {'sweep': 'linear', 'table': table,
+    payload = {'sweep': 'linear', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
+               'table': table,
                'baselines_query': {k: v['query'] for k, v in base['baselines'].items()},
                'baselines_query_aniso': {k: v['query'] for k, v in base['baselines_shifted'].items()},
-               'baselines': next(iter(runs.values()))['baselines'], 'runs': compact(runs)}
+               'baselines': base['baselines'], 'runs': seed_runs(runs)}
     write_sweep(args, 'linear', payload, plot)
     return payload
 
@@ -850,16 +1032,21 @@ def score_rank(config):
 
 
 def print_table(rows, cols):
+    """A markdown table; a column with a '<col>_std' companion prints as 'mean ± std' (over seeds)."""
     def fmt(v):
         if isinstance(v, float):
             return f'{v:.4g}'
         if isinstance(v, list):
-            return '[' + ', '.join(f'{x:.3g}' for x in v) + ']'
+            return '[' + ', '.join('-' if x is None else f'{x:.3g}' for x in v) + ']'
         return str(v)
+
+    def cell(r, c):
+        s = r.get(f'{c}_std')
+        return fmt(r[c]) if s is None or r[c] is None else f'{r[c]:.4g} ± {s:.2g}'
     print('| ' + ' | '.join(cols) + ' |')
     print('|' + '---|' * len(cols))
     for r in rows:
-        print('| ' + ' | '.join(fmt(r[c]) for c in cols) + ' |')
+        print('| ' + ' | '.join(cell(r, c) for c in cols) + ' |')
 
 # -----------------------------------------------------------------------------
 
@@ -869,7 +1056,7 @@ def check_flags(parser, args):
     check_ranges(parser, args, positive=[
         'd', 'steps', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
         'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'workers', 'compute_width', 'linear_width',
-        'curr_d_start', 'curr_n_start'], non_negative=[
+        'curr_d_start', 'curr_n_start', 'seeds'], non_negative=[
         'n_points', 'warmup', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval', 'curr_interval',
         'threads'])
     for name in ('widths', 'depths'):
@@ -887,6 +1074,13 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_flags(parser, args)
+    if args.quick and not args.sweep:
+        parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
+    if args.sweep:   # the sweep's CPU recipe, then --quick, for every flag not given on the command line
+        given = given_flags(parser, argv)
+        for k, v in {**SWEEP_RECIPE[args.sweep], **(QUICK[args.sweep] if args.quick else {})}.items():
+            if k not in given:
+                setattr(args, k, v)
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
         pick_device(args.device)

@@ -13,6 +13,9 @@ by file, so the validation code is never seen in training.
     python train_lm.py --attn mlr --resume              # continue out/lm_mlr exactly where it stopped
     python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
     python train_lm.py --compare out/lm_standard out/lm_mlr --plot assets/lm_compare.png
+    python train_lm.py --sweep compare --seeds 3        # 5 variants x 3 seeds at equal FLOPs, T = 1024 (~2 h on
+                                                        # 2 idle cores; rerun the same command to resume a cut-off one)
+    python train_lm.py --sweep compare --estimate       # time a few steps per variant and print the sweep's minutes
     python train_lm.py --bench                          # tokens/s: ours vs a nanoGPT-equivalent model
     python train_lm.py --data input.txt                 # any text file, or a directory of text files
     torchrun --standalone --nproc_per_node=2 train_lm.py --device cpu   # DDP (gloo on CPU, nccl on GPU)
@@ -27,6 +30,8 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
 import sysconfig
 import time
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 
 from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups
 # run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
+from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
                        given_flags, load_checkpoint, pick_device, prepare_out_dir, remove_orphan_tmp,
                        report_outputs, resume_settings, rng_state, run_main, save_checkpoint, set_rng_state,
                        write_json)
@@ -308,6 +313,34 @@ PRESETS = {
         max_iters=100_000,            # config: max_iters = 100_000
         eval_interval=200,            # config: eval_interval = 200
         eval_iters=200),              # train.py: eval_iters = 200; bf16 on GPU is --dtype auto, as train.py
+    # The seeded comparison of `--sweep compare` (issue 16): the official run's T, head width, ranks and settings,
+    # at a width, depth and length that fit 5 variants x 3 seeds into ~150 min on an idle 2-core CPU (README).
+    'compare': dict(
+        n_layer=6,                    # official n_layer = 6 (so global_swa is MHA|SWA|SWA|MHA|SWA|SWA as official)
+        n_embd=128, n_head=2,         # official head width 64 (d_head); width 128 instead of 768: CPU budget
+        block_size=1024,              # official block_size=1024, where MLR's savings show (paper Fig. 4)
+        ranks='auto',                 # = the official 32|8|6|4|4|4|4|2 at d = 64, T = 1024 (default_ranks)
+        mlr_divide_levels=True,       # official mlr_block_divide_by_num_levels=True
+        qk_ln=True,                   # official do_qk_ln = True
+        logit_scale='paper',          # official per variant (PAPER_LOGIT_SCALE): MLR 1/r_l, standard / SWA 8/d
+        mup_alpha=8.0,                # official k * 8 / sqrt(d)
+        mup_base_width=768,           # official base_width_factor = 768: muP scales the lr to our width
+        emb_std=0.02,                 # official wte / wpe N(0, 0.02^2)
+        window=128,                   # official look-back (paper caption T' = 128)
+        global_layers='0,3',          # official sequential_GSWA_layer_list (paper's layers 1 and 4)
+        gswa_ranks='32|32',           # official gswa_rank_list (only global_swa_split uses it)
+        bilinear_rms_cap=True, btt_factors='official',   # official (not in the default sweep)
+        n_compressed=16,              # BRL m: project default (seed 004 has no LM run at this scale)
+        batch_size=4, grad_accum=1,   # 4096 chars / step: CPU budget (official 4 x 8 x 1024)
+        lr=3e-3,                      # official lr of every structure at the smallest width (D = 256, plotting
+                                      # notebook), shared by all variants; not tuned here (MLR at 768: 1.65e-2)
+        weight_decay=0.0,             # official weight_decay = 0.0
+        adam_eps=1e-20,               # official AdamW eps=1e-20; betas 0.9, 0.95 as official (our defaults)
+        warmup_iters=100,             # official 2000 of 100k steps; longer in proportion for a short run
+        lr_schedule='constant',       # official decay_lr = False
+        max_iters=1000,               # the standard run's steps: the sweep's equal FLOPs (CPU budget; official 100k)
+        eval_interval=50,             # official 200 of 100k; more often for a short run's curves
+        eval_iters=20),               # official 200 x 32 sequences; 20 x 4 here, the same batches every time
 }
 
 # logit_scale 'paper': the scale each variant had in the official LM code (attention.logit_scales).
@@ -343,11 +376,25 @@ def build_parser():
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
     g.add_argument('--plot', default=os.path.join('out', 'lm_compare.png'), help='--compare: output image')
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
+    g = p.add_argument_group('seeded sweep (--sweep compare): every variant at equal training FLOPs')
+    g.add_argument('--sweep', choices=['compare'], help='train --variants x --seeds at the FLOPs of the standard run '
+                   'of --max_iters steps (default preset: compare), then table + plot in --sweep_dir')
+    g.add_argument('--variants', default=','.join(SWEEP_VARIANTS), help='--sweep: comma list of --attn values')
+    g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
+    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
+                   '(0 = one after another in this process)')
+    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
+                   'runs and resume cut-off ones (--no-reuse trains every run again)')
+    g.add_argument('--sweep_dir', default=os.path.join('out', 'lm_sweep'),
+                   help='--sweep: run folders, sweep.json, table.md, sweep.png')
+    g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
+                   "sweep's wall-time estimate and stop")
     g = p.add_argument_group('data')
     g.add_argument('--data', default='', help='text file or directory of text files (default: the Python stdlib source)')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
     g = p.add_argument_group('model')
-    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~10 min) or paper')
+    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~10 min), paper, '
+                   'or compare (T = 1024, --sweep compare)')
     g.add_argument('--attn', choices=list(ATTENTION) + ['global_swa'], default='standard', help='attention variant')
     g.add_argument('--layer_pattern', default='', help="per-layer variants, e.g. 'swa,standard,swa,mlr' (overrides --attn)")
     g.add_argument('--n_layer', type=positive_int, help='number of blocks')
@@ -424,7 +471,8 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    parser.set_defaults(**PRESETS[args.preset])
+    preset = args.sweep if args.sweep and 'preset' not in given_flags(parser, argv) else args.preset
+    parser.set_defaults(**PRESETS[preset], preset=preset)  # --sweep compare: --preset compare unless one is given
     args = parser.parse_args(argv)
     args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
     if args.logit_scale == 'paper':  # the official LM run's scale for this --attn (PAPER_LOGIT_SCALE)
@@ -435,7 +483,17 @@ def parse_args(argv=None):
         parser.error(f"--beta2 {args.beta2}: must be in [0, 1)")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    valid = list(ATTENTION) + ['global_swa']
+    bad = [v for v in args.variants.split(',') if v not in valid]
+    if bad:
+        parser.error(f"--variants {args.variants!r}: {bad[0]!r} is not an attention variant; valid (comma "
+                     f"list): {', '.join(valid)}")
+    if len(set(args.variants.split(','))) < len(args.variants.split(',')):
+        parser.error(f"--variants {args.variants!r}: a variant is named twice")
+    if args.workers < 0:
+        parser.error(f"--workers {args.workers}: must be >= 0 (0 = one run after another in this process)")
     args._given = sorted(given_flags(parser, argv))  # the flags on the command line
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
     return args
 
 # -----------------------------------------------------------------------------
@@ -755,6 +813,293 @@ def compare(args):
 
 
 # -----------------------------------------------------------------------------
+# seeded sweep (issue 16): every variant trained to the same FLOPs, several seeds, in parallel processes; a cut-off
+# sweep resumes (finished runs are kept, cut-off ones --resume from their checkpoint)
+
+SWEEP_VARIANTS = ('standard', 'mlr', 'swa', 'global_swa', 'brl')
+T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
+
+
+def inherited_argv(argv):
+    """The sweep's command line less the flags that the sweep sets per run or uses itself: what every run keeps."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--preset', '--attn', '--seed',
+                 '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
+        p.add_argument(flag)
+    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--no_bar'):
+        p.add_argument(flag, action='store_true')
+    return p.parse_known_args(argv)[1]
+
+
+def run_argv(args, variant, seed, budget):
+    """The train_lm.py command line of one run of the sweep (1 thread; stops once its FLOPs reach the budget)."""
+    return [*inherited_argv(args._argv), '--preset', args.preset, '--attn', variant, '--seed', str(seed),
+            '--out_dir', os.path.join(args.sweep_dir, f"{variant}_seed{seed}"), '--max_flops', repr(budget),
+            '--max_iters', str(10 ** 9), '--threads', '1', '--no_bar']
+
+
+def run_model(args, variant, vocab_size):
+    """(resolved flags, model, training FLOPs per step) of the sweep's run of `variant`."""
+    a = parse_args(run_argv(args, variant, args.seed, 0.0))
+    model = GPT(model_config(vars(a)), vocab_size, a.emb_std)
+    return a, model, 3 * model.forward_flops(a.block_size) * a.batch_size * a.grad_accum
+
+
+def seconds_per_step(a, model, vocab_size, repeats=2):
+    """Wall seconds of one training step (forward, backward, AdamW) on random tokens with 1 thread, the best of
+    `repeats` after a warm-up step: what a run of the sweep pays per step on this machine now."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
+    x = torch.randint(vocab_size, (a.batch_size, a.block_size))                 # (B, T)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.time()
+        for _ in range(a.grad_accum):
+            model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.time() - t0)
+    torch.set_num_threads(threads)
+    return min(times[1:])
+
+
+def sweep_estimate(args, plan, budget, variants, vocab_size):
+    """Print (and return) per variant: FLOPs/step, steps to the budget, s/step timed here, minutes per run
+    (steps + evaluations, a forward ~1/3 of a step); and the sweep's wall time on --workers processes."""
+    minutes = {}
+    print(f"sweep estimate: budget {budget:.3g} FLOPs = {args.max_iters} steps of standard; s/step timed now, "
+          f"1 thread, one process (a busy machine reads slower; parallel runs share memory bandwidth)")
+    for v in variants:
+        a, model, step_flops = run_model(args, v, vocab_size)
+        steps, s = math.ceil(budget / step_flops), seconds_per_step(a, model, vocab_size)
+        minutes[v] = (steps + (steps // a.eval_interval + 1) * a.eval_iters / 3) * s / 60
+        print(f"  {v:12s} {step_flops / 1e9:8.3f} GFLOP/step | {steps:6d} steps | {s:6.3f} s/step | "
+              f"{minutes[v]:6.1f} min/run")
+    free = [0.0] * max(1, args.workers)  # the sweep's own order: the next run starts on the first free worker
+    for variant, _, _ in plan:
+        free[free.index(min(free))] += minutes[variant]
+    print(f"  whole sweep: {len(plan)} runs on {max(1, args.workers)} worker(s): ~{max(free):.0f} min "
+          f"(~{sum(minutes[v] for v, _, _ in plan):.0f} run-minutes)")
+    return dict(minutes_per_run=minutes, sweep_minutes=max(free))
+
+
+def run_state(args, run_dir, argv, budget):
+    """'done' (its log reaches the budget), 'partial' (a checkpoint to --resume) or 'new'. A folder that holds a
+    run of other settings is refused (ValueError), so a sweep never mixes runs of two configurations."""
+    if not os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
+        return 'new'
+    try:
+        with open(os.path.join(run_dir, 'log.json')) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return 'partial'
+    want = vars(parse_args(argv))
+    skip = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
+    diff = [k for k in sorted(saved['config']) if k in want and k not in skip and saved['config'][k] != want[k]]
+    if diff:
+        k = diff[0]
+        raise ValueError(f"{run_dir} holds a run with --{k} {saved['config'][k]!r}, this sweep asks {want[k]!r}: "
+                         f"use another --sweep_dir, or --no-reuse to train every run again")
+    h = saved['history']
+    return 'done' if reached(h, budget) else 'partial'
+
+
+def reached(history, budget):
+    """A run's history ends at the FLOP budget (up to float rounding of a sum of many steps)."""
+    return bool(history) and history[-1]['flops'] >= budget * (1 - 1e-9)
+
+
+def train_runs(jobs, workers):
+    """Run the jobs [(name, argv, run_dir)] as train_lm.py processes, `workers` at a time, each logging to
+    <run_dir>/train.log (workers 0: one after another in this process). -> {name: exit code}. On Ctrl-C or
+    SIGTERM the running ones get SIGINT, so they save a checkpoint after their current step."""
+    codes, running, pending = {}, {}, list(jobs)
+    if workers == 0:
+        for name, argv, _ in pending:
+            try:
+                main(argv)
+                codes[name] = 0
+            except (ValueError, Diverged) as e:
+                print(f"sweep: {name} failed: {e}")
+                codes[name] = 1
+        return codes
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                name, argv, run_dir = pending.pop(0)
+                log = open(os.path.join(run_dir, 'train.log'), 'a')
+                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=log,
+                                                  stderr=subprocess.STDOUT, env=env), log)
+                print(f"sweep: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
+            time.sleep(0.1)
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is not None:
+                    log.close()
+                    codes[name] = proc.returncode
+                    del running[name]
+                    failed = f"FAILED (exit {proc.returncode}), see {log.name}"
+                    print(f"sweep: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, _ in running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, log in running.values():
+            proc.wait()
+            log.close()
+    return codes
+
+
+def sweep_runs(args, plan, budget):
+    """Train what the plan still needs (reusing finished runs), then read every run's history back."""
+    jobs, reused = [], []
+    for variant, seed, run_dir in plan:
+        argv = run_argv(args, variant, seed, budget)
+        state = run_state(args, run_dir, argv, budget) if args.reuse else 'new'
+        if state == 'done':
+            reused.append(f"{variant}_seed{seed}")
+            continue
+        os.makedirs(run_dir, exist_ok=True)
+        resume_or_not = ['--resume'] if state == 'partial' else ['--overwrite']
+        jobs.append((f"{variant}_seed{seed}", argv + resume_or_not, run_dir))
+    print(f"sweep: {len(reused)} finished run(s) reused, {len(jobs)} to train", flush=True)
+    codes = train_runs(jobs, args.workers)
+    runs = []
+    for variant, seed, run_dir in plan:
+        h = []
+        if os.path.exists(os.path.join(run_dir, 'log.json')):
+            with open(os.path.join(run_dir, 'log.json')) as f:
+                h = json.load(f)['history']
+        done = reached(h, budget)
+        runs.append(dict(variant=variant, seed=seed, out_dir=run_dir, done=done, history=h,
+                         steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
+                         flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
+    return runs, reused, [name for name, _, _ in jobs], codes
+
+
+def mean_std(xs):
+    """(mean, sample standard deviation); the std is NaN for a single value."""
+    xs = np.asarray(xs, dtype=np.float64)
+    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
+
+
+def sweep_stats(runs, variants):
+    """Per variant: val loss at equal FLOPs (each run's last evaluation, at the budget) and at equal training wall
+    time (interpolated at the shortest run's time), mean and std over seeds, and both rankings; per baseline: the
+    paired differences MLR - baseline over the seeds both finished, with a paired t-test at 5 %."""
+    done = [r for r in runs if r['done']]
+    t_eq = min(r['train_time'] for r in done)
+    at_time = lambda r: float(np.interp(t_eq, [p['time'] for p in r['history']], [p['val_loss'] for p in r['history']]))
+    per = {}
+    for v in variants:
+        rs = [r for r in done if r['variant'] == v]
+        if rs:
+            per[v] = dict(seeds=[r['seed'] for r in rs], steps=max(r['steps'] for r in rs),
+                          flops=float(np.mean([r['flops'] for r in rs])),
+                          train_time=float(np.mean([r['train_time'] for r in rs])),
+                          val_loss=mean_std([r['val_loss'] for r in rs]),
+                          val_loss_at_time=mean_std([at_time(r) for r in rs]))
+    for key, rank in (('val_loss', 'flop_rank'), ('val_loss_at_time', 'time_rank')):
+        for i, v in enumerate(sorted(per, key=lambda v: per[v][key][0])):
+            per[v][rank] = i + 1
+    paired = {}
+    loss = {(r['variant'], r['seed']): r['val_loss'] for r in done}
+    for b in (v for v in variants if v != 'mlr' and 'mlr' in per and v in per):
+        seeds = [s for s in per['mlr']['seeds'] if s in per[b]['seeds']]
+        diffs = [loss['mlr', s] - loss[b, s] for s in seeds]
+        m, sd = mean_std(diffs)
+        t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
+        crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
+        paired[b] = dict(seeds=seeds, diffs=diffs, mean=m, std=sd, t=t, t_crit=crit,
+                         exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+    return dict(equal_time=t_eq, variants=per, paired=paired)
+
+
+def pm(ms, digits=4):
+    m, s = ms
+    return f"{m:.{digits}f} ± {s:.{digits}f}" if math.isfinite(s) else f"{m:.{digits}f}"
+
+
+def sweep_table(stats, budget):
+    """The markdown tables of sweep_stats."""
+    lines = [f"| variant | seeds | steps | training FLOPs | val loss at equal FLOPs ({budget:.3g}) | FLOP rank | "
+             f"train time (min) | val loss at equal time ({stats['equal_time'] / 60:.1f} min) | time rank |",
+             '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+    for v, s in stats['variants'].items():
+        lines.append(f"| {v} | {len(s['seeds'])} | {s['steps']} | {s['flops']:.3g} | {pm(s['val_loss'])} | "
+                     f"{s['flop_rank']} | {s['train_time'] / 60:.1f} | {pm(s['val_loss_at_time'])} | "
+                     f"{s['time_rank']} |")
+    if stats['paired']:
+        lines += ['', '| MLR − baseline (equal FLOPs) | per seed | mean ± std | paired t (5 % critical) | '
+                      'exceeds the seed spread |', '| --- | --- | --- | --- | --- |']
+    for b, p in stats['paired'].items():
+        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
+        lines.append(f"| mlr − {b} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {pm((p['mean'], p['std']))} | "
+                     f"{p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+    return '\n'.join(lines) + '\n'
+
+
+def sweep_plot(runs, variants, path):
+    """Val loss vs training FLOPs and vs training wall time: per variant the mean over seeds, band = ± 1 std."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for v in variants:
+        hs = [r['history'][1:] for r in runs if r['variant'] == v and r['done']]  # step 0 is ln(vocab) for all
+        if not hs:
+            continue
+        n = min(len(h) for h in hs)                                             # seeds of a variant share steps
+        loss = np.array([[p['val_loss'] for p in h[:n]] for h in hs])            # (seeds, evals)
+        m, s = loss.mean(0), loss.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
+        for ax, key in zip(axes, ('flops', 'time')):
+            x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
+            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
+            ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
+    for ax, xlabel in zip(axes, ('training FLOPs', 'training wall time (s), 1 thread per run')):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel('val loss (nats/char)')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle('character-level LM at equal training FLOPs: mean over seeds, band = ± 1 std')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sweep(args):
+    """--sweep compare: the plan (variants x seeds, seed-major, so a cut-off sweep has whole seeds), the estimate,
+    the runs, then <sweep_dir>/sweep.json, table.md and sweep.png."""
+    variants = args.variants.split(',')
+    seeds = [args.seed + i for i in range(args.seeds)]
+    plan = [(v, s, os.path.join(args.sweep_dir, f"{v}_seed{s}")) for s in seeds for v in variants]
+    vocab_size = len(load_data(prepare_data(args.data, args.cache_dir))[1]['itos'])  # builds the cache once
+    budget = args.max_iters * run_model(args, 'standard', vocab_size)[2]           # the standard run's FLOPs
+    os.makedirs(args.sweep_dir, exist_ok=True)
+    estimate = sweep_estimate(args, plan, budget, variants, vocab_size)
+    if args.estimate:
+        return estimate
+    runs, reused, trained, codes = sweep_runs(args, plan, budget)
+    if not any(r['done'] for r in runs):
+        raise ValueError(f"no run of the sweep finished; see the train.log files in {args.sweep_dir}")
+    stats = sweep_stats(runs, variants)
+    table = sweep_table(stats, budget)
+    paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'),
+                                                            ('plot', 'sweep.png'))}
+    write_json(paths['json'], dict(sweep=args.sweep, budget_flops=budget, variants=variants, seeds=seeds,
+                                   command=args._argv, estimate=estimate, runs=runs, stats=stats))
+    atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
+    sweep_plot(runs, variants, paths['plot'])
+    missing = [f"{r['variant']}_seed{r['seed']}" for r in runs if not r['done']]
+    print(table + (f"not finished (left out): {', '.join(missing)}\n" if missing else ''))
+    report_outputs(json=paths['json'], table=paths['table'], plot=paths['plot'])
+    return dict(runs=runs, stats=stats, table=table, budget=budget, reused=reused, trained=trained, codes=codes,
+                paths=paths)
+
+
+# -----------------------------------------------------------------------------
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
 
 
@@ -846,6 +1191,8 @@ def main(argv=None):
         return sample(args)
     if args.bench:
         return bench(args)
+    if args.sweep:
+        return sweep(args)
     return train(args)
 
 
