@@ -4,7 +4,10 @@ The project's tests, on CPU, in a few minutes.
     python tests.py              # all of them (this is what CI runs)
     python tests.py -k mlr       # any pytest arguments pass through
 
-Each test checks an invariant or a reference equality that would fail if the code were wrong.
+Each test checks an invariant or a reference equality that would fail if the code were wrong. The sections
+follow the files in reading order: structured.py, kernels.py, attention.py (with BRL and the papers'
+settings), then train_lm.py, train_icl.py, train_lra.py and train_ts.py, then the run-safety standard the four
+scripts share, and last that the repository stands on its own (README links, nothing pointing outside).
 """
 
 import argparse
@@ -1428,6 +1431,626 @@ def test_smoke_lra_preset(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# train_lm.py: every --attn trains, exact resume, DDP, cached sampling, clear errors
+
+LM_VARIANTS = list(ATTENTION) + ['global_swa']
+
+
+def lm_close(a, b, atol=1e-5, rtol=1e-5, what=''):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    diff = (a - b).abs()
+    ok = torch.all(diff <= atol + rtol * b.abs())
+    assert ok, f"{what} max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
+
+
+@pytest.fixture(scope='module', autouse=True)
+def lm_one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning threads cost a shared CPU dearly."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope='module')
+def lm_corpus(tmp_path_factory):
+    """A tiny deterministic 'source code' text file and a cache dir, shared by the tests of this module."""
+    root = tmp_path_factory.mktemp('lm')
+    g = torch.Generator().manual_seed(0)
+    words = ['def', 'return', 'self', 'x', 'y', 'if', 'else:', 'for', 'in', 'range(n)', '=', '+', '1', '0']
+    lines = []
+    for _ in range(1500):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        lines.append('    ' * int(torch.randint(0, 3, (1,), generator=g)) +
+                     ' '.join(words[int(i)] for i in torch.randint(len(words), (n,), generator=g)))
+    path = root / 'tiny.txt'
+    path.write_text('\n'.join(lines) + '\n')
+    return dict(data=str(path), cache=str(root / 'cache'), root=root)
+
+
+def lm_tiny_args(lm_corpus, out_dir, *extra):
+    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir),
+            '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--window', '8',
+            '--global_layers', '1', '--n_compressed', '4', '--batch_size', '4', '--eval_iters', '2',
+            '--warmup_iters', '2', '--log_interval', '1', '--no_bar', *extra]
+
+# -----------------------------------------------------------------------------
+# training
+
+
+@pytest.mark.parametrize('attn', LM_VARIANTS)
+def test_lm_smoke_every_attention(lm_corpus, attn, tmp_path):
+    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', attn, '--max_iters', '4', '--eval_interval', '4',
+                                  '--lr', '1e-2', '--eval_iters', '1'))
+    losses = [l for _, l in res['losses']]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0], f"{attn}: loss did not go down in 4 steps: {losses}"
+    assert os.path.exists(tmp_path / 'ckpt.pt') and os.path.exists(tmp_path / 'log.json')
+    steps = [h['step'] for h in res['history']]
+    assert steps == [0, 4] and res['history'][-1]['flops'] > 0
+
+
+def test_lm_resume_is_exact(lm_corpus, tmp_path):
+    a = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'a', '--attn', 'mlr', '--max_iters', '6', '--eval_interval', '3'))
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--attn', 'mlr', '--max_iters', '3', '--eval_interval', '3'))
+    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '6', '--resume'))  # attn from the ckpt
+    assert [s for s, _ in b['losses']] == [4, 5, 6]
+    assert a['losses'][3:] == b['losses'], f"resumed {b['losses']} vs uninterrupted {a['losses'][3:]}"
+    strip = lambda h: [{k: v for k, v in r.items() if k != 'time'} for r in h]  # wall time differs, of course
+    assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
+
+
+def test_lm_resume_keeps_checkpoint_shapes(lm_corpus, tmp_path):
+    """Shape-defining flags come from the checkpoint; a conflicting one is refused, naming both values."""
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--eval_interval', '2'))
+    with pytest.raises(ValueError, match='--n_embd: checkpoint 32 vs given 64'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '64', '--max_iters', '3', '--resume'))
+    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '32', '--max_iters', '3', '--resume'))
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['config']['n_embd'] == 32 and ckpt['step'] == 3 and res['losses'][0][0] == 3
+
+
+def test_lm_ddp_two_processes_gloo(lm_corpus, tmp_path):
+    """2-process torchrun on CPU: the replicas end bitwise equal, and the run matches one process with the
+    global batch (each rank takes its slice of one shared draw of windows)."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=HERE)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(HERE, 'train_lm.py'), *lm_tiny_args(lm_corpus, tmp_path / 'ddp', '--max_iters', '3',
+                                                         '--eval_interval', '3', '--device', 'cpu')]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    with open(tmp_path / 'ddp' / 'ddp.json') as f:
+        ddp = json.load(f)
+    assert ddp['world_size'] == 2 and len(ddp['param_checksums']) == 2
+    assert ddp['param_checksums'][0] == ddp['param_checksums'][1], ddp['param_checksums']
+    single = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'one', '--max_iters', '3', '--eval_interval', '3',
+                                     '--batch_size', '8'))
+    lm_close([l for _, l in ddp['losses']], [l for _, l in single['losses']], atol=1e-4, rtol=1e-4,
+                 what='DDP vs single-process losses')
+    lm_close(ddp['val_loss'], single['val_loss'], atol=1e-4, rtol=1e-4, what='val loss')
+
+# -----------------------------------------------------------------------------
+# sampling with the decoding caches
+
+
+def lm_random_model(attn, T=32, seed=0):
+    cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
+                                    '--block_size', str(T), '--window', '8', '--global_layers', '1',
+                                    '--n_compressed', '4', '--brl_block', '8']))
+    torch.manual_seed(seed)
+    model = train_lm.GPT(train_lm.model_config(cfg), 20)
+    with torch.no_grad():  # the zero-init output maps would make every position alike
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and p.abs().sum() == 0:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize('attn', [v for v in LM_VARIANTS if not v.startswith('bilinear')])
+def test_lm_cached_decoding_equals_full_forward(attn):
+    model = lm_random_model(attn)
+    idx = torch.randint(20, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = model(idx)                                                      # (2, 32, V)
+        cache = model.body.new_cache()
+        steps = torch.cat([model(idx[:, t:t + 1], cache=cache, pos=t)[0] for t in range(32)], dim=1)
+    lm_close(steps, full, atol=1e-4, rtol=1e-4, what=f'{attn} cached vs full logits')
+
+
+@pytest.mark.parametrize('attn,temperature', [('standard', 0.0), ('standard', 1.0), ('mlr', 0.0), ('swa', 1.0)])
+def test_lm_sampling_with_cache_equals_without(attn, temperature):
+    """Greedy and seeded sampling give the same text with and without the cache, past block_size too
+    (at 17 tokens the context restarts from its last T/2 = 8 tokens). Every cache is held to the full
+    forward by the test above; this one checks the generation loop around it."""
+    model = lm_random_model(attn, T=16)
+    outs, cached = [], []
+    for use_cache in (True, False):
+        g = torch.Generator().manual_seed(3)
+        ids, cache, n = train_lm.generate(model, [1, 2, 3], 18, temperature=temperature, top_k=5 if temperature else 0,
+                                          use_cache=use_cache, generator=g)
+        outs.append(ids)
+        cached.append(n)
+    assert outs[0] == outs[1]
+    # 3 + 18 tokens; at 17 the context restarts from tokens[9:], so the last step sees tokens[9:20]
+    assert len(outs[0]) == 18 and len(set(outs[0])) > 1 and cached == [11, 0]
+
+
+def test_lm_sample_command_reports_cache(lm_corpus, tmp_path, capsys):
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--max_iters', '1', '--eval_interval', '1'))
+    capsys.readouterr()
+    common = ['--sample', '--out_dir', str(tmp_path), '--prompt', 'def', '--max_new_tokens', '10', '--temperature', '0']
+    cached = train_lm.main(common)
+    text = capsys.readouterr().out
+    assert 'key cache after' in text and 'standard attention' in text
+    assert train_lm.main(common + ['--no_cache']) == cached
+
+# -----------------------------------------------------------------------------
+# data and plots
+
+
+def test_lm_data_split_by_file(tmp_path):
+    """A directory is split by file: val text comes from files the training split never contains."""
+    d = tmp_path / 'src'
+    d.mkdir()
+    for i in range(12):
+        (d / f"f{i:02d}.txt").write_text(f"file {i} marker{'ABCDEFGHIJKL'[i]}\n" * 20)
+    (d / 'blob.bin').write_bytes(b'\0\1\2' * 100)  # binary: skipped
+    cache = train_lm.prepare_data(str(d), str(tmp_path / 'cache'))
+    splits, meta = train_lm.load_data(cache)
+    decode = lambda a: ''.join(meta['itos'][i] for i in a)
+    train, val = decode(splits['train']), decode(splits['val'])
+    assert 'markerJ' in val and 'markerJ' not in train          # file 9 is the held-out one
+    assert all(f'marker{c}' in train for c in 'ABCDEFGHIKL')
+    assert meta['n_files'] == 12 and meta['dtype'] == 'uint8'
+    assert train_lm.prepare_data(str(d), str(tmp_path / 'cache')) == cache  # second call reuses the cache
+
+
+def test_lm_stdlib_corpus_file_list():
+    root, files = train_lm.stdlib_files()
+    assert len(files) > 300 and files == sorted(files)
+    rel = [os.path.relpath(f, root).split(os.sep) for f in files]
+    assert not any(set(parts) & {'test', 'tests', 'idle_test', 'site-packages'} for parts in rel)
+    assert all(f.endswith('.py') for f in files)
+
+
+def test_lm_compare_plot(tmp_path):
+    for attn in ('standard', 'swa'):  # compare only reads <run>/log.json
+        os.makedirs(tmp_path / attn)
+        history = [dict(step=s, flops=1e9 * s, time=2.0 * s, val_loss=4.0 - s / 10) for s in range(5)]
+        train_lm.write_json(str(tmp_path / attn / 'log.json'),
+                            dict(config=dict(attn=attn, window=8, n_embd=32), history=history))
+    with pytest.raises(ValueError, match='no log.json'):
+        train_lm.main(['--compare', str(tmp_path), '--plot', str(tmp_path / 'cmp.png')])
+    rows = train_lm.main(['--compare', str(tmp_path / 'standard'), str(tmp_path / 'swa'),
+                          '--plot', str(tmp_path / 'cmp.png')])
+    assert len(rows) == 2 and os.path.getsize(tmp_path / 'cmp.png') > 1000
+
+
+def test_lm_bench_runs():
+    rows = train_lm.main(['--bench', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '32',
+                          '--batch_size', '2', '--bench_steps', '1', '--bench_reps', '1'])
+    assert set(rows) == {'nanoGPT (sdpa)', 'standard', 'mlr', 'swa'}
+    assert all(r['tokens_per_s'] > 0 for r in rows.values())
+
+# -----------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize('argv', [['--attn', 'nope'], ['--n_layer', '0'], ['--preset', 'huge'], ['--lr', 'fast']])
+def test_lm_bad_flags_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_lm.main(argv)
+    assert e.value.code == 2 and argv[1] in capsys.readouterr().err
+
+
+def test_lm_bad_inputs_give_clear_errors(lm_corpus, tmp_path):
+    with pytest.raises(ValueError, match='no such file or directory'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'missing.txt')])
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(ValueError, match='no non-empty UTF-8 text'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'empty')])
+    (tmp_path / 'short.txt').write_text('print(1)\n' * 3)
+    with pytest.raises(ValueError, match='--block_size 32 needs more than 33'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'short.txt')])
+    with pytest.raises(ValueError, match='sum to the head width'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--ranks', '8|4'))
+    with pytest.raises(ValueError, match='--n_embd 30 must be divisible by --n_head 4'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '30', '--n_head', '4'))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match='CUDA is not available'):
+            train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--device', 'cuda'))
+    with pytest.raises(ValueError, match='no checkpoint'):
+        train_lm.main(['--sample', '--out_dir', str(tmp_path / 'nothing')])
+
+
+def test_lm_truncated_checkpoint_is_refused(lm_corpus, tmp_path):
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
+    path = tmp_path / 'ckpt.pt'
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(ValueError, match='truncated or corrupt'):
+        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--resume'))
+    with pytest.raises(ValueError, match='truncated or corrupt'):
+        train_lm.main(['--sample', '--out_dir', str(tmp_path)])
+
+
+def test_lm_prompt_outside_vocabulary(lm_corpus, tmp_path):
+    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        train_lm.main(['--sample', '--out_dir', str(tmp_path), '--prompt', 'Zebra!'])
+
+
+# -----------------------------------------------------------------------------
+# train_lm.py --preset compare and --sweep compare: equal-FLOP budgets, seeds, paired statistics, reuse
+
+# -----------------------------------------------------------------------------
+# --preset compare: the official run's T, head width, ranks and optimizer, at a CPU width
+
+
+def test_lm_compare_preset_values():
+    a = train_lm.parse_args(['--preset', 'compare', '--attn', 'mlr'])
+    want = dict(n_layer=6, block_size=1024, mlr_divide_levels=True, qk_ln=True, logit_scale='inv', mup_alpha=8.0,
+                mup_base_width=768, emb_std=0.02, window=128, global_layers='0,3', weight_decay=0.0, adam_eps=1e-20,
+                beta2=0.95, lr_schedule='constant')
+    assert {k: getattr(a, k) for k in want} == want
+    assert a.n_embd // a.n_head == 64                                   # the official head width
+    assert train_lm.model_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'   # the official ranks at T = 1024
+    kinds = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
+    assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']  # official MHA|SWA|SWA|MHA|SWA|SWA
+
+
+def test_lm_compare_preset_every_value_names_its_source():
+    from tests import preset_source_lines
+    lines = preset_source_lines('PRESETS', train_lm, start_key="'compare'")
+    for key in train_lm.PRESETS['compare']:
+        line = next((line for line in lines if f"{key}=" in line), None)
+        assert line is not None and '#' in line, f"compare preset value {key!r} has no source comment"
+
+
+def test_lm_sweep_selects_the_compare_preset_and_checks_variants(capsys):
+    assert train_lm.parse_args(['--sweep', 'compare']).block_size == 1024
+    assert train_lm.parse_args(['--sweep', 'compare', '--preset', 'cpu']).block_size == 256
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(['--sweep', 'compare', '--variants', 'standard,mrl'])
+    assert "--variants 'standard,mrl': 'mrl' is not an attention variant" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(['--sweep', 'compare', '--variants', 'mlr,swa,mlr'])
+    assert "a variant is named twice" in capsys.readouterr().err
+
+
+def test_lm_sweep_stats_paired_differences():
+    """sweep_stats on hand-made histories: mean ± std over seeds, paired MLR - baseline per seed, equal-time loss."""
+    h = lambda loss, t: [dict(step=0, flops=0.0, time=0.0, val_loss=4.0), dict(step=2, flops=10.0, time=t, val_loss=loss)]
+    runs = [dict(variant=v, seed=s, done=True, history=h(loss, t), steps=2, val_loss=loss, flops=10.0, train_time=t)
+            for v, s, loss, t in [('standard', 0, 2.0, 10.0), ('standard', 1, 2.2, 10.0),
+                                  ('mlr', 0, 1.9, 20.0), ('mlr', 1, 2.0, 20.0)]]
+    st = train_lm.sweep_stats(runs, ['standard', 'mlr'])
+    assert st['variants']['standard']['val_loss'] == pytest.approx((2.1, np.std([2.0, 2.2], ddof=1)))
+    assert st['paired']['standard']['diffs'] == pytest.approx([-0.1, -0.2])
+    assert st['paired']['standard']['mean'] == pytest.approx(-0.15)
+    assert st['paired']['standard']['t'] == pytest.approx(-0.15 / (np.std([-0.1, -0.2], ddof=1) / math.sqrt(2)))
+    assert st['paired']['standard']['exceeds_spread'] is False        # |t| = 3 < 12.71 (1 degree of freedom)
+    assert st['equal_time'] == 10.0                                    # mlr at half its time: 4 -> 1.9 halfway
+    assert st['variants']['mlr']['val_loss_at_time'][0] == pytest.approx((2.95 + 3.0) / 2)
+    assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
+
+# -----------------------------------------------------------------------------
+# the sweep machinery end to end: 2 seeds x 2 variants x 3 steps, in 2 processes; then reuse and resume
+
+
+def lm_sweep_argv(lm_corpus, tmp_path, *extra):
+    argv = lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
+                        '--variants', 'standard,mlr', '--seeds', '2', '--max_iters', '3', '--eval_interval', '2',
+                        '--lr', '1e-2', *extra)
+    return argv
+
+
+def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
+    res = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2'))
+    names = ['standard_seed1337', 'mlr_seed1337', 'standard_seed1338', 'mlr_seed1338']
+    assert res['codes'] == {n: 0 for n in names} and res['reused'] == []
+    with open(res['paths']['json']) as f:
+        saved = json.load(f)
+    assert saved['variants'] == ['standard', 'mlr'] and saved['seeds'] == [1337, 1338]
+    runs = {(r['variant'], r['seed']): r for r in saved['runs']}
+    assert len(runs) == 4 and all(r['done'] for r in runs.values())
+    budget = saved['budget_flops']
+    for r in runs.values():                                            # every run stops at the budget, within a step
+        h = r['history']
+        assert [p['step'] for p in h][:2] == [0, 2] and all({'flops', 'time', 'val_loss'} <= set(p) for p in h)
+        step_flops = h[-1]['flops'] / h[-1]['step']
+        assert budget <= h[-1]['flops'] < budget + step_flops and r['val_loss'] == h[-1]['val_loss']
+    assert runs['standard', 1337]['steps'] == 3                        # the budget is 3 standard steps
+    st = saved['stats']
+    for v in ('standard', 'mlr'):
+        losses = [runs[v, s]['val_loss'] for s in (1337, 1338)]
+        assert st['variants'][v]['val_loss'] == pytest.approx([np.mean(losses), np.std(losses, ddof=1)])
+        assert f"| {v} | 2 | " in res['table'] and train_lm.pm(st['variants'][v]['val_loss']) in res['table']
+    diffs = [runs['mlr', s]['val_loss'] - runs['standard', s]['val_loss'] for s in (1337, 1338)]
+    assert st['paired']['standard']['diffs'] == pytest.approx(diffs)
+    assert st['paired']['standard']['mean'] == pytest.approx(np.mean(diffs))
+    assert f"| mlr − standard | {diffs[0]:+.4f}, {diffs[1]:+.4f} |" in res['table']
+    assert os.path.getsize(res['paths']['plot']) > 1000 and open(res['paths']['table']).read() == res['table']
+
+    again = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0'))   # a rerun trains nothing
+    assert sorted(again['reused']) == sorted(names) and again['trained'] == []
+    assert again['table'] == res['table']
+
+    os.rename(tmp_path / 'sweep' / 'standard_seed1338', tmp_path / 'gone')   # a missing run is trained again...
+    more = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))  # ...and a larger
+    assert sorted(more['trained']) == sorted(names) and more['reused'] == []   # budget resumes the others
+    for r in more['runs']:
+        old = runs[r['variant'], r['seed']]['history']
+        if r['variant'] == 'mlr' or r['seed'] == 1337:                 # resumed: the old history goes on
+            assert r['history'][:len(old)] == old and r['history'][-1]['flops'] >= more['budget'] > budget
+        else:
+            assert r['history'][-1]['step'] == 4                      # trained from scratch to the new budget
+
+    with pytest.raises(ValueError, match="holds a run with --lr 0.01, this sweep asks 0.02"):
+        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--lr', '2e-2'))
+
+
+# -----------------------------------------------------------------------------
+# train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
+
+
+
+def assert_close_abs(a, b, atol, rtol=0.0, what=''):
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    diff = (a - b).abs()
+    ok = bool((diff <= atol + rtol * b.abs()).all())
+    assert ok, f'{what}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e} (atol {atol}, rtol {rtol})'
+
+
+def icl_tiny_argv(attn, tmp_path, *extra):
+    """Settings small enough for a few-second smoke run of any attention kind."""
+    kind = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1'],
+            'swa': ['--window', '4'], 'global_swa': ['--window', '4'], 'brl': ['--window', '4']}.get(attn, [])
+    return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
+            '--steps', '4', '--batch_size', '4', '--warmup', '2', '--eval_interval', '2', '--log_interval', '2',
+            '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(tmp_path),
+            '--assets_dir', '', '--no-progress', '--threads', '1', *kind, *extra]
+
+
+def icl_tiny_args(attn, tmp_path, *extra):
+    return icl.resolve(icl.build_parser().parse_args(icl_tiny_argv(attn, tmp_path, *extra)))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# smoke runs
+
+
+@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
+def test_icl_smoke_every_attention(attn, tmp_path):
+    r = icl.main(icl_tiny_argv(attn, tmp_path))
+    m = r['model']
+    assert len(m['mean']) == 8 and all(torch.isfinite(torch.tensor(m['mean'])))
+    assert m['lo'][3] <= m['mean'][3] <= m['hi'][3]
+    # the FLOP count is exactly 3 x forward x batch summed over the steps actually taken (curriculum: N = 8 here)
+    body = r['_model'].body
+    assert r['train_flops'] == 4 * 3 * 4 * body.forward_flops(16) > 0
+    assert [h['flops'] for h in r['history']] == sorted(h['flops'] for h in r['history'])
+    ckpt = torch.load(os.path.join(tmp_path, f'icl_{attn}_H2_D16.pt'), weights_only=True)
+    assert ckpt['step'] == 4 and ckpt['config']['attn'] == attn
+    model = icl.ICLModel(icl.model_config(argparse.Namespace(**ckpt['config'])), ckpt['config']['d'])
+    model.load_state_dict(ckpt['model'])   # the checkpoint rebuilds the model from its own config
+    assert os.path.exists(os.path.join(tmp_path, 'icl_position.png'))
+    assert r['_model'].read_out.weight.abs().sum() > 0     # the zero-init read-out was trained
+
+
+def test_curriculum_schedule(tmp_path):
+    a = icl_tiny_args('standard', tmp_path, '--d', '8', '--n_points', '17', '--curr_interval', '10', '--steps', '100',
+                      '--curr_d_start', '5', '--curr_n_start', '11', '--curr_ratio', '0.3')  # 3 updates: k = 1
+    assert icl.curriculum(0, a) == (5, 11)
+    assert icl.curriculum(10, a) == (6, 13)
+    assert icl.curriculum(29, a) == (7, 15)
+    assert icl.curriculum(1000, a) == (8, 17)
+    a.curriculum = False
+    assert icl.curriculum(0, a) == (8, 17)
+    # the curriculum zeroes the inactive dimensions of x
+    xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(0), 3, 8, 5, d_active=5)
+    assert (xs[:, :, 5:] == 0).all()
+    assert_close_abs(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), 1e-5, what='y with inactive dims')
+
+# ---------------------------------------------------------------------------------------------------------------------
+# task, baselines, evaluation
+
+
+def test_least_squares_recovers_w_exactly():
+    gen = torch.Generator().manual_seed(1)
+    xs, ys, ws = icl.sample_prompts(gen, 5, 6, 20)
+    w_hat = icl.least_squares_w(xs.double(), ys.double())
+    assert_close_abs(w_hat, ws, 1e-5, what='least squares w with N > d')
+    pred = icl.predict_least_squares(xs, ys)
+    assert_close_abs(pred[:, 7:], ys[:, 7:], 1e-4, what='least-squares predictions once i > d')
+    assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
+    # with N < d: the minimum-norm solution fits the data and lies in the row space of X
+    X, y = xs[:, :3].double(), ys[:, :3].double()
+    w3 = icl.least_squares_w(X, y)
+    assert_close_abs(torch.einsum('nid,nd->ni', X, w3), y, 1e-8, what='min-norm fit')
+    proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
+    assert_close_abs(proj.squeeze(-1), w3, 1e-8, what='min-norm w in row space')
+
+
+def test_baselines_use_only_earlier_pairs():
+    gen = torch.Generator().manual_seed(2)
+    xs, ys, _ = icl.sample_prompts(gen, 4, 5, 12)
+    i = 7
+    xs2, ys2 = xs.clone(), ys.clone()
+    ys2[:, i:] += 10.0                       # change y_i and everything after x_i
+    xs2[:, i + 1:] += 3.0
+    for name, fn in icl.BASELINES.items():
+        p1, p2 = fn(xs, ys), fn(xs2, ys2)
+        assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{name} at positions <= {i}')
+    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(3), 2000, 4, 40)
+    err = ((icl.predict_averaging(xs, ys) - ys) ** 2).mean(0) / 4
+    assert err[39] < 0.5 * err[5]
+    # 3-NN at position 1 has only one earlier point: it predicts y_1
+    assert_close_abs(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], 1e-6, what='1 neighbour')
+
+
+def test_eval_prompts_are_never_training_prompts(tmp_path):
+    a = icl_tiny_args('standard', tmp_path, '--steps', '200', '--batch_size', '16', '--n_eval', '300')
+    ex, ey, ew = icl.eval_set(a, a.n_eval, a.train_cov)
+    ex2, _, ew2 = icl.eval_set(a, a.n_eval, a.train_cov)
+    assert torch.equal(ex, ex2) and torch.equal(ew, ew2)               # a fixed held-out set
+    held_out = {tuple(x.tolist()) for x in ex.reshape(-1, a.d)}
+    seen = 0
+    for step, d_active, n_points, xs, ys in icl.training_batches(a):
+        seen += xs.shape[0]
+        assert not held_out & {tuple(x.tolist()) for x in xs.reshape(-1, a.d)}, f'eval x seen in training step {step}'
+    assert seen == 200 * 16
+    # the shifted (anisotropic) test set is different again
+    sx, _, _ = icl.eval_set(a, a.n_eval, a.test_cov)
+    assert not held_out & {tuple(x.tolist()) for x in sx.reshape(-1, a.d)}
+    with pytest.raises(ValueError, match='eval_seed'):
+        icl_tiny_args('standard', tmp_path, '--seed', '5', '--eval_seed', '5')
+    with pytest.raises(ValueError, match='eval_seed'):     # the shifted test set's stream is taken too
+        icl_tiny_args('standard', tmp_path, '--seed', str(5 + icl.SHIFTED_SEED_OFFSET), '--eval_seed', '5')
+
+
+def test_bootstrap_interval():
+    errs = torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0])
+    mean, lo, hi = icl.bootstrap(errs, 500)
+    for k in range(3):
+        assert lo[k] < mean[k] < hi[k]
+        assert 0.02 < hi[k] - lo[k] < 0.1     # sd of the mean of U(0,1) over 500 draws ≈ 0.013 -> 95% width ≈ 0.05
+
+
+@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
+def test_icl_prediction_is_causal(attn, tmp_path):
+    """ŷ_i must not change when y_i or any later token changes. (T = 22 also checks that MLR's level blocks,
+    which need a power-of-two multiple, get a rounded-up block_size and a causally padded sequence.)"""
+    a = icl_tiny_args(attn, tmp_path, '--n_points', '11')
+    torch.manual_seed(0)
+    model = icl.ICLModel(icl.model_config(a), a.d).eval()
+    torch.nn.init.normal_(model.read_out.weight)      # the zero-init read-out would make every prediction 0
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(4), 3, a.d, a.n_points)
+    i = 4
+    xs2, ys2 = xs.clone(), ys.clone()
+    ys2[:, i:] = torch.randn(3, a.n_points - i)
+    xs2[:, i + 1:] = torch.randn(3, a.n_points - i - 1, a.d)
+    with torch.no_grad():
+        p1, p2 = model(xs, ys), model(xs2, ys2)
+    assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{attn}: predictions up to position {i}')
+    assert (p1[:, i + 1:] - p2[:, i + 1:]).abs().max() > 1e-4     # and later predictions do see the change
+
+
+def test_icl_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit):
+        icl.main(icl_tiny_argv('no_such_attention', tmp_path))
+    with pytest.raises(SystemExit):
+        icl.main(icl_tiny_argv('standard', tmp_path, '--test_cov', '1,2'))   # needs d = 4 variances
+    with pytest.raises(ValueError, match='covariance'):
+        icl.covariance_scale('1,2,x', 3)
+
+
+def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
+    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2',
+                     '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
+    first = icl.main(argv)
+    assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
+    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
+    for name in ('icl_bottleneck.png', 'icl_bottleneck.json', 'icl_position.png'):
+        assert os.path.exists(tmp_path / 'assets' / name)
+    again = icl.main(argv)                                                  # same settings: nothing retrained
+    assert len(again['reused']) == 4
+    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
+    with pytest.raises(ValueError, match='--overwrite'):                   # other settings: not over those runs
+        icl.main(argv + ['--lr', '2e-3'])
+    changed = icl.main(argv + ['--lr', '2e-3', '--overwrite'])             # unless asked: retrained
+    assert not changed['reused']
+
+
+# -----------------------------------------------------------------------------
+# train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
+
+def icl_sweep_argv(tmp_path, sweep, *extra):
+    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--steps', '2', '--workers', '1', *extra)
+
+
+def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
+    first = icl.main(argv)
+    assert 'estimate: 8 of 8 runs to train' in capsys.readouterr().out
+    assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
+    with open(tmp_path / 'sweep_bottleneck.json') as f:
+        saved = json.load(f)
+    assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
+    for row in saved['table']:
+        per_seed = [saved['runs'][f'{row["model"]}, seed={s}']['model']['at_2d'] for s in (0, 1)]
+        assert row['err_at_2d_seeds'] == per_seed
+        assert row['err_at_2d'] == pytest.approx(np.mean(per_seed))
+        assert row['err_at_2d_std'] == pytest.approx(np.std(per_seed, ddof=1))
+    seeds = {r['config']['seed'] for r in saved['runs'].values()}
+    evals = {r['config']['eval_seed'] for r in saved['runs'].values()}
+    assert seeds == {0, 1} and len(evals) == 1                           # own training seed, shared test prompts
+    for name in ('icl_bottleneck.png', 'icl_position.png'):
+        assert os.path.exists(tmp_path / name)
+
+    again = icl.main(argv)                                                # nothing retrained
+    assert 'all 8 runs are finished' in capsys.readouterr().out
+    assert len(again['reused']) == 8
+    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
+
+    more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
+    assert 'estimate: 4 of 12 runs to train' in capsys.readouterr().out
+    assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
+    assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
+
+
+def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
+    icl.main(argv)
+    gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1.json'))[:2]
+    for p in gone:                                 # as if the sweep had been killed before these two finished
+        os.remove(tmp_path / p)
+        os.remove(tmp_path / p.replace('.json', '.pt'))
+    capsys.readouterr()
+    again = icl.main(argv)
+    assert 'estimate: 2 of 8 runs to train' in capsys.readouterr().out
+    assert len(again['reused']) == 6
+
+
+@pytest.mark.parametrize('sweep', ['compute', 'linear'])
+def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
+    extra = ['--mlr_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']
+    out = icl.main(icl_sweep_argv(tmp_path, sweep, '--seeds', '2', *extra))
+    n_points = 4 if sweep == 'compute' else 2
+    assert len(out['table']) == n_points and len(out['runs']) == 2 * n_points
+    key = 'err_at_2d' if sweep == 'compute' else 'test'
+    for row in out['table']:
+        assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
+    assert os.path.exists(tmp_path / f'icl_{sweep}.png')
+
+
+def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
+    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: None)
+    icl.main(['--sweep', 'bottleneck', '--quick', '--steps', '7', '--out_dir', str(tmp_path)])
+    a = seen['args']
+    assert a.steps == 7                                                   # given: wins
+    assert a.widths == icl.QUICK['bottleneck']['widths'] and a.seeds == icl.QUICK['bottleneck']['seeds']
+    assert a.lr == icl.SWEEP_RECIPE['bottleneck']['lr']                   # the recipe under --quick
+    seen.clear()
+    icl.main(['--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
+    assert seen['args'].steps == icl.SWEEP_RECIPE['bottleneck']['steps'] and seen['args'].seeds == 3
+    with pytest.raises(SystemExit):
+        icl.main(['--quick'])                                             # --quick needs a sweep
+    with pytest.raises(SystemExit):
+        icl.main(['--sweep', 'bottleneck', '--seeds', '0'])
+
+
+def test_bottleneck_mlr_ranks_sum_to_the_head_width():
+    spec = icl.build_parser().get_default('bottleneck_mlr_ranks')
+    for hw in (1, 2, 4, 5, 8):
+        ranks = [int(r) for r in icl.bottleneck_mlr_ranks(spec, hw).split('|')]
+        assert sum(ranks) == hw                                           # the official code asserts this
+    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) == '6'
+
+
+# -----------------------------------------------------------------------------
 # train_lra.py: ListOps labels, Pathfinder connectivity, release loaders, padding, smoke runs
 
 # -----------------------------------------------------------------------------
@@ -1798,266 +2421,6 @@ def test_bench_point_and_plot(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
-
-
-
-def assert_close_abs(a, b, atol, rtol=0.0, what=''):
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    diff = (a - b).abs()
-    ok = bool((diff <= atol + rtol * b.abs()).all())
-    assert ok, f'{what}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e} (atol {atol}, rtol {rtol})'
-
-
-def icl_tiny_argv(attn, tmp_path, *extra):
-    """Settings small enough for a few-second smoke run of any attention kind."""
-    kind = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1'],
-            'swa': ['--window', '4'], 'global_swa': ['--window', '4'], 'brl': ['--window', '4']}.get(attn, [])
-    return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
-            '--steps', '4', '--batch_size', '4', '--warmup', '2', '--eval_interval', '2', '--log_interval', '2',
-            '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(tmp_path),
-            '--assets_dir', '', '--no-progress', '--threads', '1', *kind, *extra]
-
-
-def icl_tiny_args(attn, tmp_path, *extra):
-    return icl.resolve(icl.build_parser().parse_args(icl_tiny_argv(attn, tmp_path, *extra)))
-
-# ---------------------------------------------------------------------------------------------------------------------
-# smoke runs
-
-
-@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
-def test_icl_smoke_every_attention(attn, tmp_path):
-    r = icl.main(icl_tiny_argv(attn, tmp_path))
-    m = r['model']
-    assert len(m['mean']) == 8 and all(torch.isfinite(torch.tensor(m['mean'])))
-    assert m['lo'][3] <= m['mean'][3] <= m['hi'][3]
-    # the FLOP count is exactly 3 x forward x batch summed over the steps actually taken (curriculum: N = 8 here)
-    body = r['_model'].body
-    assert r['train_flops'] == 4 * 3 * 4 * body.forward_flops(16) > 0
-    assert [h['flops'] for h in r['history']] == sorted(h['flops'] for h in r['history'])
-    ckpt = torch.load(os.path.join(tmp_path, f'icl_{attn}_H2_D16.pt'), weights_only=True)
-    assert ckpt['step'] == 4 and ckpt['config']['attn'] == attn
-    model = icl.ICLModel(icl.model_config(argparse.Namespace(**ckpt['config'])), ckpt['config']['d'])
-    model.load_state_dict(ckpt['model'])   # the checkpoint rebuilds the model from its own config
-    assert os.path.exists(os.path.join(tmp_path, 'icl_position.png'))
-    assert r['_model'].read_out.weight.abs().sum() > 0     # the zero-init read-out was trained
-
-
-def test_curriculum_schedule(tmp_path):
-    a = icl_tiny_args('standard', tmp_path, '--d', '8', '--n_points', '17', '--curr_interval', '10', '--steps', '100',
-                      '--curr_d_start', '5', '--curr_n_start', '11', '--curr_ratio', '0.3')  # 3 updates: k = 1
-    assert icl.curriculum(0, a) == (5, 11)
-    assert icl.curriculum(10, a) == (6, 13)
-    assert icl.curriculum(29, a) == (7, 15)
-    assert icl.curriculum(1000, a) == (8, 17)
-    a.curriculum = False
-    assert icl.curriculum(0, a) == (8, 17)
-    # the curriculum zeroes the inactive dimensions of x
-    xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(0), 3, 8, 5, d_active=5)
-    assert (xs[:, :, 5:] == 0).all()
-    assert_close_abs(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), 1e-5, what='y with inactive dims')
-
-# ---------------------------------------------------------------------------------------------------------------------
-# task, baselines, evaluation
-
-
-def test_least_squares_recovers_w_exactly():
-    gen = torch.Generator().manual_seed(1)
-    xs, ys, ws = icl.sample_prompts(gen, 5, 6, 20)
-    w_hat = icl.least_squares_w(xs.double(), ys.double())
-    assert_close_abs(w_hat, ws, 1e-5, what='least squares w with N > d')
-    pred = icl.predict_least_squares(xs, ys)
-    assert_close_abs(pred[:, 7:], ys[:, 7:], 1e-4, what='least-squares predictions once i > d')
-    assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
-    # with N < d: the minimum-norm solution fits the data and lies in the row space of X
-    X, y = xs[:, :3].double(), ys[:, :3].double()
-    w3 = icl.least_squares_w(X, y)
-    assert_close_abs(torch.einsum('nid,nd->ni', X, w3), y, 1e-8, what='min-norm fit')
-    proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
-    assert_close_abs(proj.squeeze(-1), w3, 1e-8, what='min-norm w in row space')
-
-
-def test_baselines_use_only_earlier_pairs():
-    gen = torch.Generator().manual_seed(2)
-    xs, ys, _ = icl.sample_prompts(gen, 4, 5, 12)
-    i = 7
-    xs2, ys2 = xs.clone(), ys.clone()
-    ys2[:, i:] += 10.0                       # change y_i and everything after x_i
-    xs2[:, i + 1:] += 3.0
-    for name, fn in icl.BASELINES.items():
-        p1, p2 = fn(xs, ys), fn(xs2, ys2)
-        assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{name} at positions <= {i}')
-    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs
-    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(3), 2000, 4, 40)
-    err = ((icl.predict_averaging(xs, ys) - ys) ** 2).mean(0) / 4
-    assert err[39] < 0.5 * err[5]
-    # 3-NN at position 1 has only one earlier point: it predicts y_1
-    assert_close_abs(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], 1e-6, what='1 neighbour')
-
-
-def test_eval_prompts_are_never_training_prompts(tmp_path):
-    a = icl_tiny_args('standard', tmp_path, '--steps', '200', '--batch_size', '16', '--n_eval', '300')
-    ex, ey, ew = icl.eval_set(a, a.n_eval, a.train_cov)
-    ex2, _, ew2 = icl.eval_set(a, a.n_eval, a.train_cov)
-    assert torch.equal(ex, ex2) and torch.equal(ew, ew2)               # a fixed held-out set
-    held_out = {tuple(x.tolist()) for x in ex.reshape(-1, a.d)}
-    seen = 0
-    for step, d_active, n_points, xs, ys in icl.training_batches(a):
-        seen += xs.shape[0]
-        assert not held_out & {tuple(x.tolist()) for x in xs.reshape(-1, a.d)}, f'eval x seen in training step {step}'
-    assert seen == 200 * 16
-    # the shifted (anisotropic) test set is different again
-    sx, _, _ = icl.eval_set(a, a.n_eval, a.test_cov)
-    assert not held_out & {tuple(x.tolist()) for x in sx.reshape(-1, a.d)}
-    with pytest.raises(ValueError, match='eval_seed'):
-        icl_tiny_args('standard', tmp_path, '--seed', '5', '--eval_seed', '5')
-    with pytest.raises(ValueError, match='eval_seed'):     # the shifted test set's stream is taken too
-        icl_tiny_args('standard', tmp_path, '--seed', str(5 + icl.SHIFTED_SEED_OFFSET), '--eval_seed', '5')
-
-
-def test_bootstrap_interval():
-    errs = torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0])
-    mean, lo, hi = icl.bootstrap(errs, 500)
-    for k in range(3):
-        assert lo[k] < mean[k] < hi[k]
-        assert 0.02 < hi[k] - lo[k] < 0.1     # sd of the mean of U(0,1) over 500 draws ≈ 0.013 -> 95% width ≈ 0.05
-
-
-@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
-def test_icl_prediction_is_causal(attn, tmp_path):
-    """ŷ_i must not change when y_i or any later token changes. (T = 22 also checks that MLR's level blocks,
-    which need a power-of-two multiple, get a rounded-up block_size and a causally padded sequence.)"""
-    a = icl_tiny_args(attn, tmp_path, '--n_points', '11')
-    torch.manual_seed(0)
-    model = icl.ICLModel(icl.model_config(a), a.d).eval()
-    torch.nn.init.normal_(model.read_out.weight)      # the zero-init read-out would make every prediction 0
-    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(4), 3, a.d, a.n_points)
-    i = 4
-    xs2, ys2 = xs.clone(), ys.clone()
-    ys2[:, i:] = torch.randn(3, a.n_points - i)
-    xs2[:, i + 1:] = torch.randn(3, a.n_points - i - 1, a.d)
-    with torch.no_grad():
-        p1, p2 = model(xs, ys), model(xs2, ys2)
-    assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{attn}: predictions up to position {i}')
-    assert (p1[:, i + 1:] - p2[:, i + 1:]).abs().max() > 1e-4     # and later predictions do see the change
-
-
-def test_icl_bad_input_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit):
-        icl.main(icl_tiny_argv('no_such_attention', tmp_path))
-    with pytest.raises(SystemExit):
-        icl.main(icl_tiny_argv('standard', tmp_path, '--test_cov', '1,2'))   # needs d = 4 variances
-    with pytest.raises(ValueError, match='covariance'):
-        icl.covariance_scale('1,2,x', 3)
-
-
-def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
-    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2',
-                     '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
-    first = icl.main(argv)
-    assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
-    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
-    for name in ('icl_bottleneck.png', 'icl_bottleneck.json', 'icl_position.png'):
-        assert os.path.exists(tmp_path / 'assets' / name)
-    again = icl.main(argv)                                                  # same settings: nothing retrained
-    assert len(again['reused']) == 4
-    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
-    with pytest.raises(ValueError, match='--overwrite'):                   # other settings: not over those runs
-        icl.main(argv + ['--lr', '2e-3'])
-    changed = icl.main(argv + ['--lr', '2e-3', '--overwrite'])             # unless asked: retrained
-    assert not changed['reused']
-
-
-# -----------------------------------------------------------------------------
-# train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
-
-def icl_sweep_argv(tmp_path, sweep, *extra):
-    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--steps', '2', '--workers', '1', *extra)
-
-
-def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
-    first = icl.main(argv)
-    assert 'estimate: 8 of 8 runs to train' in capsys.readouterr().out
-    assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
-    with open(tmp_path / 'sweep_bottleneck.json') as f:
-        saved = json.load(f)
-    assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
-    for row in saved['table']:
-        per_seed = [saved['runs'][f'{row["model"]}, seed={s}']['model']['at_2d'] for s in (0, 1)]
-        assert row['err_at_2d_seeds'] == per_seed
-        assert row['err_at_2d'] == pytest.approx(np.mean(per_seed))
-        assert row['err_at_2d_std'] == pytest.approx(np.std(per_seed, ddof=1))
-    seeds = {r['config']['seed'] for r in saved['runs'].values()}
-    evals = {r['config']['eval_seed'] for r in saved['runs'].values()}
-    assert seeds == {0, 1} and len(evals) == 1                           # own training seed, shared test prompts
-    for name in ('icl_bottleneck.png', 'icl_position.png'):
-        assert os.path.exists(tmp_path / name)
-
-    again = icl.main(argv)                                                # nothing retrained
-    assert 'all 8 runs are finished' in capsys.readouterr().out
-    assert len(again['reused']) == 8
-    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
-
-    more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
-    assert 'estimate: 4 of 12 runs to train' in capsys.readouterr().out
-    assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
-    assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
-
-
-def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
-    icl.main(argv)
-    gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1.json'))[:2]
-    for p in gone:                                 # as if the sweep had been killed before these two finished
-        os.remove(tmp_path / p)
-        os.remove(tmp_path / p.replace('.json', '.pt'))
-    capsys.readouterr()
-    again = icl.main(argv)
-    assert 'estimate: 2 of 8 runs to train' in capsys.readouterr().out
-    assert len(again['reused']) == 6
-
-
-@pytest.mark.parametrize('sweep', ['compute', 'linear'])
-def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
-    extra = ['--mlr_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']
-    out = icl.main(icl_sweep_argv(tmp_path, sweep, '--seeds', '2', *extra))
-    n_points = 4 if sweep == 'compute' else 2
-    assert len(out['table']) == n_points and len(out['runs']) == 2 * n_points
-    key = 'err_at_2d' if sweep == 'compute' else 'test'
-    for row in out['table']:
-        assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
-    assert os.path.exists(tmp_path / f'icl_{sweep}.png')
-
-
-def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
-    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: None)
-    icl.main(['--sweep', 'bottleneck', '--quick', '--steps', '7', '--out_dir', str(tmp_path)])
-    a = seen['args']
-    assert a.steps == 7                                                   # given: wins
-    assert a.widths == icl.QUICK['bottleneck']['widths'] and a.seeds == icl.QUICK['bottleneck']['seeds']
-    assert a.lr == icl.SWEEP_RECIPE['bottleneck']['lr']                   # the recipe under --quick
-    seen.clear()
-    icl.main(['--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
-    assert seen['args'].steps == icl.SWEEP_RECIPE['bottleneck']['steps'] and seen['args'].seeds == 3
-    with pytest.raises(SystemExit):
-        icl.main(['--quick'])                                             # --quick needs a sweep
-    with pytest.raises(SystemExit):
-        icl.main(['--sweep', 'bottleneck', '--seeds', '0'])
-
-
-def test_bottleneck_mlr_ranks_sum_to_the_head_width():
-    spec = icl.build_parser().get_default('bottleneck_mlr_ranks')
-    for hw in (1, 2, 4, 5, 8):
-        ranks = [int(r) for r in icl.bottleneck_mlr_ranks(spec, hw).split('|')]
-        assert sum(ranks) == hw                                           # the official code asserts this
-    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) == '6'
-
-
-# -----------------------------------------------------------------------------
 # train_ts.py: KernelSynth, tokenizer, leak-free windows, train-only scaler, ETT reader, smoke runs
 
 def ts_close(a, b, atol=1e-5, rtol=1e-5, what=''):
@@ -2359,366 +2722,6 @@ def test_smoke_builtin_data(tmp_path):
     assert res['runs']['96']['mlr']['mse'] > 0
     series = ts.load_zero_shot_series()
     assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
-
-
-# -----------------------------------------------------------------------------
-# train_lm.py: every --attn trains, exact resume, DDP, cached sampling, clear errors
-
-LM_VARIANTS = list(ATTENTION) + ['global_swa']
-
-
-def lm_close(a, b, atol=1e-5, rtol=1e-5, what=''):
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    diff = (a - b).abs()
-    ok = torch.all(diff <= atol + rtol * b.abs())
-    assert ok, f"{what} max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
-
-
-@pytest.fixture(scope='module', autouse=True)
-def lm_one_thread():
-    """Tiny models gain nothing from intra-op threads, and spinning threads cost a shared CPU dearly."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope='module')
-def lm_corpus(tmp_path_factory):
-    """A tiny deterministic 'source code' text file and a cache dir, shared by the tests of this module."""
-    root = tmp_path_factory.mktemp('lm')
-    g = torch.Generator().manual_seed(0)
-    words = ['def', 'return', 'self', 'x', 'y', 'if', 'else:', 'for', 'in', 'range(n)', '=', '+', '1', '0']
-    lines = []
-    for _ in range(1500):
-        n = int(torch.randint(3, 9, (1,), generator=g))
-        lines.append('    ' * int(torch.randint(0, 3, (1,), generator=g)) +
-                     ' '.join(words[int(i)] for i in torch.randint(len(words), (n,), generator=g)))
-    path = root / 'tiny.txt'
-    path.write_text('\n'.join(lines) + '\n')
-    return dict(data=str(path), cache=str(root / 'cache'), root=root)
-
-
-def lm_tiny_args(lm_corpus, out_dir, *extra):
-    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir),
-            '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--window', '8',
-            '--global_layers', '1', '--n_compressed', '4', '--batch_size', '4', '--eval_iters', '2',
-            '--warmup_iters', '2', '--log_interval', '1', '--no_bar', *extra]
-
-# -----------------------------------------------------------------------------
-# training
-
-
-@pytest.mark.parametrize('attn', LM_VARIANTS)
-def test_lm_smoke_every_attention(lm_corpus, attn, tmp_path):
-    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', attn, '--max_iters', '4', '--eval_interval', '4',
-                                  '--lr', '1e-2', '--eval_iters', '1'))
-    losses = [l for _, l in res['losses']]
-    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < losses[0], f"{attn}: loss did not go down in 4 steps: {losses}"
-    assert os.path.exists(tmp_path / 'ckpt.pt') and os.path.exists(tmp_path / 'log.json')
-    steps = [h['step'] for h in res['history']]
-    assert steps == [0, 4] and res['history'][-1]['flops'] > 0
-
-
-def test_lm_resume_is_exact(lm_corpus, tmp_path):
-    a = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'a', '--attn', 'mlr', '--max_iters', '6', '--eval_interval', '3'))
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--attn', 'mlr', '--max_iters', '3', '--eval_interval', '3'))
-    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '6', '--resume'))  # attn from the ckpt
-    assert [s for s, _ in b['losses']] == [4, 5, 6]
-    assert a['losses'][3:] == b['losses'], f"resumed {b['losses']} vs uninterrupted {a['losses'][3:]}"
-    strip = lambda h: [{k: v for k, v in r.items() if k != 'time'} for r in h]  # wall time differs, of course
-    assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
-
-
-def test_lm_resume_keeps_checkpoint_shapes(lm_corpus, tmp_path):
-    """Shape-defining flags come from the checkpoint; a conflicting one is refused, naming both values."""
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--eval_interval', '2'))
-    with pytest.raises(ValueError, match='--n_embd: checkpoint 32 vs given 64'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '64', '--max_iters', '3', '--resume'))
-    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '32', '--max_iters', '3', '--resume'))
-    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
-    assert ckpt['config']['n_embd'] == 32 and ckpt['step'] == 3 and res['losses'][0][0] == 3
-
-
-def test_lm_ddp_two_processes_gloo(lm_corpus, tmp_path):
-    """2-process torchrun on CPU: the replicas end bitwise equal, and the run matches one process with the
-    global batch (each rank takes its slice of one shared draw of windows)."""
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=HERE)
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           os.path.join(HERE, 'train_lm.py'), *lm_tiny_args(lm_corpus, tmp_path / 'ddp', '--max_iters', '3',
-                                                         '--eval_interval', '3', '--device', 'cpu')]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    with open(tmp_path / 'ddp' / 'ddp.json') as f:
-        ddp = json.load(f)
-    assert ddp['world_size'] == 2 and len(ddp['param_checksums']) == 2
-    assert ddp['param_checksums'][0] == ddp['param_checksums'][1], ddp['param_checksums']
-    single = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'one', '--max_iters', '3', '--eval_interval', '3',
-                                     '--batch_size', '8'))
-    lm_close([l for _, l in ddp['losses']], [l for _, l in single['losses']], atol=1e-4, rtol=1e-4,
-                 what='DDP vs single-process losses')
-    lm_close(ddp['val_loss'], single['val_loss'], atol=1e-4, rtol=1e-4, what='val loss')
-
-# -----------------------------------------------------------------------------
-# sampling with the decoding caches
-
-
-def lm_random_model(attn, T=32, seed=0):
-    cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
-                                    '--block_size', str(T), '--window', '8', '--global_layers', '1',
-                                    '--n_compressed', '4', '--brl_block', '8']))
-    torch.manual_seed(seed)
-    model = train_lm.GPT(train_lm.model_config(cfg), 20)
-    with torch.no_grad():  # the zero-init output maps would make every position alike
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and p.abs().sum() == 0:
-                p.normal_(0, 0.3)
-    return model.eval()
-
-
-@pytest.mark.parametrize('attn', [v for v in LM_VARIANTS if not v.startswith('bilinear')])
-def test_lm_cached_decoding_equals_full_forward(attn):
-    model = lm_random_model(attn)
-    idx = torch.randint(20, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full, _ = model(idx)                                                      # (2, 32, V)
-        cache = model.body.new_cache()
-        steps = torch.cat([model(idx[:, t:t + 1], cache=cache, pos=t)[0] for t in range(32)], dim=1)
-    lm_close(steps, full, atol=1e-4, rtol=1e-4, what=f'{attn} cached vs full logits')
-
-
-@pytest.mark.parametrize('attn,temperature', [('standard', 0.0), ('standard', 1.0), ('mlr', 0.0), ('swa', 1.0)])
-def test_lm_sampling_with_cache_equals_without(attn, temperature):
-    """Greedy and seeded sampling give the same text with and without the cache, past block_size too
-    (at 17 tokens the context restarts from its last T/2 = 8 tokens). Every cache is held to the full
-    forward by the test above; this one checks the generation loop around it."""
-    model = lm_random_model(attn, T=16)
-    outs, cached = [], []
-    for use_cache in (True, False):
-        g = torch.Generator().manual_seed(3)
-        ids, cache, n = train_lm.generate(model, [1, 2, 3], 18, temperature=temperature, top_k=5 if temperature else 0,
-                                          use_cache=use_cache, generator=g)
-        outs.append(ids)
-        cached.append(n)
-    assert outs[0] == outs[1]
-    # 3 + 18 tokens; at 17 the context restarts from tokens[9:], so the last step sees tokens[9:20]
-    assert len(outs[0]) == 18 and len(set(outs[0])) > 1 and cached == [11, 0]
-
-
-def test_lm_sample_command_reports_cache(lm_corpus, tmp_path, capsys):
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--max_iters', '1', '--eval_interval', '1'))
-    capsys.readouterr()
-    common = ['--sample', '--out_dir', str(tmp_path), '--prompt', 'def', '--max_new_tokens', '10', '--temperature', '0']
-    cached = train_lm.main(common)
-    text = capsys.readouterr().out
-    assert 'key cache after' in text and 'standard attention' in text
-    assert train_lm.main(common + ['--no_cache']) == cached
-
-# -----------------------------------------------------------------------------
-# data and plots
-
-
-def test_lm_data_split_by_file(tmp_path):
-    """A directory is split by file: val text comes from files the training split never contains."""
-    d = tmp_path / 'src'
-    d.mkdir()
-    for i in range(12):
-        (d / f"f{i:02d}.txt").write_text(f"file {i} marker{'ABCDEFGHIJKL'[i]}\n" * 20)
-    (d / 'blob.bin').write_bytes(b'\0\1\2' * 100)  # binary: skipped
-    cache = train_lm.prepare_data(str(d), str(tmp_path / 'cache'))
-    splits, meta = train_lm.load_data(cache)
-    decode = lambda a: ''.join(meta['itos'][i] for i in a)
-    train, val = decode(splits['train']), decode(splits['val'])
-    assert 'markerJ' in val and 'markerJ' not in train          # file 9 is the held-out one
-    assert all(f'marker{c}' in train for c in 'ABCDEFGHIKL')
-    assert meta['n_files'] == 12 and meta['dtype'] == 'uint8'
-    assert train_lm.prepare_data(str(d), str(tmp_path / 'cache')) == cache  # second call reuses the cache
-
-
-def test_lm_stdlib_corpus_file_list():
-    root, files = train_lm.stdlib_files()
-    assert len(files) > 300 and files == sorted(files)
-    rel = [os.path.relpath(f, root).split(os.sep) for f in files]
-    assert not any(set(parts) & {'test', 'tests', 'idle_test', 'site-packages'} for parts in rel)
-    assert all(f.endswith('.py') for f in files)
-
-
-def test_lm_compare_plot(tmp_path):
-    for attn in ('standard', 'swa'):  # compare only reads <run>/log.json
-        os.makedirs(tmp_path / attn)
-        history = [dict(step=s, flops=1e9 * s, time=2.0 * s, val_loss=4.0 - s / 10) for s in range(5)]
-        train_lm.write_json(str(tmp_path / attn / 'log.json'),
-                            dict(config=dict(attn=attn, window=8, n_embd=32), history=history))
-    with pytest.raises(ValueError, match='no log.json'):
-        train_lm.main(['--compare', str(tmp_path), '--plot', str(tmp_path / 'cmp.png')])
-    rows = train_lm.main(['--compare', str(tmp_path / 'standard'), str(tmp_path / 'swa'),
-                          '--plot', str(tmp_path / 'cmp.png')])
-    assert len(rows) == 2 and os.path.getsize(tmp_path / 'cmp.png') > 1000
-
-
-def test_lm_bench_runs():
-    rows = train_lm.main(['--bench', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '32',
-                          '--batch_size', '2', '--bench_steps', '1', '--bench_reps', '1'])
-    assert set(rows) == {'nanoGPT (sdpa)', 'standard', 'mlr', 'swa'}
-    assert all(r['tokens_per_s'] > 0 for r in rows.values())
-
-# -----------------------------------------------------------------------------
-# errors
-
-
-@pytest.mark.parametrize('argv', [['--attn', 'nope'], ['--n_layer', '0'], ['--preset', 'huge'], ['--lr', 'fast']])
-def test_lm_bad_flags_exit_with_usage(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        train_lm.main(argv)
-    assert e.value.code == 2 and argv[1] in capsys.readouterr().err
-
-
-def test_lm_bad_inputs_give_clear_errors(lm_corpus, tmp_path):
-    with pytest.raises(ValueError, match='no such file or directory'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'missing.txt')])
-    (tmp_path / 'empty').mkdir()
-    with pytest.raises(ValueError, match='no non-empty UTF-8 text'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'empty')])
-    (tmp_path / 'short.txt').write_text('print(1)\n' * 3)
-    with pytest.raises(ValueError, match='--block_size 32 needs more than 33'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'short.txt')])
-    with pytest.raises(ValueError, match='sum to the head width'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--ranks', '8|4'))
-    with pytest.raises(ValueError, match='--n_embd 30 must be divisible by --n_head 4'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '30', '--n_head', '4'))
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match='CUDA is not available'):
-            train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--device', 'cuda'))
-    with pytest.raises(ValueError, match='no checkpoint'):
-        train_lm.main(['--sample', '--out_dir', str(tmp_path / 'nothing')])
-
-
-def test_lm_truncated_checkpoint_is_refused(lm_corpus, tmp_path):
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
-    path = tmp_path / 'ckpt.pt'
-    raw = path.read_bytes()
-    path.write_bytes(raw[:len(raw) // 2])
-    with pytest.raises(ValueError, match='truncated or corrupt'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--resume'))
-    with pytest.raises(ValueError, match='truncated or corrupt'):
-        train_lm.main(['--sample', '--out_dir', str(tmp_path)])
-
-
-def test_lm_prompt_outside_vocabulary(lm_corpus, tmp_path):
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
-    with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        train_lm.main(['--sample', '--out_dir', str(tmp_path), '--prompt', 'Zebra!'])
-
-
-# -----------------------------------------------------------------------------
-# train_lm.py --preset compare and --sweep compare: equal-FLOP budgets, seeds, paired statistics, reuse
-
-# -----------------------------------------------------------------------------
-# --preset compare: the official run's T, head width, ranks and optimizer, at a CPU width
-
-
-def test_lm_compare_preset_values():
-    a = train_lm.parse_args(['--preset', 'compare', '--attn', 'mlr'])
-    want = dict(n_layer=6, block_size=1024, mlr_divide_levels=True, qk_ln=True, logit_scale='inv', mup_alpha=8.0,
-                mup_base_width=768, emb_std=0.02, window=128, global_layers='0,3', weight_decay=0.0, adam_eps=1e-20,
-                beta2=0.95, lr_schedule='constant')
-    assert {k: getattr(a, k) for k in want} == want
-    assert a.n_embd // a.n_head == 64                                   # the official head width
-    assert train_lm.model_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'   # the official ranks at T = 1024
-    kinds = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
-    assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']  # official MHA|SWA|SWA|MHA|SWA|SWA
-
-
-def test_lm_compare_preset_every_value_names_its_source():
-    from tests import preset_source_lines
-    lines = preset_source_lines('PRESETS', train_lm, start_key="'compare'")
-    for key in train_lm.PRESETS['compare']:
-        line = next((line for line in lines if f"{key}=" in line), None)
-        assert line is not None and '#' in line, f"compare preset value {key!r} has no source comment"
-
-
-def test_lm_sweep_selects_the_compare_preset_and_checks_variants(capsys):
-    assert train_lm.parse_args(['--sweep', 'compare']).block_size == 1024
-    assert train_lm.parse_args(['--sweep', 'compare', '--preset', 'cpu']).block_size == 256
-    with pytest.raises(SystemExit):
-        train_lm.parse_args(['--sweep', 'compare', '--variants', 'standard,mrl'])
-    assert "--variants 'standard,mrl': 'mrl' is not an attention variant" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_lm.parse_args(['--sweep', 'compare', '--variants', 'mlr,swa,mlr'])
-    assert "a variant is named twice" in capsys.readouterr().err
-
-
-def test_lm_sweep_stats_paired_differences():
-    """sweep_stats on hand-made histories: mean ± std over seeds, paired MLR - baseline per seed, equal-time loss."""
-    h = lambda loss, t: [dict(step=0, flops=0.0, time=0.0, val_loss=4.0), dict(step=2, flops=10.0, time=t, val_loss=loss)]
-    runs = [dict(variant=v, seed=s, done=True, history=h(loss, t), steps=2, val_loss=loss, flops=10.0, train_time=t)
-            for v, s, loss, t in [('standard', 0, 2.0, 10.0), ('standard', 1, 2.2, 10.0),
-                                  ('mlr', 0, 1.9, 20.0), ('mlr', 1, 2.0, 20.0)]]
-    st = train_lm.sweep_stats(runs, ['standard', 'mlr'])
-    assert st['variants']['standard']['val_loss'] == pytest.approx((2.1, np.std([2.0, 2.2], ddof=1)))
-    assert st['paired']['standard']['diffs'] == pytest.approx([-0.1, -0.2])
-    assert st['paired']['standard']['mean'] == pytest.approx(-0.15)
-    assert st['paired']['standard']['t'] == pytest.approx(-0.15 / (np.std([-0.1, -0.2], ddof=1) / math.sqrt(2)))
-    assert st['paired']['standard']['exceeds_spread'] is False        # |t| = 3 < 12.71 (1 degree of freedom)
-    assert st['equal_time'] == 10.0                                    # mlr at half its time: 4 -> 1.9 halfway
-    assert st['variants']['mlr']['val_loss_at_time'][0] == pytest.approx((2.95 + 3.0) / 2)
-    assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
-
-# -----------------------------------------------------------------------------
-# the sweep machinery end to end: 2 seeds x 2 variants x 3 steps, in 2 processes; then reuse and resume
-
-
-def lm_sweep_argv(lm_corpus, tmp_path, *extra):
-    argv = lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
-                        '--variants', 'standard,mlr', '--seeds', '2', '--max_iters', '3', '--eval_interval', '2',
-                        '--lr', '1e-2', *extra)
-    return argv
-
-
-def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
-    res = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2'))
-    names = ['standard_seed1337', 'mlr_seed1337', 'standard_seed1338', 'mlr_seed1338']
-    assert res['codes'] == {n: 0 for n in names} and res['reused'] == []
-    with open(res['paths']['json']) as f:
-        saved = json.load(f)
-    assert saved['variants'] == ['standard', 'mlr'] and saved['seeds'] == [1337, 1338]
-    runs = {(r['variant'], r['seed']): r for r in saved['runs']}
-    assert len(runs) == 4 and all(r['done'] for r in runs.values())
-    budget = saved['budget_flops']
-    for r in runs.values():                                            # every run stops at the budget, within a step
-        h = r['history']
-        assert [p['step'] for p in h][:2] == [0, 2] and all({'flops', 'time', 'val_loss'} <= set(p) for p in h)
-        step_flops = h[-1]['flops'] / h[-1]['step']
-        assert budget <= h[-1]['flops'] < budget + step_flops and r['val_loss'] == h[-1]['val_loss']
-    assert runs['standard', 1337]['steps'] == 3                        # the budget is 3 standard steps
-    st = saved['stats']
-    for v in ('standard', 'mlr'):
-        losses = [runs[v, s]['val_loss'] for s in (1337, 1338)]
-        assert st['variants'][v]['val_loss'] == pytest.approx([np.mean(losses), np.std(losses, ddof=1)])
-        assert f"| {v} | 2 | " in res['table'] and train_lm.pm(st['variants'][v]['val_loss']) in res['table']
-    diffs = [runs['mlr', s]['val_loss'] - runs['standard', s]['val_loss'] for s in (1337, 1338)]
-    assert st['paired']['standard']['diffs'] == pytest.approx(diffs)
-    assert st['paired']['standard']['mean'] == pytest.approx(np.mean(diffs))
-    assert f"| mlr − standard | {diffs[0]:+.4f}, {diffs[1]:+.4f} |" in res['table']
-    assert os.path.getsize(res['paths']['plot']) > 1000 and open(res['paths']['table']).read() == res['table']
-
-    again = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0'))   # a rerun trains nothing
-    assert sorted(again['reused']) == sorted(names) and again['trained'] == []
-    assert again['table'] == res['table']
-
-    os.rename(tmp_path / 'sweep' / 'standard_seed1338', tmp_path / 'gone')   # a missing run is trained again...
-    more = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))  # ...and a larger
-    assert sorted(more['trained']) == sorted(names) and more['reused'] == []   # budget resumes the others
-    for r in more['runs']:
-        old = runs[r['variant'], r['seed']]['history']
-        if r['variant'] == 'mlr' or r['seed'] == 1337:                 # resumed: the old history goes on
-            assert r['history'][:len(old)] == old and r['history'][-1]['flops'] >= more['budget'] > budget
-        else:
-            assert r['history'][-1]['step'] == 4                      # trained from scratch to the new budget
-
-    with pytest.raises(ValueError, match="holds a run with --lr 0.01, this sweep asks 0.02"):
-        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--lr', '2e-2'))
 
 
 # -----------------------------------------------------------------------------
