@@ -2711,6 +2711,8 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path):
     again = ts.main(argv)                                                   # seed 5 resumes from them
     assert again['paired'].keys() == summary['paired'].keys()
     assert all(math.isclose(again['paired'][k]['mean'], v['mean'], rel_tol=1e-6) for k, v in summary['paired'].items())
+    with pytest.raises(ValueError, match='other settings.*--horizons'):     # finished seeds of another sweep
+        ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
 
 
 def test_smoke_builtin_data(tmp_path):

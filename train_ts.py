@@ -888,6 +888,9 @@ def print_seed_table(summary, n_seeds):
         print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {star}")
 
 
+SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'threads', 'device', 'quiet', 'data_dir'}   # may differ
+
+
 def run_seeds(parser, args, argv, device):
     """--seeds: one ordinary run per seed in <out_dir>/seed<k> (finished ones reused, cut-off ones resumed),
     then the aggregate JSON, the table and (longhorizon) the Fig. 15 plot in out_dir."""
@@ -897,9 +900,15 @@ def run_seeds(parser, args, argv, device):
                                     'out_dir': os.path.join(args.out_dir, f'seed{s}')})
         done = os.path.join(sub.out_dir, f'results_{args.task}.json')
         if os.path.exists(done) and not args.overwrite:
-            print(f"seed {s}: reusing {done}")
             with open(done) as f:
-                runs.append(json.load(f))
+                finished = json.load(f)
+            differ = sorted(k for k, v in vars(sub).items() if k not in SEED_RUN_FREE
+                            and k in finished['args'] and finished['args'][k] != v)
+            if differ:
+                raise ValueError(f"{done} was made with other settings ({', '.join(f'--{k}' for k in differ)}): "
+                                 f"use another --out_dir, or --overwrite to retrain every seed")
+            print(f"seed {s}: reusing {done}")
+            runs.append(finished)
             continue
         cut_off = glob.glob(os.path.join(glob.escape(sub.out_dir), f'ckpt_{args.task}_*.pt'))
         sub.resume = bool(cut_off) and not args.overwrite
