@@ -1131,15 +1131,6 @@ def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=
 # -----------------------------------------------------------------------------
 # self-checks and benchmark
 
-def attention_io_bytes(T, d, dv, element_size):
-    """Compulsory memory traffic of one (batch, head) forward + backward, in bytes: the forward reads q, k, v
-    and writes o and the row log-sum-exp; the backward reads q, k, v, o, do, lse, delta and writes dq, dk,
-    dv. A lower bound: tiles re-read through L2 (or the torch paths' intermediate tiles) are not counted."""
-    forward = element_size * T * (2 * d + 2 * dv) + 4 * T
-    backward = element_size * T * (2 * d + 3 * dv) + 8 * T + element_size * T * (2 * d + dv)
-    return forward + backward
-
-
 def _selftest_interpret():
     """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients,
     at tiny shapes: tiles smaller and larger than the finest MLR block, T not a multiple of the tile."""
