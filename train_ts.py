@@ -966,7 +966,7 @@ def plot_fig15(summary, path):
     ax.errorbar(H, m, yerr=s, marker='o', capsize=4)
     ax.axhline(0, color='gray', lw=0.8)
     ax.set_xlabel('horizon H')
-    ax.set_ylabel('MAE change of the target, MLR vs standard (%)')
+    ax.set_ylabel('target MAE change, MLR vs std (%)')
     ax.set_title(f"mean ± std over {rows[0][1]['n']} seeds (< 0: MLR better)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
