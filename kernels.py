@@ -599,7 +599,10 @@ class _SWAFlash(torch.autograd.Function):
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for offset in _swa_offsets(causal):
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
-            dK, dV = torch.zeros_like(K), torch.zeros_like(V)                 # gradients of the shifted k, v
+            if offset == 0:                                                   # k, v unshifted: straight into dk, dv
+                dK, dV = dk.view(K.shape), dv.view(V.shape)
+            else:                                                             # gradients of the shifted k, v
+                dK, dV = torch.zeros_like(K), torch.zeros_like(V)
             for n, r in _pieces(Q.shape[0], c, c):
                 s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
                 ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
@@ -607,11 +610,9 @@ class _SWAFlash(torch.autograd.Function):
                 dQ[n, r].add_(torch.bmm(ds, K[n]))
                 dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
             for grad, tile_grad in ((dk, dK.view(k.shape)), (dv, dV.view(v.shape))):    # shift back
-                if offset == 0:
-                    grad.add_(tile_grad)
-                elif offset < 0:
+                if offset < 0:
                     grad[:, :, :-c].add_(tile_grad[:, :, c:])
-                else:
+                elif offset > 0:
                     grad[:, :, c:].add_(tile_grad[:, :, :-c])
         return dq, dk, dv, None, None, None, None
 
