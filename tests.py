@@ -2713,6 +2713,9 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path):
     assert all(math.isclose(again['paired'][k]['mean'], v['mean'], rel_tol=1e-6) for k, v in summary['paired'].items())
     with pytest.raises(ValueError, match='other settings.*--horizons'):     # finished seeds of another sweep
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
+    with pytest.raises(SystemExit) as e:                                     # one line, before any work
+        ts.main(argv[:-2] + ['--seeds', '3,-1'])
+    assert e.value.code == 2
 
 
 def test_smoke_builtin_data(tmp_path):

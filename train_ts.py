@@ -1110,7 +1110,9 @@ def check_flags(parser, args):
         'eval_interval', 'vocab', 'emb_lr_mult', 'context', 'horizon', 'n_series', 'val_series', 'series_len',
         'max_kernels', 'val_windows', 'zs_windows', 'num_samples', 'seq_len', 'patch', 'eval_stride',
         'dlinear_steps', 'dlinear_lr'], non_negative=[
-        'threads', 'max_flops', 'weight_decay', 'warmup', 'forecast_series', 'season', 'zero_shot'])
+        'threads', 'max_flops', 'weight_decay', 'warmup', 'forecast_series', 'season', 'zero_shot', 'seed'])
+    if any(s < 0 for s in args.seeds):
+        parser.error(f"--seeds {','.join(map(str, args.seeds))!r}: seeds must be >= 0 (numpy's generators need it)")
     if not args.horizons or min(args.horizons) <= 0:
         parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
