@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -954,7 +955,6 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
             else:
                 step = lambda: layer(x).sum().backward()
             res[kind] = kernels.measure(step, reps=1) + (layer.flops(T),)
-            del layer
         for kind, (ms, mb, fl) in res.items():
             b = res[kinds[0]]
             print(f"{kind:13s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} {fl / 1e9:10.2f}")
@@ -1286,6 +1286,72 @@ def ctrl_c_finishes_step():
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# Seeded sweeps (train_lm.py --sweep compare, train_lra.py --sweep listops): runs in their own processes,
+# one thread each, then mean ± std over seeds and paired differences between variants.
+
+T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
+
+
+def mean_std(xs):
+    """(mean, sample standard deviation); the std is NaN for a single value."""
+    xs = np.asarray(xs, dtype=np.float64)
+    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
+
+
+def paired_difference(diffs):
+    """Mean and std of per-seed differences, with a paired t-test at 5 % (exceeds_spread: |t| > critical)."""
+    m, sd = mean_std(diffs)
+    t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
+    crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
+    return dict(diffs=list(diffs), mean=m, std=sd, t=t, t_crit=crit,
+                exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+
+
+def run_processes(jobs, workers, script, main, tag='sweep'):
+    """Run the jobs [(name, argv, run_dir)] as `python script argv` processes, `workers` at a time and one
+    thread each, each logging to <run_dir>/train.log (workers 0: main(argv) one after another in this process).
+    -> {name: exit code}. On Ctrl-C or SIGTERM the running ones get SIGINT, so that they save a checkpoint
+    after their current step and a rerun resumes them."""
+    import subprocess
+    codes, running, pending = {}, {}, list(jobs)
+    if workers == 0:
+        for name, argv, _ in pending:
+            try:
+                main(argv)
+                codes[name] = 0
+            except (ValueError, SystemExit, Diverged) as e:
+                print(f"{tag}: {name} failed: {e}")
+                codes[name] = 1
+        return codes
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                name, argv, run_dir = pending.pop(0)
+                os.makedirs(run_dir, exist_ok=True)
+                log = open(os.path.join(run_dir, 'train.log'), 'a')
+                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(script), *argv], stdout=log,
+                                                  stderr=subprocess.STDOUT, env=env), log)
+                print(f"{tag}: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
+            time.sleep(0.1)
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is not None:
+                    log.close()
+                    codes[name] = proc.returncode
+                    del running[name]
+                    failed = f"FAILED (exit {proc.returncode}), see {log.name}"
+                    print(f"{tag}: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, _ in running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, log in running.values():
+            proc.wait()
+            log.close()
+    return codes
 
 
 def report_outputs(**where):

@@ -3008,6 +3008,107 @@ def test_bench_uses_the_model_flags_and_refuses_layer_pattern(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# train_lra.py --sweep listops: the study machinery (2 seeds x 2 variants x 3 steps), reuse, resume, bad input
+
+# 2 variants x 2 seeds x 3 steps on 8..32-token ListOps; --quick's other settings (window 4, m = 4)
+STUDY_TINY = ['--sweep', 'listops', '--quick', '--variants', 'local,brl', '--seeds', '2', '--max_iters', '3',
+        '--eval_interval', '1', '--warmup_iters', '1', '--n_train', '64', '--n_val', '16', '--n_test', '16',
+        '--min_len', '8', '--max_len', '32', '--batch_size', '8', '--eval_batch_size', '16']
+
+
+def study_tiny_argv(tmp_path, *extra):
+    return [*STUDY_TINY, '--sweep_dir', str(tmp_path / 'study'), '--cache_dir', str(tmp_path / 'cache'), *extra]
+
+
+def study_results(run_dir):
+    with open(os.path.join(run_dir, 'results.json')) as f:
+        return json.load(f)
+
+
+def cut_off_run(tmp_path, monkeypatch, variant, seed):
+    """Train one run of the study in this process and Ctrl-C it after step 2 of 3 (the real SIGINT path: the loop
+    ends its step, saves ckpt.pt and raises Interrupted). -> (run_dir, the checkpoint's history)."""
+    args = lra.parse_args(study_tiny_argv(tmp_path))
+    argv = lra.study_run_argv(args, variant, seed)
+    real = lra.guarded_update
+
+    def update_then_ctrl_c(loss, step, *rest):
+        out = real(loss, step, *rest)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+    monkeypatch.setattr(lra, 'guarded_update', update_then_ctrl_c)
+    with pytest.raises(lra.Interrupted):
+        lra.main(argv + ['--overwrite'])
+    monkeypatch.setattr(lra, 'guarded_update', real)
+    run_dir = lra.study_run_dir(args, variant, seed)
+    ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=False)
+    assert ckpt['step'] == 2 and not os.path.exists(os.path.join(run_dir, 'results.json'))
+    return run_dir, ckpt['history']
+
+
+def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
+    # 1. the whole study in 2 worker processes: 4 runs trained, the JSON, table and plot written
+    r = lra.main(study_tiny_argv(tmp_path))
+    names = ['local_seed0', 'brl_seed0', 'local_seed1', 'brl_seed1']
+    assert sorted(r['trained']) == sorted(names) and r['reused'] == [] and set(r['codes'].values()) == {0}
+    assert all(run['done'] and [h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
+    assert all(os.path.isfile(p) for p in r['paths'].values())
+    saved = json.load(open(r['paths']['json']))
+    assert saved['stats']['variants']['brl']['seeds'] == [0, 1] and saved['variant_flags']['local'] == ['--attn', 'swa']
+    # each run is the variant it claims, with the study's setting
+    for run in r['runs']:
+        cfg = study_results(run['out_dir'])['config']
+        assert cfg['attn'] == {'local': 'swa', 'brl': 'brl'}[run['variant']] and cfg['seed'] == run['seed']
+        assert (cfg['window'], cfg['max_len'], cfg['data_seed'], cfg['threads']) == (4, 32, 0, 1)
+    # the paired difference is BRL - local on the same seed, of the test accuracy at the best validation accuracy
+    acc = {(run['variant'], run['seed']): run['test_acc_at_best_val'] for run in r['runs']}
+    assert r['stats']['paired']['local']['diffs'] == [acc['brl', s] - acc['local', s] for s in (0, 1)]
+    # 2. run again: every run reused, nothing trained, the results untouched
+    mtime = os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json'))
+    r2 = lra.main(study_tiny_argv(tmp_path))
+    assert sorted(r2['reused']) == sorted(names) and r2['trained'] == [] and r2['codes'] == {}
+    assert os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json')) == mtime
+    # 3. a run cut off after step 2: the study resumes it from its checkpoint (its first two evaluations, timings
+    # included, are kept exactly; a restart would measure new ones) and reuses the other three
+    run_dir, before = cut_off_run(tmp_path, monkeypatch, 'brl', 1)
+    r3 = lra.main(study_tiny_argv(tmp_path))
+    assert r3['trained'] == ['brl_seed1'] and sorted(r3['reused']) == sorted(set(names) - {'brl_seed1'})
+    after = study_results(run_dir)['history']
+    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before
+    # 4. a study of other settings in the same folder is refused in one line, before any training
+    with pytest.raises(ValueError, match=r'--lr .* use another --sweep_dir'):
+        lra.main(study_tiny_argv(tmp_path, '--lr', '0.002'))
+
+
+@pytest.mark.parametrize('extra, named', [(['--seeds', '0'], '--seeds'),
+                                          (['--variants', 'local,bogus'], "'bogus'"),
+                                          (['--variants', 'local,local'], 'named twice'),
+                                          (['--workers', '-1'], '--workers -1'),
+                                          (['--task', 'text'], '--task')])
+def test_study_bad_input_is_one_line(extra, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        lra.parse_args(['--sweep', 'listops', *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
+
+
+def test_quick_and_estimate_need_the_sweep(capsys):
+    with pytest.raises(SystemExit):
+        lra.parse_args(['--quick'])
+    assert 'belongs to --sweep listops' in capsys.readouterr().err
+
+
+def test_run_argv_keeps_given_flags_and_variant_wins():
+    """A flag given to the study reaches every run; the variant's own flags come after it, so they win."""
+    args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3', '--seeds', '2'])
+    beta0 = lra.parse_args(lra.study_run_argv(args, 'brl_beta0', 1))
+    brl = lra.parse_args(lra.study_run_argv(args, 'brl', 1))
+    assert (beta0.brl_beta, brl.brl_beta, brl.lr, brl.seed, brl.threads) == (0.0, 0.3, 3e-3, 1, 1)
+    assert (brl.max_len, brl.window, brl.data_seed, brl.sweep) == (1000, 16, 0, None)   # the study's setting
+
+
+# -----------------------------------------------------------------------------
 # train_ts.py: KernelSynth, tokenizer, leak-free windows, train-only scaler, ETT reader, smoke runs
 
 def ts_close(a, b, atol=1e-5, rtol=1e-5, what=''):

@@ -30,8 +30,6 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import sysconfig
 import time
@@ -54,8 +52,10 @@ from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FI
                        Transformer, optimizer_groups)
 # the model flags, declared once for the four train scripts (attention.ModelConfig's fields)
 from attention import add_deprecated, add_model_args, model_config
+# seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
+from attention import mean_std, paired_difference, run_processes
 # run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
+from attention import (ArgParser, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
                        given_flags, load_checkpoint, pick_device, prepare_out_dir, remove_orphan_tmp,
                        report_outputs, resume_settings, rng_state, run_main, save_checkpoint, set_rng_state,
                        write_json)
@@ -908,7 +908,6 @@ def compare(args):
 # sweep resumes (finished runs are kept, cut-off ones --resume from their checkpoint)
 
 SWEEP_VARIANTS = ('standard', 'mlr', 'swa', 'global_swa', 'brl')
-T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
 
 
 def inherited_argv(argv):
@@ -1002,48 +1001,6 @@ def reached(history, budget):
     return bool(history) and history[-1]['flops'] >= budget * (1 - 1e-9)
 
 
-def train_runs(jobs, workers):
-    """Run the jobs [(name, argv, run_dir)] as train_lm.py processes, `workers` at a time, each logging to
-    <run_dir>/train.log (workers 0: one after another in this process). -> {name: exit code}. On Ctrl-C or
-    SIGTERM the running ones get SIGINT, so they save a checkpoint after their current step."""
-    codes, running, pending = {}, {}, list(jobs)
-    if workers == 0:
-        for name, argv, _ in pending:
-            try:
-                main(argv)
-                codes[name] = 0
-            except (ValueError, Diverged) as e:
-                print(f"sweep: {name} failed: {e}")
-                codes[name] = 1
-        return codes
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
-    try:
-        while pending or running:
-            while pending and len(running) < workers:
-                name, argv, run_dir = pending.pop(0)
-                log = open(os.path.join(run_dir, 'train.log'), 'a')
-                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=log,
-                                                  stderr=subprocess.STDOUT, env=env), log)
-                print(f"sweep: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
-            time.sleep(0.1)
-            for name, (proc, log) in list(running.items()):
-                if proc.poll() is not None:
-                    log.close()
-                    codes[name] = proc.returncode
-                    del running[name]
-                    failed = f"FAILED (exit {proc.returncode}), see {log.name}"
-                    print(f"sweep: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for proc, _ in running.values():
-            proc.send_signal(signal.SIGINT)
-        for proc, log in running.values():
-            proc.wait()
-            log.close()
-    return codes
-
-
 def sweep_runs(args, plan, budget):
     """Train what the plan still needs (reusing finished runs), then read every run's history back."""
     jobs, reused = [], []
@@ -1057,7 +1014,7 @@ def sweep_runs(args, plan, budget):
         resume_or_not = ['--resume'] if state == 'partial' else ['--overwrite']
         jobs.append((f"{variant}_seed{seed}", argv + resume_or_not, run_dir))
     print(f"sweep: {len(reused)} finished run(s) reused, {len(jobs)} to train", flush=True)
-    codes = train_runs(jobs, args.workers)
+    codes = run_processes(jobs, args.workers, __file__, main, tag='sweep')
     runs = []
     for variant, seed, run_dir in plan:
         h = []
@@ -1069,12 +1026,6 @@ def sweep_runs(args, plan, budget):
                          steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
                          flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
     return runs, reused, [name for name, _, _ in jobs], codes
-
-
-def mean_std(xs):
-    """(mean, sample standard deviation); the std is NaN for a single value."""
-    xs = np.asarray(xs, dtype=np.float64)
-    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
 
 
 def sweep_stats(runs, variants):
@@ -1100,12 +1051,7 @@ def sweep_stats(runs, variants):
     loss = {(r['variant'], r['seed']): r['val_loss'] for r in done}
     for b in (v for v in variants if v != 'mlr' and 'mlr' in per and v in per):
         seeds = [s for s in per['mlr']['seeds'] if s in per[b]['seeds']]
-        diffs = [loss['mlr', s] - loss[b, s] for s in seeds]
-        m, sd = mean_std(diffs)
-        t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
-        crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
-        paired[b] = dict(seeds=seeds, diffs=diffs, mean=m, std=sd, t=t, t_crit=crit,
-                         exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+        paired[b] = dict(seeds=seeds, **paired_difference([loss['mlr', s] - loss[b, s] for s in seeds]))
     return dict(equal_time=t_eq, variants=per, paired=paired)
 
 

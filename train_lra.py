@@ -24,6 +24,11 @@ Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2
   python train_lra.py --task pathfinder --attn brl             # 4000 generated 32 x 32 images (slow on CPU)
   python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
   python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
+The ListOps study (issue 20): local, full, BRL, BRL w/o Attn-Diff, BRL with beta = 0 x 3 seeds, 300-1000 tokens,
+window 16, 2 layers; ~100 min on an idle 2-core machine, resumable (rerun the same command):
+  python train_lra.py --sweep listops --estimate   # time a few steps per variant, print the study's minutes
+  python train_lra.py --sweep listops              # -> out/lra_listops_study/{sweep.json, table.md, lra_study.png}
+  python train_lra.py --sweep listops --quick      # the same machinery on 40-128 tokens, 60 steps (~2 min)
 GPU, the paper's Table 12 settings on the release files:
   python train_lra.py --preset lra --task listops --data lra_release/listops-1000 --attn brl
 """
@@ -56,8 +61,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, TASK_FIELDS, ModelConfig, Transformer, optimizer_groups  # noqa: E402
 # the model flags, the same in every train script (attention.py: add_model_args, model_config)
 from attention import add_deprecated, add_model_args, model_config  # noqa: E402
+# seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
+from attention import mean_std, paired_difference, run_processes  # noqa: E402
 # run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
+from attention import (ArgParser, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
                        remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
                        set_rng_state, write_json)
@@ -993,9 +1000,10 @@ PAPER_LISTOPS = {'local': '15.82', 'full': '36.37 (LRA) / 47.90 (our-imp)', 'brl
 # for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds; what makes locality a real handicap is kept:
 STUDY = dict(
     min_len=300, max_len=1000,   # LRA 500 < tokens < 2000; here 300..1000 (mean ~600): a step at T = 1000 costs
-                                 # ~0.5 s on one core, LRA's T = 2000 would leave too few steps
+                                 # ~1 s on a loaded core (~0.5 s idle); LRA's T = 2000 would leave too few steps
     window=16, n_layer=2,        # local attention reaches 2 x 16 = 32 tokens each side over both layers: 65 of ~600
                                  # tokens (~1/9, at most 1/5), so most operands of the outer operators are out of reach
+    n_embd=64, n_head=4,         # Table 12: 6 layers x 512 wide, 8 heads; CPU size (mean pooling as Table 12)
     n_compressed=16,             # BRL m = w, as every BRL row of Table 1 (256 there)
     n_train=20000, n_val=500, n_test=500,   # LRA 96000 / 2000 / 2000; 500 test examples: +-2 points of noise
     batch_size=32,               # Table 12: 64; half for twice the steps in the budget
@@ -1010,7 +1018,6 @@ STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir
 STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress', '--resume',
                       '--overwrite')
 STARTUP_SECONDS = 5.0             # a run's process start: import torch, read the data (for the estimate)
-T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
 
 
 def study_run_dir(args, variant, seed):
@@ -1065,51 +1072,6 @@ def study_jobs(args, plan):
             jobs.append((os.path.basename(run_dir), argv + ['--resume' if state == 'partial' else '--overwrite'],
                          run_dir))
     return jobs, reused
-
-
-def train_runs(jobs, workers):
-    """Run the jobs [(name, argv, run_dir)] as train_lra.py processes, `workers` at a time, each logging to
-    <run_dir>/train.log (workers 0: one after another in this process). -> {name: exit code}. On Ctrl-C or
-    SIGTERM the running ones get SIGINT, so that they save a checkpoint after their current step."""
-    import signal
-    import subprocess
-    codes, running, pending = {}, {}, list(jobs)
-    if workers == 0:
-        for name, argv, _ in pending:
-            try:
-                main(argv)
-                codes[name] = 0
-            except (ValueError, SystemExit, Diverged) as e:
-                print(f"study: {name} failed: {e}")
-                codes[name] = 1
-        return codes
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
-    try:
-        while pending or running:
-            while pending and len(running) < workers:
-                name, argv, run_dir = pending.pop(0)
-                os.makedirs(run_dir, exist_ok=True)
-                log = open(os.path.join(run_dir, 'train.log'), 'a')
-                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=log,
-                                                  stderr=subprocess.STDOUT, env=env), log)
-                print(f"study: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
-            time.sleep(0.1)
-            for name, (proc, log) in list(running.items()):
-                if proc.poll() is not None:
-                    log.close()
-                    codes[name] = proc.returncode
-                    del running[name]
-                    failed = f"FAILED (exit {proc.returncode}), see {log.name}"
-                    print(f"study: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for proc, _ in running.values():
-            proc.send_signal(signal.SIGINT)
-        for proc, log in running.values():
-            proc.wait()
-            log.close()
-    return codes
 
 
 def read_study_runs(plan):
@@ -1171,21 +1133,6 @@ def study_estimate(args, variants, plan, jobs, meta):
     print(f"  whole study: {len(plan)} runs on {max(1, args.workers)} worker(s): ~{total:.0f} min; "
           f"still to train: {len(jobs)} run(s), ~{left:.0f} min")
     return dict(minutes_per_run=minutes, study_minutes=total, remaining_minutes=left)
-
-
-def mean_std(xs):
-    """(mean, sample standard deviation); the std is NaN for a single value."""
-    xs = np.asarray(xs, dtype=np.float64)
-    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
-
-
-def paired_difference(diffs):
-    """Mean and std of per-seed differences, with a paired t-test at 5 % (exceeds_spread: |t| > critical)."""
-    m, sd = mean_std(diffs)
-    t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
-    crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
-    return dict(diffs=diffs, mean=m, std=sd, t=t, t_crit=crit,
-                exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
 
 
 def study_stats(runs, variants):
@@ -1251,7 +1198,7 @@ def study_plot(runs, variants, majority, path):
             line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
             ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
     for ax, xlabel in zip(axes, ('training steps', 'training wall time (s), 1 thread per run')):
-        ax.axhline(100 * majority, color='gray', ls=':', lw=1, label='commonest class')
+        ax.axhline(100 * majority, color='gray', ls=':', lw=1, label='commonest test label')
         ax.set_xlabel(xlabel)
         ax.set_ylabel('validation accuracy (%)')
         ax.grid(alpha=0.3)
@@ -1275,7 +1222,7 @@ def study(args):
     if args.estimate:
         return estimate
     print(f"study: {len(reused)} finished run(s) reused, {len(jobs)} to train", flush=True)
-    codes = train_runs(jobs, args.workers)
+    codes = run_processes(jobs, args.workers, __file__, main, tag='study')
     runs = read_study_runs(plan)
     if not any(r['done'] for r in runs):
         raise ValueError(f"no run of the study finished; see the train.log files in {args.sweep_dir}")
