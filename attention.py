@@ -1294,6 +1294,47 @@ def ctrl_c_finishes_step():
 T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
 
 
+def positive_int(s):
+    """argparse type: an integer > 0."""
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run folders, sweep.json, table.md, plot'):
+    """The flags of a seeded sweep, the same in every script that has one: --sweep NAME, --variants, --seeds,
+    --workers, --reuse, --sweep_dir, --estimate. Returns the group, for a script's own sweep flags."""
+    g = p.add_argument_group(title)
+    g.add_argument('--sweep', choices=[name], help=about)
+    g.add_argument('--variants', default=','.join(variants), help='--sweep: comma list of variants')
+    g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
+    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
+                   '(0 = one after another in this process)')
+    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
+                   'runs and resume cut-off ones (--no-reuse trains every run again)')
+    g.add_argument('--sweep_dir', default=sweep_dir, help=f'--sweep: {dir_help}')
+    g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
+                   "sweep's wall-time estimate and stop")
+    return g
+
+
+def one_thread_seconds(step, repeats=2):
+    """Wall seconds of step() (one training step) on 1 thread, the best of `repeats` after a warm-up call: what a
+    sweep run pays per step on this machine now (a busy machine reads slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times[1:])
+
+
 def mean_std(xs):
     """(mean, sample standard deviation); the std is NaN for a single value."""
     xs = np.asarray(xs, dtype=np.float64)
@@ -1307,6 +1348,26 @@ def paired_difference(diffs):
     crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
     return dict(diffs=list(diffs), mean=m, std=sd, t=t, t_crit=crit,
                 exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+
+
+def pm(ms, digits=4, scale=1.0):
+    """'mean ± std' of a (mean, std) pair, times scale; the mean alone when the std is NaN (one seed)."""
+    m, s = ms
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}" if math.isfinite(s) else f"{scale * m:.{digits}f}"
+
+
+def paired_rows(paired, a, header, digits=4, scale=1.0):
+    """Markdown table of paired differences {b: paired_difference(...)}: 'a − b', per seed, mean ± std, the t
+    statistic against its 5 % critical value, and whether the difference exceeds the seed spread."""
+    if not paired:
+        return []
+    rows = [f'| {header} | per seed | mean ± std | paired t (5 % critical) | exceeds the seed spread |',
+            '| --- | --- | --- | --- | --- |']
+    for b, p in paired.items():
+        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
+        rows.append(f"| {a} − {b} | {', '.join(f'{scale * d:+.{digits}f}' for d in p['diffs'])} | "
+                    f"{pm((p['mean'], p['std']), digits, scale)} | {p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+    return rows
 
 
 def run_processes(jobs, workers, script, main, tag='sweep'):
@@ -1352,6 +1413,34 @@ def run_processes(jobs, workers, script, main, tag='sweep'):
             proc.wait()
             log.close()
     return codes
+
+
+def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=1.0, hline=None):
+    """Two panels, y against xkeys[0] and against xkeys[1]: per variant (histories: {variant: [one history per
+    seed, a list of dicts]}) the mean over seeds with a ± 1 std band; hline = (y, label) draws a reference."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for v, hs in histories.items():
+        n = min(len(h) for h in hs)                                             # seeds of a variant share steps
+        y = scale * np.array([[p[ykey] for p in h[:n]] for h in hs])            # (seeds, evals)
+        m, s = y.mean(0), y.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
+        for ax, key in zip(axes, xkeys):
+            x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
+            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
+            ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
+    for ax, xlabel in zip(axes, xlabels):
+        if hline:
+            ax.axhline(hline[0], color='gray', ls=':', lw=1, label=hline[1])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def report_outputs(**where):

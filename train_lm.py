@@ -53,7 +53,8 @@ from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FI
 # the model flags, declared once for the four train scripts (attention.ModelConfig's fields)
 from attention import add_deprecated, add_model_args, model_config
 # seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
-from attention import mean_std, paired_difference, run_processes
+from attention import (add_sweep_args, mean_std, one_thread_seconds, paired_difference, paired_rows, plot_seed_bands,
+                       pm, positive_int, run_processes)
 # run safety shared by the four train scripts (attention.py, last section)
 from attention import (ArgParser, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
                        given_flags, load_checkpoint, pick_device, prepare_out_dir, remove_orphan_tmp,
@@ -376,13 +377,6 @@ def paper_logit_scale(attn, layer_pattern, n_layer, global_layers):
     return next(iter(rules.values()))
 
 
-def positive_int(s):
-    v = int(s)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return v
-
-
 def build_parser():
     """The flags, one group per function, in --help order; the defaults shown are preset cpu's."""
     p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
@@ -402,19 +396,10 @@ def add_mode_args(p):
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
     g.add_argument('--plot', default=os.path.join('out', 'lm_compare.png'), help='--compare: output image')
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
-    g = p.add_argument_group('seeded sweep (--sweep compare): every variant at equal training FLOPs')
-    g.add_argument('--sweep', choices=['compare'], help='train --variants x --seeds at the FLOPs of the standard run '
-                   'of --max_iters steps (default preset: compare), then table + plot in --sweep_dir')
-    g.add_argument('--variants', default=','.join(SWEEP_VARIANTS), help='--sweep: comma list of --attn values')
-    g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
-    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
-                   '(0 = one after another in this process)')
-    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
-                   'runs and resume cut-off ones (--no-reuse trains every run again)')
-    g.add_argument('--sweep_dir', default=os.path.join('out', 'lm_sweep'),
-                   help='--sweep: run folders, sweep.json, table.md, sweep.png')
-    g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
-                   "sweep's wall-time estimate and stop")
+    add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
+                   'seeded sweep (--sweep compare): every variant at equal training FLOPs',
+                   'train --variants (--attn values) x --seeds at the FLOPs of the standard run of --max_iters steps '
+                   '(default preset: compare), then table + plot in --sweep_dir')
 
 
 def add_data_args(p):
@@ -939,20 +924,15 @@ def run_model(args, variant, vocab_size):
 def seconds_per_step(a, model, vocab_size, repeats=2):
     """Wall seconds of one training step (forward, backward, AdamW) on random tokens with 1 thread, the best of
     `repeats` after a warm-up step: what a run of the sweep pays per step on this machine now."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
     x = torch.randint(vocab_size, (a.batch_size, a.block_size))                 # (B, T)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.time()
+
+    def step():
         for _ in range(a.grad_accum):
             model(x, x)[1].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.time() - t0)
-    torch.set_num_threads(threads)
-    return min(times[1:])
+    return one_thread_seconds(step, repeats)
 
 
 def sweep_estimate(args, plan, budget, variants, vocab_size):
@@ -1055,11 +1035,6 @@ def sweep_stats(runs, variants):
     return dict(equal_time=t_eq, variants=per, paired=paired)
 
 
-def pm(ms, digits=4):
-    m, s = ms
-    return f"{m:.{digits}f} ± {s:.{digits}f}" if math.isfinite(s) else f"{m:.{digits}f}"
-
-
 def sweep_table(stats, budget):
     """The markdown tables of sweep_stats."""
     lines = [f"| variant | seeds | steps | training FLOPs | val loss at equal FLOPs ({budget:.3g}) | FLOP rank | "
@@ -1070,41 +1045,17 @@ def sweep_table(stats, budget):
                      f"{s['flop_rank']} | {s['train_time'] / 60:.1f} | {pm(s['val_loss_at_time'])} | "
                      f"{s['time_rank']} |")
     if stats['paired']:
-        lines += ['', '| MLR − baseline (equal FLOPs) | per seed | mean ± std | paired t (5 % critical) | '
-                      'exceeds the seed spread |', '| --- | --- | --- | --- | --- |']
-    for b, p in stats['paired'].items():
-        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
-        lines.append(f"| mlr − {b} | {', '.join(f'{d:+.4f}' for d in p['diffs'])} | {pm((p['mean'], p['std']))} | "
-                     f"{p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+        lines += [''] + paired_rows(stats['paired'], 'mlr', 'MLR − baseline (equal FLOPs)')
     return '\n'.join(lines) + '\n'
 
 
 def sweep_plot(runs, variants, path):
     """Val loss vs training FLOPs and vs training wall time: per variant the mean over seeds, band = ± 1 std."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for v in variants:
-        hs = [r['history'][1:] for r in runs if r['variant'] == v and r['done']]  # step 0 is ln(vocab) for all
-        if not hs:
-            continue
-        n = min(len(h) for h in hs)                                             # seeds of a variant share steps
-        loss = np.array([[p['val_loss'] for p in h[:n]] for h in hs])            # (seeds, evals)
-        m, s = loss.mean(0), loss.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
-        for ax, key in zip(axes, ('flops', 'time')):
-            x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
-            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
-            ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
-    for ax, xlabel in zip(axes, ('training FLOPs', 'training wall time (s), 1 thread per run')):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel('val loss (nats/char)')
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle('character-level LM at equal training FLOPs: mean over seeds, band = ± 1 std')
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    histories = {v: hs for v in variants                     # step 0 is ln(vocab) for all: left out
+                 if (hs := [r['history'][1:] for r in runs if r['variant'] == v and r['done']])}
+    plot_seed_bands(path, histories, ('flops', 'time'), ('training FLOPs', 'training wall time (s), 1 thread per run'),
+                    'val_loss', 'val loss (nats/char)',
+                    'character-level LM at equal training FLOPs: mean over seeds, band = ± 1 std')
 
 
 def sweep(args):

@@ -62,7 +62,8 @@ from attention import ATTENTION, TASK_FIELDS, ModelConfig, Transformer, optimize
 # the model flags, the same in every train script (attention.py: add_model_args, model_config)
 from attention import add_deprecated, add_model_args, model_config  # noqa: E402
 # seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
-from attention import mean_std, paired_difference, run_processes  # noqa: E402
+from attention import (add_sweep_args, mean_std, one_thread_seconds, paired_difference, paired_rows,  # noqa: E402
+                       plot_seed_bands, pm, run_processes)
 # run safety shared by the four train scripts (attention.py, last section)
 from attention import (ArgParser, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
@@ -1092,22 +1093,17 @@ def read_study_runs(plan):
 def study_seconds_per_step(a, meta, repeats=2):
     """Wall seconds of one training step (forward, backward, AdamW) of the run settings `a` on a random batch at
     max_len with 1 thread, the best of `repeats` after a warm-up step: what a run pays per step here now."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(a, meta)[0]
     opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr)
     x = torch.randint(1, meta['vocab'], (a.batch_size, a.max_len))                 # (B, T)
     y = torch.randint(0, meta['classes'], (a.batch_size,))
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+
+    def step():
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    torch.set_num_threads(threads)
-    return min(times[1:])
+    return one_thread_seconds(step, repeats)
 
 
 def study_estimate(args, variants, plan, jobs, meta):
@@ -1159,8 +1155,7 @@ def study_stats(runs, variants):
 
 
 def pct(ms):
-    m, s = ms
-    return f"{100 * m:.1f} ± {100 * s:.1f}" if math.isfinite(s) else f"{100 * m:.1f}"
+    return pm(ms, 1, 100)
 
 
 def study_table(stats):
@@ -1172,41 +1167,17 @@ def study_table(stats):
                      f"{s['best_step'][0]:.0f} | {pct(s['final_test'])} | {s['train_minutes']:.1f} | "
                      f"{PAPER_LISTOPS[v]} |")
     lines.append(f"\ncommonest test label: {100 * stats['majority_test_acc']:.1f} %\n")
-    if stats['paired']:
-        lines += ['| BRL − variant (test acc at best val, points) | per seed | mean ± std | paired t (5 % critical) '
-                  '| exceeds the seed spread |', '| --- | --- | --- | --- | --- |']
-    for b, p in stats['paired'].items():
-        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
-        lines.append(f"| brl − {b} | {', '.join(f'{100 * d:+.1f}' for d in p['diffs'])} | "
-                     f"{pct((p['mean'], p['std']))} | {p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+    lines += paired_rows(stats['paired'], 'brl', 'BRL − variant (test acc at best val, points)', digits=1, scale=100)
     return '\n'.join(lines) + '\n'
 
 
 def study_plot(runs, variants, majority, path):
     """Validation accuracy against steps and against training wall time: mean over seeds, band = ± 1 std."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for v in variants:
-        hs = [r['history'] for r in runs if r['variant'] == v and r['done']]
-        if not hs:
-            continue
-        n = min(len(h) for h in hs)                                             # seeds of a variant share steps
-        acc = 100 * np.array([[p['val_acc'] for p in h[:n]] for h in hs])       # (seeds, evals)
-        m, s = acc.mean(0), acc.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
-        for ax, key in zip(axes, ('step', 'train_seconds')):
-            x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
-            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
-            ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
-    for ax, xlabel in zip(axes, ('training steps', 'training wall time (s), 1 thread per run')):
-        ax.axhline(100 * majority, color='gray', ls=':', lw=1, label='commonest test label')
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel('validation accuracy (%)')
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle('generated ListOps: local vs full vs BRL attention, mean over seeds, band = ± 1 std')
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    histories = {v: hs for v in variants if (hs := [r['history'] for r in runs if r['variant'] == v and r['done']])}
+    plot_seed_bands(path, histories, ('step', 'train_seconds'),
+                    ('training steps', 'training wall time (s), 1 thread per run'), 'val_acc',
+                    'validation accuracy (%)', 'generated ListOps: local vs full vs BRL attention, mean over seeds, '
+                    'band = ± 1 std', scale=100, hline=(100 * majority, 'commonest test label'))
 
 
 def study(args):
@@ -1305,29 +1276,14 @@ def add_bench_args(p):
                    'scores, probabilities and their gradient would take more than this (GB)')
 
 
-def positive_int(s):
-    v = int(s)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return v
-
-
 def add_study_args(p):
-    g = p.add_argument_group('ListOps study (--sweep listops, issue 20): local, full, BRL, 2 BRL ablations x seeds')
-    g.add_argument('--sweep', choices=['listops'], help='train --variants x --seeds on the study setting (STUDY in '
-                   'the source; flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir')
-    g.add_argument('--variants', default=','.join(STUDY_VARIANTS), help='--sweep: comma list of study variants')
-    g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
-    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
-                   '(0 = one after another in this process)')
-    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
-                   'runs and resume cut-off ones (--no-reuse trains every run again)')
-    g.add_argument('--sweep_dir', default='', help='--sweep: run folders and results (default '
-                   'out/lra_listops_study, with --quick out/lra_listops_study_quick)')
+    g = add_sweep_args(p, 'listops', STUDY_VARIANTS, '', 'ListOps study (--sweep listops): local, full, BRL, 2 BRL '
+                       'ablations x seeds', 'train --variants x --seeds on the study setting (STUDY in the source; '
+                       'flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir',
+                       dir_help='run folders and results (default out/lra_listops_study, with --quick '
+                       'out/lra_listops_study_quick)')
     g.add_argument('--quick', action='store_true', help='--sweep: 40-128 tokens, window 4, 60 steps: the machinery '
                    'end to end in minutes (its accuracies mean little)')
-    g.add_argument('--estimate', action='store_true', help="--sweep: time a few steps per variant, print the study's "
-                   'wall-time estimate and stop')
 
 
 def check_study_args(p, args):
