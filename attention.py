@@ -68,7 +68,7 @@ class ModelConfig:
     logit_scale: str = opt('auto', 'auto | sqrt | mup | inv: the scale of a score term of width R (logit_scales)')
     mup_alpha: float = opt(8.0, 'alpha of --logit_scale mup (alpha / R); the official code\'s 8')
     n_kv_head: int = opt(0, 'standard: grouped-query attention, key/value heads (0 = n_head)')
-    rope: bool = opt(False, 'standard / swa: rotary position embedding')
+    rope: bool = opt(False, 'standard / swa / brl (its local attention): rotary position embedding')
     # MLR and bilinear MLR
     ranks: str = opt('', 'MLR / bilinear MLR rank allocation, e.g. 32|8|6|4|4|4|4|2 (sums to the head width)')
     mlr_block_sizes: str = opt('', 'MLR level block sizes, e.g. 1024|256|64 (default block_size / 2^l)')
@@ -1014,6 +1014,7 @@ class ArgParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kw):
         kw.setdefault('formatter_class', HelpFormatter)
+        kw.setdefault('allow_abbrev', False)   # --quic is an error, not --quick (sweeps pass flags on by name)
         super().__init__(*args, **kw)
 
     def error(self, message):
@@ -1029,7 +1030,8 @@ FLAG_TYPES = {'int': int, 'float': float, 'str': str}
 def add_model_args(parser, **task_defaults):
     """The 'model' group of a train script: --<field> for each ModelConfig field but TASK_FIELDS, defaulting
     to ModelConfig's value or, where the script's task has its own, to task_defaults[field]."""
-    unknown = sorted(set(task_defaults) - {f.name for f in fields(ModelConfig)} | set(TASK_FIELDS) & set(task_defaults))
+    flags = {f.name for f in fields(ModelConfig)} - set(TASK_FIELDS)
+    unknown = sorted(set(task_defaults) - flags)
     if unknown:
         raise TypeError(f"add_model_args: not model flags: {unknown}")
     g = parser.add_argument_group('model (attention.ModelConfig: the same flags in every train script)')
@@ -1045,11 +1047,11 @@ def add_model_args(parser, **task_defaults):
     return g
 
 
-def model_config(args, **task):
-    """ModelConfig from the parsed model flags; task gives block_size, causal and any field the script sets
+def model_config(args, block_size, causal, **task):
+    """ModelConfig from the parsed model flags; the task gives block_size, causal and any field the script sets
     itself (e.g. ranks resolved from 'auto'). Checked: a bad value is one ValueError line."""
-    cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task
-                            and f.name not in TASK_FIELDS}, **task})
+    task.update(block_size=block_size, causal=causal)
+    cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task}, **task})
     check_config(cfg)
     return cfg
 
@@ -1394,8 +1396,10 @@ def run_processes(jobs, workers, script, main, tag='sweep'):
                 name, argv, run_dir = pending.pop(0)
                 os.makedirs(run_dir, exist_ok=True)
                 log = open(os.path.join(run_dir, 'train.log'), 'a')
+                # a session of its own: a Ctrl-C at the terminal reaches only this process, which passes one
+                # SIGINT on (a second one, straight from the terminal, would stop a run mid-step without saving)
                 running[name] = (subprocess.Popen([sys.executable, os.path.abspath(script), *argv], stdout=log,
-                                                  stderr=subprocess.STDOUT, env=env), log)
+                                                  stderr=subprocess.STDOUT, env=env, start_new_session=True), log)
                 print(f"{tag}: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
             time.sleep(0.1)
             for name, (proc, log) in list(running.items()):

@@ -2354,8 +2354,9 @@ def test_old_run_config_upgrades_to_the_new_keys():
         assert old not in new and new[new_key] == OLD_CONFIG[old]
     assert (new['max_iters'], new['warmup_iters'], new['lr_schedule']) == (2000, 250, 'constant')
     # every flag of today's parser is there: model fields the old script lacked take ModelConfig's defaults
-    today = vars(icl.build_parser().parse_args([]))
-    assert set(new) == set(today)
+    today = vars(icl.resolve(icl.build_parser().parse_args([])))
+    assert set(new) == set(today)                         # bilinear_init included (resolve sets it)
+    assert new['bilinear_init'] == icl.BILINEAR_INIT      # a standard-attention run: its init never changed
     assert (new['mlp_hidden'], new['rope'], new['n_kv_head'], new['brl_beta']) == (0, False, 0, 0.5)
     assert icl.upgrade_run_config(new) == new             # a new config is left as it is
     # older still: no btt_factors / bilinear_rms_cap (the old script's fallbacks were ModelConfig's)
@@ -2381,6 +2382,18 @@ def test_finished_run_from_before_the_renames_is_reused(tmp_path):
     assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--rope'])) is None
     # the sweep-only flags (renamed too) do not count
     assert icl.finished_run(job_args(tmp_path, OLD_JOB_ARGV + ['--compute_ranks', '4|4'])) is not None
+
+
+def test_bilinear_run_from_before_the_init_change_is_not_reused(tmp_path):
+    """A bilinear run saved before its layers stopped building q/k (no bilinear_init key) drew another init for
+    the same seed: a sweep trains it again. Standard runs of that time are still reused (test above)."""
+    bilinear = dict(OLD_CONFIG, attn='bilinear_btt')
+    argv = [a if a != 'standard' else 'bilinear_btt' for a in OLD_JOB_ARGV]
+    write_run(tmp_path, 'old_btt', bilinear)
+    assert icl.upgrade_run_config(bilinear)['bilinear_init'] == 1
+    assert icl.finished_run(job_args(tmp_path, argv)) is None
+    write_run(tmp_path, 'new_btt', dict(bilinear, bilinear_init=icl.BILINEAR_INIT))    # saved by today's code
+    assert icl.finished_run(job_args(tmp_path, argv))['run'] == 'new_btt'
 
 
 def test_oldest_run_without_btt_factors_is_reused_only_with_its_settings(tmp_path):
@@ -2867,7 +2880,7 @@ def test_old_spellings_parse_as_the_new_ones_with_a_note(fresh_notes, capsys):
     err = capsys.readouterr().err
     new = lra.parse_args(['--max_iters', '7', '--warmup_iters', '3', '--mlp_hidden', '96', '--no-brl_gamma',
                           '--data', 'rel'])
-    assert vars(old) == vars(new)
+    assert {k: v for k, v in vars(old).items() if k != '_argv'} == {k: v for k, v in vars(new).items() if k != '_argv'}
     assert (new.max_iters, new.warmup_iters, new.mlp_hidden, new.brl_gamma, new.data) == (7, 3, 96, False, 'rel')
     for o, n in [('--steps', '--max_iters'), ('--warmup', '--warmup_iters'), ('--ff', '--mlp_hidden'),
                  ('--no_diff', '--no-brl_gamma'), ('--data_dir', '--data')]:
@@ -3106,6 +3119,10 @@ def test_run_argv_keeps_given_flags_and_variant_wins():
     brl = lra.parse_args(lra.study_run_argv(args, 'brl', 1))
     assert (beta0.brl_beta, brl.brl_beta, brl.lr, brl.seed, brl.threads) == (0.0, 0.3, 3e-3, 1, 1)
     assert (brl.max_len, brl.window, brl.data_seed, brl.sweep) == (1000, 16, 0, None)   # the study's setting
+    kinds = {v: lra.parse_args(lra.study_run_argv(args, v, 0)) for v in lra.STUDY_VARIANTS}
+    assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in kinds.items()} == {
+        'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
+        'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
 
 
 # -----------------------------------------------------------------------------
@@ -3386,7 +3403,8 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path):
     assert runs[0]['mlr']['mae'] != runs[1]['mlr']['mae'] and diffs[0] != diffs[1]   # the seeds really differ
     d = summary['paired']['H=8|mlr-standard|mae']
     assert d['n'] == 2 and math.isclose(d['mean'], np.mean(diffs)) and math.isclose(d['std'], np.std(diffs, ddof=1))
-    assert d['exceeds_spread'] == (abs(d['mean']) > d['std'])
+    t = d['mean'] / (d['std'] / math.sqrt(2))                                 # paired t, 1 degree of freedom
+    assert math.isclose(d['t'], t) and d['exceeds_spread'] == (abs(t) > 12.706)
     m = summary['metrics']['H=8|standard|mse']
     assert math.isclose(m['mean'], np.mean([r['standard']['mse'] for r in runs]))
     rel = summary['paired']['H=8|mlr-standard|rel_mae_target']
@@ -3460,9 +3478,9 @@ def no_ms(history):
 def test_old_spellings_are_aliases_with_a_note(monkeypatch, capsys):
     monkeypatch.setattr(A.Deprecated, 'noted', set())
     p = ts.build_parser()
-    new = ts.parse_args(p, ['--max_iters', '7', '--warmup_iters', '3', '--no-progress', '--cache_dir', '/c'])
+    new = ts.parse_args(['--max_iters', '7', '--warmup_iters', '3', '--no-progress', '--cache_dir', '/c'], p)
     capsys.readouterr()
-    old = ts.parse_args(p, ['--max_steps', '7', '--warmup', '3', '--quiet', '--data_dir', '/c'])
+    old = ts.parse_args(['--max_steps', '7', '--warmup', '3', '--quiet', '--data_dir', '/c'], p)
     assert vars(old) == vars(new)
     assert (new.max_iters, new.warmup_iters, new.progress, new.cache_dir) == (7, 3, False, '/c')
     err = capsys.readouterr().err.splitlines()
@@ -3517,8 +3535,14 @@ def test_resume_of_an_old_checkpoint(tmp_path, monkeypatch):
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]   # continued from step 4
 
 
+def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
+    assert ts.parse_args(['--seeds', '3']).seeds == [0, 1, 2]
+    assert ts.parse_args(['--seeds', '2', '--seed', '5']).seeds == [5, 6]
+    assert ts.parse_args(['--seeds', '0,4,7']).seeds == [0, 4, 7] and ts.parse_args(['--seeds', '4,']).seeds == [4]
+
+
 def test_seed_sweep_reuses_old_results(tmp_path):
-    argv = tiny(tmp_path, 'out', '--seeds', '0')
+    argv = tiny(tmp_path, 'out', '--seeds', '1')
     ts.main(argv)
     done = tmp_path / 'out' / 'seed0' / 'results_chronos.json'
     res = json.loads(done.read_text())
@@ -3528,9 +3552,9 @@ def test_seed_sweep_reuses_old_results(tmp_path):
     ts.main(argv)                                                           # reused, not retrained
     assert os.path.getmtime(done) == mtime
     with pytest.raises(ValueError, match=r'other settings \(--warmup_iters\)'):
-        ts.main(tiny(tmp_path, 'out', '--seeds', '0', '--warmup_iters', '3'))
+        ts.main(tiny(tmp_path, 'out', '--seeds', '1', '--warmup_iters', '3'))
     with pytest.raises(ValueError, match=r'other settings \(--mlp_hidden\)'):
-        ts.main(tiny(tmp_path, 'out', '--seeds', '0', '--mlp_hidden', '8'))
+        ts.main(tiny(tmp_path, 'out', '--seeds', '1', '--mlp_hidden', '8'))
 
 # -----------------------------------------------------------------------------
 # (c) the model flags: ModelConfig's, the old default model, and the new ones reach the model
@@ -3545,7 +3569,7 @@ def test_model_group_is_modelconfig():
 @pytest.mark.parametrize('attn,T,causal', [('standard', 288, True), ('mlr', 192, False)])
 def test_default_model_is_the_old_one(attn, T, causal):
     """The config the old script wrote by hand, field by field, for the default flags."""
-    args = ts.parse_args(ts.build_parser(), [])
+    args = ts.parse_args([], ts.build_parser())
     assert args.attn == ['standard', 'mlr']
     old = A.ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=T, causal=causal, attn=attn, qk_ln=False,
                         logit_scale='auto', mup_base_width=64, ranks='8|4|4' if attn == 'mlr' else '', window=64,
@@ -3555,8 +3579,8 @@ def test_default_model_is_the_old_one(attn, T, causal):
 
 def test_new_model_flags_reach_the_model(tmp_path):
     p = ts.build_parser()
-    base = ts.parse_args(p, ['--attn', 'standard'])
-    new = ts.parse_args(p, ['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'])
+    base = ts.parse_args(['--attn', 'standard'], p)
+    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'], p)
     cfg = ts.config_for(new, 'standard', 96, causal=False)
     assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks) == (2, True, 32, '')   # --ranks reaches MLR only
     def count(args):
@@ -3564,7 +3588,7 @@ def test_new_model_flags_reach_the_model(tmp_path):
     # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
     # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); rope has no parameters
     assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32))
-    mlr = ts.config_for(ts.parse_args(p, ['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24']), 'mlr', 96, False)
+    mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
     assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
     # and through main: the checkpoint holds the config the model was built with
     res = ts.main(tiny(tmp_path, 'out', '--mlp_hidden', '8'))
@@ -3788,6 +3812,30 @@ def test_every_script_has_the_model_group_of_model_config():
                 assert a.help.startswith(f.metadata['help']), (name, f.name)   # a script may add its own values
                 assert isinstance(a, argparse.BooleanOptionalAction) == (f.type in (bool, 'bool')), (name, f.name)
     assert len({frozenset(v) for v in flags.values()}) == 1, flags
+
+
+def test_each_script_model_defaults_are_model_config_but_its_task_defaults():
+    """The defaults --help shows: ModelConfig's, except the few each task sets (named in one dict per script;
+    train_lm.py's presets set the rest of its model, --preset cpu by default)."""
+    import train_icl, train_lm, train_lra, train_ts
+    task = {'train_lm': {**train_lm.LM_MODEL_DEFAULTS, **train_lm.PRESETS['cpu']},
+            'train_icl': train_icl.MODEL_DEFAULTS, 'train_lra': train_lra.LRA_MODEL_DEFAULTS,
+            'train_ts': train_ts.TS_MODEL_DEFAULTS}
+    for name, parser in script_parsers().items():
+        for dest, action in model_group(parser).items():
+            want = task[name].get(dest, ModelConfig.__dataclass_fields__[dest].default)
+            assert parser.get_default(dest) == want, (name, dest)
+
+
+def test_sweep_runs_get_a_session_of_their_own(tmp_path):
+    """run_processes starts each run in its own session, so a Ctrl-C at the terminal reaches only the sweep,
+    which passes one SIGINT on (a run that got two would stop mid-step without saving)."""
+    script = tmp_path / 'child.py'
+    script.write_text('import os\nprint(os.getsid(0), os.getpgrp(), os.getpid())\n')
+    codes = attention.run_processes([('a', [], str(tmp_path / 'a'))], 1, str(script), main=None, tag='t')
+    assert codes == {'a': 0}
+    sid, pgrp, pid = map(int, (tmp_path / 'a' / 'train.log').read_text().split())
+    assert sid == pgrp == pid != os.getsid(0)
 
 
 def test_a_new_model_config_field_is_a_flag_everywhere(monkeypatch):

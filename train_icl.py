@@ -116,7 +116,7 @@ def build_parser():
     add_icl_model_args(p)
     add_train_args(p)
     add_eval_args(p)
-    add_sweep_args(p)
+    add_icl_sweep_args(p)
     add_system_args(p)
     for old, new in RENAMED_FLAGS.items():
         add_deprecated(p, f'--{old}', f'--{new}')
@@ -184,7 +184,7 @@ def add_eval_args(p):
     g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
 
 
-def add_sweep_args(p):
+def add_icl_sweep_args(p):
     g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and assets/icl_<name>.png)')
     g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
                    help='run a figure-reproducing sweep instead of a single model')
@@ -240,12 +240,20 @@ def upgrade_run_config(cfg):
     for f in fields(ModelConfig):
         if f.name not in TASK_FIELDS:
             cfg.setdefault(f.name, f.default)
+    cfg.setdefault('bilinear_init', 1 if cfg.get('attn', '').startswith('bilinear') else BILINEAR_INIT)
     return cfg
+
+
+# The bilinear layers' init changed on 2026-11-23: they no longer build, then delete, the q/k projections of
+# standard attention, whose random draws shifted the stream. A bilinear run saved before (bilinear_init 1) is
+# not reused by a sweep: the same command and seed now train another model.
+BILINEAR_INIT = 2
 
 
 def resolve(args):
     """Fill the derived defaults and check the task settings (the backbone checks its own)."""
     args = copy.copy(args)
+    args.bilinear_init = BILINEAR_INIT          # saved with the run (upgrade_run_config: old bilinear runs are 1)
     for name in ('d', 'max_iters', 'batch_size', 'n_eval', 'n_eval_during', 'n_layer', 'n_head', 'n_embd'):
         if getattr(args, name) < 1:
             raise ValueError(f'--{name} must be >= 1, got {getattr(args, name)}')
@@ -526,7 +534,8 @@ def resume_run(ckpt_path, model, opt, gen, args, run_name):
     must agree with args (resume_settings). -> the run state to continue from."""
     ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
     saved = upgrade_run_config(ck['config'])
-    resume_settings(saved, args, set(saved), NOT_TRAINING)  # every training setting must agree
+    # every training setting must agree; bilinear_init is carried over (the weights come from the checkpoint)
+    resume_settings(saved, args, set(saved) - {'bilinear_init'}, NOT_TRAINING)
     model.load_state_dict(ck['model'])
     opt.load_state_dict(ck['optimizer'])
     gen.set_state(ck['data_rng'])
@@ -779,7 +788,7 @@ def sweep_preflight(jobs):
         path = os.path.join(a.out_dir, f'{name}.pt')
         if os.path.exists(path):
             saved = upgrade_run_config(load_checkpoint(path, SCRIPT, ('config',))['config'])
-            resume_settings(saved, resolve(args), set(saved), NOT_TRAINING)
+            resume_settings(saved, resolve(args), set(saved) - {'bilinear_init'}, NOT_TRAINING)
 
 
 def run_jobs(jobs, workers):
@@ -1128,7 +1137,7 @@ def print_table(rows, cols):
 # -----------------------------------------------------------------------------
 
 
-def check_flags(parser, args):
+def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
     check_ranges(parser, args, positive=[
         'd', 'max_iters', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
@@ -1150,7 +1159,7 @@ def check_flags(parser, args):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_flags(parser, args)
+    check_args(parser, args)
     if args.quick and not args.sweep:
         parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
     if args.sweep:   # the sweep's CPU recipe, then --quick, for every flag not given on the command line

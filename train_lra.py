@@ -1052,7 +1052,8 @@ def study_run_state(run_dir, argv):
     else:
         return 'new'
     have, want = upgrade_run_config(saved), vars(parse_args(argv))
-    skip = (RESUME_OVERRIDES - {'max_iters'}) | {'resume', 'overwrite'}   # max_iters sets the lr schedule: compared
+    # compared, though a resume may change them: max_iters sets the lr schedule, eval_interval the best-val selection
+    skip = (RESUME_OVERRIDES - {'max_iters', 'eval_interval'}) | {'resume', 'overwrite'}
     diff = [k for k in sorted(have) if k in want and k not in skip and have[k] != want[k]]
     if diff:
         k = diff[0]
@@ -1314,7 +1315,7 @@ def add_system_args(p):
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', default='', help='output folder (default out/lra_<task>_<attn>)')
     g.add_argument('--device', default='auto', help='auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...')
-    g.add_argument('--seed', type=int, default=0, help='seed of data generation, init and batch order')
+    g.add_argument('--seed', type=int, default=0, help='seed of init and batch order, and of data generation unless --data_seed')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt (its settings win; a '
                    'flag that conflicts with them is refused)')
@@ -1367,6 +1368,14 @@ def check_args(p, args):
         p.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     if args.data_seed < -1:
         p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
+    if not args.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
+        try:
+            cfg = model_config(args, block_size=args.max_len + (args.pooling == 'cls'), causal=False,
+                               rope=args.pos == 'rope')
+            with torch.device('meta'):
+                Transformer(cfg)
+        except ValueError as e:
+            p.error(str(e))
     check_study_args(p, args)
 
 

@@ -63,6 +63,7 @@ from tqdm import tqdm
 from attention import ModelConfig, Transformer, MupLinear, optimizer_groups, ATTENTION, TASK_FIELDS
 # the model flags and the run safety shared by the four train scripts (attention.py, last section)
 from attention import add_deprecated, add_model_args, model_config
+from attention import paired_difference   # seeded sweeps: the paired t-test of train_lm.py and train_lra.py
 from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
                        remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
@@ -498,7 +499,7 @@ def upgrade_run_config(saved):
 
 def resume_model(ckpt_path, config, model, opt, tag):
     """Load one model's checkpoint for --resume after checking that it was trained with these settings (each
-    difference named). -> (step, history, best_val, best_state, losses since the last evaluation)."""
+    difference named). -> dict(step, history, best_val, best_state, losses since the last evaluation)."""
     ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'history', 'best_val'))
     diff = [f"{k}: checkpoint {ck['config'].get(k)!r} vs now {config.get(k)!r}"
             for k in sorted(set(ck['config']) | set(config)) if ck['config'].get(k) != config.get(k)]
@@ -936,10 +937,11 @@ def run_longhorizon(args, device):
 # -----------------------------------------------------------------------------
 # Seeds: the same run with several training seeds, mean ± std and the paired MLR − standard difference
 #
-# --seeds 0,1,2 runs the task once per seed into <out_dir>/seed<k> (each an ordinary run: resumable, and
+# --seeds 3 (or 0,1,2) runs the task once per seed into <out_dir>/seed<k> (each an ordinary run: resumable, and
 # reused when its results exist), then writes <out_dir>/results_<task>_seeds.json. The spread of a
 # difference is the standard deviation over seeds of the per-seed (paired) differences; a difference
-# "exceeds the spread" when its mean is larger than that standard deviation.
+# "exceeds the spread" when a paired t-test rejects 0 at 5 % (attention.paired_difference, as the LM and
+# ListOps sweeps: with 3 seeds, |mean| > 2.48 std).
 
 def seed_metrics(results):
     """The numbers a seed sweep aggregates, {(group, model, metric): value}: per horizon the test MSE, MAE and
@@ -974,10 +976,8 @@ def aggregate_seeds(runs, a='mlr', b='standard'):
     for group, model, metric in keys:
         if model != a or (group, b, metric) not in keys:
             continue
-        diffs = [m[(group, a, metric)] - m[(group, b, metric)] for m in per_seed]
-        d = mean_std(diffs)
-        d['exceeds_spread'] = d['n'] > 1 and abs(d['mean']) > d['std']
-        summary['paired'][f'{group}|{a}-{b}|{metric}'] = d
+        d = paired_difference([m[(group, a, metric)] - m[(group, b, metric)] for m in per_seed])
+        summary['paired'][f'{group}|{a}-{b}|{metric}'] = dict(d, n=len(per_seed))
         if metric == 'mae_target':
             rel = mean_std([(m[(group, a, metric)] - m[(group, b, metric)]) / m[(group, b, metric)] for m in per_seed])
             summary['paired'][f'{group}|{a}-{b}|rel_mae_target'] = rel
@@ -988,7 +988,7 @@ def print_seed_table(summary, n_seeds):
     print(f"mean ± std over {n_seeds} seeds:")
     for k, v in summary['metrics'].items():
         print(f"  {k:40s} {v['mean']:.4f} ± {v['std']:.4f}")
-    print("paired differences (per seed, then mean ± std; * = |mean| > std):")
+    print("paired differences (per seed, then mean ± std; * = a paired t-test rejects 0 at 5 %):")
     for k, v in summary['paired'].items():
         star = '*' if v.get('exceeds_spread') else ' '
         print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {star}")
@@ -1127,6 +1127,19 @@ def int_list(s):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def seed_spec(s):
+    """--seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a comma list."""
+    if ',' in s:
+        return int_list(s)
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seeds or comma-separated seeds, got {s!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a number of seeds must be > 0, got {s} (a single seed k: '--seeds k,')")
+    return n
+
+
 def attn_list(s):
     names = [v for v in s.split(',') if v]
     bad = [v for v in names if v not in ATTENTION and v != 'global_swa']
@@ -1168,8 +1181,9 @@ def add_run_args(p):
     g.add_argument('--cache_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
     g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
     g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
-    g.add_argument('--seeds', type=int_list, default=[], help='comma-separated seeds: one run per seed in '
-                   '<out_dir>/seed<k> (finished ones reused), then mean ± std and paired MLR − standard differences')
+    g.add_argument('--seeds', type=seed_spec, default=[], help='N seeds (--seed, --seed + 1, ..., as in every train '
+                   'script) or a comma list (0,1,2): one run per seed in <out_dir>/seed<k> (finished ones reused), '
+                   'then mean ± std and paired MLR − standard differences')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win; '
                    'a flag that conflicts with them is refused); models without a checkpoint start afresh')
@@ -1225,9 +1239,12 @@ def add_longhorizon_args(p):
     g.add_argument('--dlinear_lr', type=float, default=5e-3, help='DLinear baseline learning rate')
 
 
-def parse_args(parser, argv=None):
+def parse_args(argv=None, parser=None):
     """The flags, with --attn split into its list of models (each name checked: one line, exit 2)."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
+    if isinstance(args.seeds, int):                            # --seeds N: N seeds from --seed on
+        args.seeds = list(range(args.seed, args.seed + args.seeds))
     try:
         args.attn = attn_list(args.attn)
     except argparse.ArgumentTypeError as e:
@@ -1235,7 +1252,7 @@ def parse_args(parser, argv=None):
     return args
 
 
-def check_flags(parser, args):
+def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work. (The other model flags
     are checked with the models, attention.check_config and each layer's own checks, by check_task: one line,
     exit 1.)"""
@@ -1261,8 +1278,8 @@ RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval
 
 def main(argv=None):
     parser = build_parser()
-    args = parse_args(parser, argv)
-    check_flags(parser, args)
+    args = parse_args(argv, parser)
+    check_args(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
