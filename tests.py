@@ -2815,9 +2815,10 @@ def test_lra_bad_input_is_a_clear_error(tmp_path):
         lra.parse_args(['--attn', 'nope'])
     with pytest.raises(SystemExit):
         lra.parse_args(['--task', 'pathfinder', '--max_len', '500'])
-    with pytest.raises(SystemExit, match='n_head'):
+    with pytest.raises(SystemExit) as e:             # a model flag value: parser.error, before any data is made
         lra.main(['--n_head', '3', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--max_len', '32',
                   '--min_len', '4', '--cache_dir', str(tmp_path), '--out_dir', str(tmp_path)] + LRA_SMALL[6:])
+    assert e.value.code == 2 and not os.listdir(tmp_path)
     with pytest.raises(SystemExit, match='pass --data with the release files'):
         lra.main(['--task', 'text', '--out_dir', str(tmp_path)])
     with pytest.raises(FileNotFoundError, match='train.tsv'):
@@ -4173,7 +4174,7 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('bench_reps', ['--bench', '--bench_reps', '0'], None, 2, ['--bench_reps 0']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('pathfinder_len', ['--task', 'pathfinder', '--max_len', '500'], None, 2, ['--max_len 500']),
-    ('n_head', ['--n_head', '3'], None, 1, ['n_head', '3']),
+    ('n_head', ['--n_head', '3'], None, 2, ['n_head', '3']),        # checked with the flags (meta-device model)
     ('no_data_dir', ['--data', '/nonexistent/lra'], None, 1, ["--data '/nonexistent/lra'"]),
     ('tsv_no_tab', ['--data', 'REL'], 'no_tab', 1, ['basic_train.tsv line 3', 'Source<TAB>Target']),
     ('tsv_bad_label', ['--data', 'REL'], 'bad_label', 1, ['basic_train.tsv line 3', "'seven'"]),
