@@ -1047,6 +1047,19 @@ def add_model_args(parser, **task_defaults):
     return g
 
 
+def upgrade_flags(saved, renamed, inverted=None):
+    """A run's saved flags in today's names, so that runs saved before a rename are resumed and reused: the
+    renamed keys ({old: new}), an old negative switch as today's positive one ({old: new}, new = not old), and
+    every model flag the run lacks at ModelConfig's default (the value its model was built with then)."""
+    inverted = inverted or {}
+    new = {renamed.get(k, k): v for k, v in saved.items() if k not in inverted}
+    new.update({inverted[k]: not v for k, v in saved.items() if k in inverted})
+    for f in fields(ModelConfig):
+        if f.name not in TASK_FIELDS:
+            new.setdefault(f.name, f.default)
+    return new
+
+
 def model_config(args, block_size, causal, **task):
     """ModelConfig from the parsed model flags; the task gives block_size, causal and any field the script sets
     itself (e.g. ranks resolved from 'auto'). Checked: a bad value is one ValueError line."""

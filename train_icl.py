@@ -34,7 +34,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import fields
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
 # milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
@@ -50,12 +49,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention  # noqa: E402
-from attention import ATTENTION, TASK_FIELDS, ModelConfig, MupLinear, Transformer, optimizer_groups  # noqa: E402
+from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
 # the model flags and the run safety shared by the four train scripts (attention.py, last section)
 from attention import (ArgParser, Interrupted, add_deprecated, add_model_args, check_ranges,  # noqa: E402
                        ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, pick_device,
                        prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
-                       set_rng_state, write_json)
+                       set_rng_state, upgrade_flags, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_icl.py'
@@ -236,10 +235,7 @@ def upgrade_run_config(cfg):
     checkpoints from before the renames are still reused and resumed: an old key takes its new name
     (RENAMED_FLAGS), and a model flag the script did not have then takes ModelConfig's default, with which the
     old script built its models (it passed only its own flags to ModelConfig)."""
-    cfg = {RENAMED_FLAGS.get(k, k): v for k, v in cfg.items()}
-    for f in fields(ModelConfig):
-        if f.name not in TASK_FIELDS:
-            cfg.setdefault(f.name, f.default)
+    cfg = upgrade_flags(cfg, RENAMED_FLAGS)
     cfg.setdefault('bilinear_init', 1 if cfg.get('attn', '').startswith('bilinear') else BILINEAR_INIT)
     return cfg
 

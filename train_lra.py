@@ -60,7 +60,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, TASK_FIELDS, ModelConfig, Transformer, optimizer_groups  # noqa: E402
 # the model flags, the same in every train script (attention.py: add_model_args, model_config)
-from attention import add_deprecated, add_model_args, model_config  # noqa: E402
+from attention import add_deprecated, add_model_args, model_config, upgrade_flags  # noqa: E402
 # seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
 from attention import (add_sweep_args, mean_std, one_thread_seconds, paired_difference, paired_rows,  # noqa: E402
                        plot_seed_bands, pm, run_processes)
@@ -657,15 +657,9 @@ def upgrade_run_config(config):
     """A run's saved flags (ckpt.pt and results.json 'config') in today's names: the RENAMED keys, no_diff as
     brl_gamma = not no_diff, rope from pos, and every model flag the old script lacked at ModelConfig's
     default (the value it built its model with). A config already in today's names comes back unchanged."""
-    new = {RENAMED.get(k, k): v for k, v in config.items() if k != 'no_diff'}
-    if 'no_diff' in config:
-        new['brl_gamma'] = not config['no_diff']
-    if 'pos' in new:
-        new.setdefault('rope', new['pos'] == 'rope')
-    for f in fields(ModelConfig):
-        if f.name not in TASK_FIELDS:
-            new.setdefault(f.name, f.default)
-    return new
+    if 'pos' in config:
+        config = {'rope': config['pos'] == 'rope', **config}       # rope from pos, unless saved
+    return upgrade_flags(config, RENAMED, {'no_diff': 'brl_gamma'})
 
 
 def resume_checkpoint(args, path):

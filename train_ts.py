@@ -60,9 +60,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attention import ModelConfig, Transformer, MupLinear, optimizer_groups, ATTENTION, TASK_FIELDS
+from attention import Transformer, MupLinear, optimizer_groups, ATTENTION
 # the model flags and the run safety shared by the four train scripts (attention.py, last section)
-from attention import add_deprecated, add_model_args, model_config
+from attention import add_deprecated, add_model_args, model_config, upgrade_flags
 from attention import paired_difference   # seeded sweeps: the paired t-test of train_lm.py and train_lra.py
 from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
@@ -488,13 +488,7 @@ def upgrade_run_config(saved):
     """A saved args dict (a checkpoint's 'args', a results file's 'args') with today's flag names: old keys
     renamed, quiet -> progress = not quiet, and the model flags the script did not have then filled with
     ModelConfig's defaults, which those runs used. A dict with today's names comes back unchanged."""
-    new = {RENAMED_FLAGS.get(k, k): v for k, v in saved.items() if k != 'quiet'}
-    if 'quiet' in saved:
-        new['progress'] = not saved['quiet']
-    for f in dataclasses.fields(ModelConfig):
-        if f.name not in TASK_FIELDS:
-            new.setdefault(f.name, f.default)
-    return new
+    return upgrade_flags(saved, RENAMED_FLAGS, {'quiet': 'progress'})
 
 
 def resume_model(ckpt_path, config, model, opt, tag):
