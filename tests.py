@@ -3545,6 +3545,7 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
 def test_seed_sweep_reuses_old_results(tmp_path):
     argv = tiny(tmp_path, 'out', '--seeds', '1')
     ts.main(argv)
+    assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
     done = tmp_path / 'out' / 'seed0' / 'results_chronos.json'
     res = json.loads(done.read_text())
     res['args'] = downgrade(res['args'])

@@ -63,7 +63,7 @@ from tqdm import tqdm
 from attention import Transformer, MupLinear, optimizer_groups, ATTENTION
 # the model flags and the run safety shared by the four train scripts (attention.py, last section)
 from attention import add_deprecated, add_model_args, model_config, upgrade_flags
-from attention import paired_difference   # seeded sweeps: the paired t-test of train_lm.py and train_lra.py
+from attention import paired_difference, plot_seed_bands   # seeded sweeps, as in train_lm.py and train_lra.py
 from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,
                        ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
                        remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
@@ -1022,6 +1022,9 @@ def run_seeds(parser, args, argv, device):
     if args.task == 'longhorizon' and any(k.endswith('rel_mae_target') for k in summary['paired']):
         plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
         plot_fig15(summary, plot)
+    if args.task == 'chronos':
+        plot = os.path.join(args.out_dir, 'ts_chronos_seeds.png')
+        plot_chronos_seeds(runs, plot)
     report_outputs(results=path, runs=os.path.join(args.out_dir, 'seed*'), plot=plot)
     return summary
 
@@ -1071,6 +1074,22 @@ def plot_fig15(summary, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_chronos_seeds(runs, path):
+    """Chronos seeds: val cross-entropy against training FLOPs and against training seconds (the ms per step of
+    each interval, summed), per attention the mean over seeds with a ± 1 std band."""
+    histories = {}
+    for results in runs:
+        for attn, r in results['runs'].items():
+            t, last, hist = 0.0, 0, []
+            for h in r['history']:
+                t += h['ms_per_step'] * (h['step'] - last) / 1000
+                last = h['step']
+                hist.append(dict(h, train_s=t))
+            histories.setdefault(attn, []).append(hist)
+    plot_seed_bands(path, histories, ('flops', 'train_s'), ('training FLOPs (3 x forward)', 'training seconds'),
+                    'val_loss', 'val cross-entropy (nats / token)', 'Chronos on KernelSynth, equal FLOP budget')
 
 
 def plot_chronos_forecasts(panels, path):
