@@ -25,7 +25,7 @@ Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2
   python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
   python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
 The ListOps study (issue 20): local, full, BRL, BRL w/o Attn-Diff, BRL with beta = 0 x 3 seeds, 300-1000 tokens,
-window 16, 2 layers; ~100 min on an idle 2-core machine, resumable (rerun the same command):
+window 16, 2 layers; 96 min on an idle 2-core machine, resumable (rerun the same command):
   python train_lra.py --sweep listops --estimate   # time a few steps per variant, print the study's minutes
   python train_lra.py --sweep listops              # -> out/lra_listops_study/{sweep.json, table.md, lra_study.png}
   python train_lra.py --sweep listops --quick      # the same machinery on 40-128 tokens, 60 steps (~2 min)
