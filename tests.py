@@ -2170,8 +2170,8 @@ def test_icl_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
-    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--max_iters', '2',
-                     '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
+    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1',
+                         '--max_iters', '2', '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
     first = icl.main(argv)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
     assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
@@ -2186,6 +2186,15 @@ def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
     assert not changed['reused']
 
 
+def test_bottleneck_sweep_trains_no_mlr_at_an_unlisted_head_width(tmp_path, capsys):
+    """Head width 1 has no entry in the default --bottleneck_ranks: no bilinear MLR is trained there, and a
+    line says so (once it was trained with one level of rank = head width, a low-rank model by another name)."""
+    out = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '1'))
+    assert [t['model'] for t in out['table']] == ['bilinear BTT, 8 heads, D=8', 'standard, 1 head, D=8',
+                                                  'standard, 8 heads, D=8']
+    assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
+
+
 # -----------------------------------------------------------------------------
 # train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
 
@@ -2194,7 +2203,7 @@ def icl_sweep_argv(tmp_path, sweep, *extra):
 
 
 def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
     first = icl.main(argv)
     assert 'estimate: 8 of 8 runs to train' in capsys.readouterr().out
     assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
@@ -2224,7 +2233,7 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
 
 
 def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '2')
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
     icl.main(argv)
     gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1.json'))[:2]
     for p in gone:                                 # as if the sweep had been killed before these two finished
@@ -2256,7 +2265,7 @@ def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
     a = seen['args']
     assert a.max_iters == 7                                                   # given: wins
     assert a.widths == icl.QUICK['bottleneck']['widths'] and a.seeds == icl.QUICK['bottleneck']['seeds']
-    assert a.lr == icl.SWEEP_RECIPE['bottleneck']['lr']                   # the recipe under --quick
+    assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
     seen.clear()
     icl.main(['--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
     assert seen['args'].max_iters == icl.SWEEP_RECIPE['bottleneck']['max_iters'] and seen['args'].seeds == 3
@@ -2268,10 +2277,11 @@ def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
 
 def test_bottleneck_mlr_ranks_sum_to_the_head_width():
     spec = icl.build_parser().get_default('bottleneck_ranks')
-    for hw in (1, 2, 4, 5, 8):
+    for hw in (4, 8):
         ranks = [int(r) for r in icl.bottleneck_mlr_ranks(spec, hw).split('|')]
         assert sum(ranks) == hw                                           # the official code asserts this
-    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) == '6'
+    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) is None
+    assert icl.bottleneck_mlr_ranks(spec, 3) is None                      # no learnable allocation: not trained
 
 
 # train_icl.py flags: shared model group, old spellings, runs saved before the renames
@@ -4119,7 +4129,8 @@ def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys,
 
 
 def test_icl_sweep_writes_no_assets_by_default(tmp_path, capsys):
-    argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--max_iters', '2', '--workers', '1')]
+    argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1',
+                                '--max_iters', '2', '--workers', '1')]
     i = argv.index('--assets_dir')
     del argv[i:i + 2]
     assert icl.build_parser().parse_args(argv).assets_dir == ''

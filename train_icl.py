@@ -196,8 +196,8 @@ def add_icl_sweep_args(p):
                    help='compute sweep: bilinear-MLR rank allocations, comma-separated (one run each); every level '
                         'should hold >= 4 features p_l r_l, since each level is LayerNormed over them')
     g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1',
-                   help="bottleneck sweep: bilinear-MLR ranks per head width, 'width:ranks,...'; a head width not "
-                        "listed gets one level of rank = head width (see bottleneck_mlr_ranks)")
+                   help="bottleneck sweep: bilinear-MLR ranks per head width, 'width:ranks,...'; at a head width not "
+                        "listed no bilinear MLR is trained (see bottleneck_mlr_ranks)")
     g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes')
     g.add_argument('--seeds', type=int, default=3,
                    help='sweeps: training seeds per sweep point (--seed, --seed + 1, ...; the held-out prompts stay '
@@ -721,23 +721,23 @@ def write_sweep(args, name, payload, plot_fn):
 # not given on the command line; --quick then applies QUICK the same way.
 SWEEP_RECIPE = {
     'bottleneck': dict(
-        widths='32,40,64',   # 8 heads of width 4 < d = 5, 5 = d and 8 > d: both sides of the threshold
-        max_iters=3000,      # official 500 001 (GPU). Short CPU trials (README, "CPU recipe"): enough for 1 head to
-                             # get near 0.1 in one trial, NOT enough for the 8-head models, which mostly stay on
-                             # the predict-0 plateau this long; the threshold does not show at this length
-        lr=3e-4,             # official grids hold 1e-4 (all) and 5e-4, 1e-3 (standard), 1e-3 (bilinear MLR);
-                             # 1 head, seed 0: 0.108 at 3000 steps (1e-4: 0.156 at 2000). The official warmup
-                             # (1000) stays: with warmup 250 the same model was still at the plateau at 3000
+        widths='24,32',      # 8 heads of width 3 and 4 against d = 5: the failing side and the first width that learns
+                             # at d = 5 (trials: width 2 and 3 fail, 4 learns; README, "CPU recipe")
+        max_iters=5000,      # official 500 001 (GPU); 5000 steps at the official lr 1e-4 take full-rank models to <= 0.1
+        lr=1e-4,             # the official value (in every official lr grid); 3e-4 left 1 head on the plateau longer
+        # Curriculum: Garg et al.'s idea, stretched. The official one (dims from 4, +1 per 2000 of 500 001 steps)
+        # ends after ~6 % of the run, ~300 steps here, which is no curriculum at d = 5; without one, 1 head at D = 24
+        # stayed on the predict-0 plateau for 5000 steps (1.04), with this one it reached 0.08. Dims from 2 and
+        # points from 4, +1 dim and +2 points every 500 steps: the full task (d = 5, N = 10) from step 1500 on
+        curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
         n_eval_during=128, eval_interval=250),   # fewer, smaller evals during training: CPU time
-        # NOT final: later single-seed trials (README, "Longer runs at the official lr") reached <= 0.1 with lr 1e-4
-        # and 5000-10000 steps (1 head, BTT) where lr 3e-4 stayed on the plateau; to be changed with the 3-seed runs
     'compute': dict(),
     'linear': dict(),
 }
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
-    # D = 32 only (8 heads of width 4 < d): at 1200 steps no model, not even 1 head, had left the plateau
-    'bottleneck': dict(widths='32', max_iters=2000, seeds=1, n_eval=500, n_boot=200),
+    # D = 24 only (8 heads of width 3 < d), one seed; bilinear MLR has no learnable allocation at head width 3
+    'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200),
     # (not run yet; more steps than the official 1000 of warmup)
     'compute': dict(max_iters=1500, seeds=1, n_eval=500, n_boot=200),
     'linear': dict(depths='1,3', max_iters=1500, seeds=1, n_eval=500, n_boot=200),
@@ -903,18 +903,19 @@ def seed_runs(runs):
 
 
 def bottleneck_mlr_ranks(spec, head_width):
-    """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'); one level of rank
-    head_width when the width is not listed. The ranks sum to the head width, as the official code asserts.
-    Why the defaults look odd: the official code (and this one) LayerNorms each level's p_l r_l features, and a
-    LayerNorm over 1 feature outputs 0, over 2 features +-g (a sign, zero gradient almost everywhere), so such
-    levels never learn. The official runs never meet this (head width 32, every level >= 8 features); at head
-    width 4 no allocation avoids it, so 1|1|2 spends 2 ranks on those dead levels and keeps a learnable level
-    of 4 blocks x rank 2 = rank 8 >= d; at head width 8, 4|2|1|1 has >= 4 features on every level."""
+    """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'), or None when the width
+    is not listed: the sweep then trains no bilinear MLR there. The ranks sum to the head width, as the official
+    code asserts. Why so few widths: the official code (and this one) LayerNorms each level's p_l r_l features,
+    and a LayerNorm over 1 feature outputs 0, over 2 features +-g (a sign, zero gradient almost everywhere), so
+    such levels never learn. The official runs never meet this (head width 32, every level >= 8 features). At
+    head width 3 no allocation has a learnable level of rank >= d = 5 (the finest, 4 blocks x rank 1, has 4);
+    at width 4, 1|1|2 spends 2 ranks on dead levels and keeps 4 blocks x rank 2 = rank 8; at width 8, 4|2|1|1
+    has >= 4 features on every level."""
     for item in spec.split(','):
         w, _, ranks = item.partition(':')
         if w.strip() == str(head_width):
             return ranks.strip()
-    return str(head_width)
+    return None
 
 
 BOTTLENECK_MODELS = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
@@ -970,6 +971,9 @@ def sweep_bottleneck(args):
     for D in sorted(widths, reverse=True):                            # costliest first
         for label, (attn, H) in reversed(BOTTLENECK_MODELS.items()):
             ranks = bottleneck_mlr_ranks(args.bottleneck_ranks, D // H) if attn == 'bilinear_mlr' else ''
+            if ranks is None:
+                print(f'{label}, D={D}: not trained (head width {D // H} has no entry in --bottleneck_ranks)')
+                continue
             points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
                                          f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
     runs = run_points(args, points)
