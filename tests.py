@@ -2255,6 +2255,11 @@ def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
     for row in out['table']:
         assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
     assert os.path.exists(tmp_path / f'icl_{sweep}.png')
+    if sweep == 'linear':              # seed 003: each architecture with its own tuned lr and batch, plain Adam
+        for k, r in out['runs'].items():
+            want = icl.SEED003_OPTIMIZER[r['config']['attn']]
+            assert {f: r['config'][f] for f in want} == want, k
+        assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 32), (3e-4, 64)}
 
 
 def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):

@@ -718,29 +718,37 @@ def write_sweep(args, name, payload, plot_fn):
 # Sweeps (the papers' figures at CPU scale; every model gets the same steps and batch)
 
 # Each sweep's CPU recipe: where it departs from DEFAULTS (the official settings) and why. Applied to every flag
-# not given on the command line; --quick then applies QUICK the same way.
+# not given on the command line; --quick then applies QUICK the same way. How it was found: README, "CPU recipe".
+CPU_RECIPE = dict(
+    max_iters=5000,          # official 500 001 (GPU); 5000 steps at the official lr 1e-4 take full-rank models to <= 0.1
+    lr=1e-4,                 # the official value (in every official lr grid); 3e-4 left 1 head on the plateau longer
+    # Curriculum: Garg et al.'s idea, stretched. The official one (dims from 4, +1 per 2000 of 500 001 steps) ends
+    # after ~6 % of the run, ~300 steps here, which is no curriculum at d = 5; without one, 1 head at D = 24 stayed
+    # on the predict-0 plateau for 5000 steps (1.04), with this one it reached 0.08. Dims from 2 and points from 4,
+    # +1 dim and +2 points every 500 steps: the full task (d = 5, N = 10) from step 1500 on
+    curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
+    n_eval_during=128, eval_interval=250)    # fewer, smaller evals during training: CPU time
 SWEEP_RECIPE = {
-    'bottleneck': dict(
-        widths='24,32',      # 8 heads of width 3 and 4 against d = 5: the failing side and the first width that learns
-                             # at d = 5 (trials: width 2 and 3 fail, 4 learns; README, "CPU recipe")
-        max_iters=5000,      # official 500 001 (GPU); 5000 steps at the official lr 1e-4 take full-rank models to <= 0.1
-        lr=1e-4,             # the official value (in every official lr grid); 3e-4 left 1 head on the plateau longer
-        # Curriculum: Garg et al.'s idea, stretched. The official one (dims from 4, +1 per 2000 of 500 001 steps)
-        # ends after ~6 % of the run, ~300 steps here, which is no curriculum at d = 5; without one, 1 head at D = 24
-        # stayed on the predict-0 plateau for 5000 steps (1.04), with this one it reached 0.08. Dims from 2 and
-        # points from 4, +1 dim and +2 points every 500 steps: the full task (d = 5, N = 10) from step 1500 on
-        curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
-        n_eval_during=128, eval_interval=250),   # fewer, smaller evals during training: CPU time
-    'compute': dict(),
-    'linear': dict(),
+    # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
+    # widths 2 and 3 fail, 4 learns)
+    'bottleneck': dict(CPU_RECIPE, widths='24,32'),
+    # the bottleneck sweep's D = 24, where 8 heads fail (its standard and BTT runs are reused). Bilinear MLR at head
+    # width 3: 1|1|1, whose levels hold 1, 2 and 4 features; no allocation of 3 ranks has a learnable level of
+    # rank >= d (bottleneck_mlr_ranks), so this shows what MLR can do at this width, not a full-rank model
+    'compute': dict(CPU_RECIPE, compute_width=24, compute_ranks='1|1|1'),
+    # seed 003: softmax 30 000 steps, linear 7500 / 8000 / 10 000 (1 / 3 / 6 layers), best checkpoint by validation
+    # loss; CPU budget: one length for all, the final model. Seed 003 says nothing of a curriculum; this one is the
+    # bottleneck recipe's. The per-architecture lr and batch are seed 003's (SEED003_OPTIMIZER, in sweep_linear)
+    'linear': dict(CPU_RECIPE, max_iters=6000),
 }
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
     # D = 24 only (8 heads of width 3 < d), one seed; bilinear MLR has no learnable allocation at head width 3
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200),
-    # (not run yet; more steps than the official 1000 of warmup)
-    'compute': dict(max_iters=1500, seeds=1, n_eval=500, n_boot=200),
-    'linear': dict(depths='1,3', max_iters=1500, seeds=1, n_eval=500, n_boot=200),
+    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR
+    'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),
+    # 3 layers only: the depth at which seed 003 compares the two at their best (not run yet)
+    'linear': dict(depths='3', max_iters=3000, seeds=1, n_eval=500, n_boot=200),
 }
 
 
@@ -1048,11 +1056,18 @@ def sweep_compute(args):
     return payload
 
 
+# seed 003 §3 and its appendix: each architecture's tuned lr and batch (a grid 5e-5 .. 1e-3 and 16 .. 128), with
+# plain Adam (no muP). Ours keeps AdamW's official betas (0.9, 0.95), eps and warmup (seed 003 does not give them).
+SEED003_OPTIMIZER = {'standard': dict(lr=1e-4, batch_size=32, mup=False),
+                     'linear': dict(lr=3e-4, batch_size=64, mup=False)}
+
+
 def sweep_linear(args):
-    """Seed 003: softmax (quadratic) vs linear attention at depths 1/3/6, d = 5, 10 pairs + query, 4 heads;
-    isotropic and anisotropic test error at the query, steps to 90% of the loss drop."""
+    """Seed 003: softmax (quadratic) vs linear attention at depths 1/3/6, d = 5, 10 pairs + query, 4 heads,
+    each with its own lr and batch (SEED003_OPTIMIZER); isotropic and anisotropic test error at the query,
+    steps and samples to 90% of the loss drop."""
     points = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
-                                            n_points=11, test_cov='aniso',
+                                            n_points=11, test_cov='aniso', **SEED003_OPTIMIZER[attn],
                                             grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
                                     f'linear_{attn}_L{L}')
               for L in sorted((int(x) for x in args.depths.split(',')), reverse=True)
@@ -1067,12 +1082,14 @@ def sweep_linear(args):
                          ('test', lambda r: r['model']['query']), ('aniso_test', lambda r: r['model_shifted']['query']),
                          ('steps_to_90', lambda r: steps_to_90(r['history']))):
             row.update(seed_summary(rs, key, get))
-        row['samples_to_90'] = None if row['steps_to_90'] is None else row['steps_to_90'] * args.batch_size
+        batch = rs[0]['config']['batch_size']
+        row.update(lr=rs[0]['config']['lr'], batch_size=batch)
+        row['samples_to_90'] = None if row['steps_to_90'] is None else row['steps_to_90'] * batch
         row['time_s'] = mean_std([r['train_time_s'] for r in rs])[0]
         row['cpu_s'] = mean_std([r.get('cpu_time_s') for r in rs])[0]
         table.append(row)
-    print_table(table, ['model', 'params', 'train_loss', 'test', 'aniso_test', 'steps_to_90', 'samples_to_90',
-                        'time_s'])
+    print_table(table, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test', 'aniso_test', 'steps_to_90',
+                        'samples_to_90', 'time_s'])
     base = next(iter(runs.values()))[0]
     depths = sorted({rs[0]['config']['n_layer'] for rs in runs.values()})
 
