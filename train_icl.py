@@ -737,9 +737,9 @@ SWEEP_RECIPE = {
     # rank >= d (bottleneck_mlr_ranks), so this shows what MLR can do at this width, not a full-rank model
     'compute': dict(CPU_RECIPE, compute_width=24, compute_ranks='1|1|1'),
     # seed 003: softmax 30 000 steps, linear 7500 / 8000 / 10 000 (1 / 3 / 6 layers), best checkpoint by validation
-    # loss; CPU budget: one length for all, the final model. Seed 003 says nothing of a curriculum; this one is the
-    # bottleneck recipe's. The per-architecture lr and batch are seed 003's (SEED003_OPTIMIZER, in sweep_linear)
-    'linear': dict(CPU_RECIPE, max_iters=6000),
+    # loss; CPU budget (~45 min with 2 workers): one length for all, the final model. Seed 003 says nothing of a
+    # curriculum; this one is the bottleneck recipe's. lr and batch per architecture: SEED003_OPTIMIZER
+    'linear': dict(CPU_RECIPE, max_iters=12000),
 }
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
