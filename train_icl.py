@@ -893,12 +893,12 @@ def seed_summary(rs, key, get):
 
 
 def mean_history(rs, key):
-    """Training curves averaged over seeds: (x steps, flops, mean, std) at the evaluation steps all seeds share."""
+    """Training curves over seeds: (x steps, flops, mean, min, max) at the evaluation steps all seeds share. The
+    band is min-max over seeds: on a log axis mean - std is often below 0 with 3 seeds."""
     steps = sorted(set.intersection(*({h['step'] for h in r['history']} for r in rs)))
     by = [{h['step']: h for h in r['history']} for r in rs]
     vals = np.array([[b[s][key] for s in steps] for b in by])                  # (seeds, evals)
-    return (np.array(steps), np.array([by[0][s]['flops'] for s in steps]), vals.mean(0),
-            vals.std(0, ddof=1) if len(rs) > 1 else np.zeros(len(steps)))
+    return np.array(steps), np.array([by[0][s]['flops'] for s in steps]), vals.mean(0), vals.min(0), vals.max(0)
 
 
 def reused_runs(runs):
@@ -945,26 +945,30 @@ def bottleneck_table(runs):
 
 
 def plot_bottleneck(path, table, base, widths, args):
-    """Fig. 2/3a: error at N = 2d against width D per model (mean ± std over seeds), the baselines as lines."""
+    """Fig. 2/3a: error at N = 2d against width D per model: the mean over seeds (line), each seed (dots) and
+    their range (band); the baselines as horizontal lines."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label in BOTTLENECK_MODELS:
         rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
         if not rows:
             continue
-        x, m, s = (np.array([t[f] for t in rows]) for f in ('D', 'err_at_2d', 'err_at_2d_std'))
-        ax.errorbar(x, m, yerr=s, marker='o', capsize=3, label=f'{label} (mean ± std, {rows[0]["seeds"]} seeds)',
-                    color=color(label))
-        ax.fill_between(x, np.maximum(m - s, 1e-4), m + s, alpha=0.15, color=color(label))
+        x, m = np.array([t['D'] for t in rows]), np.array([t['err_at_2d'] for t in rows])
+        seeds = [np.array(t['err_at_2d_seeds'], dtype=float) for t in rows]
+        ax.plot(x, m, marker='o', label=f'{label} (mean, {rows[0]["seeds"]} seeds)', color=color(label))
+        ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
+        for xi, v in zip(x, seeds):
+            ax.scatter(np.full(len(v), xi), v, s=12, color=color(label), alpha=0.6)
     for name, b in base.items():
         if name != 'least_squares':
             ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
-    ax.set(xscale='log', yscale='log', xlabel='model width D', ylabel=f'error at N = 2d (d = {args.d})',
+    ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
+           ylabel=f'error at N = 2d (d = {args.d})',
            title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps, '
-                 f'lr {args.lr:g}\n(least squares = 0 here)')
+                 f'lr {args.lr:g}\n(least squares = 0; dots: seeds, band: their range)')
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc='lower left')
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -1003,9 +1007,10 @@ def sweep_bottleneck(args):
             o = json.load(f)
         payload['wall_s_when_trained'] = o.get('wall_s_when_trained', o['wall_s'])
     write_sweep(args, 'bottleneck', payload, lambda path: plot_bottleneck(path, table, base, widths, args))
-    widest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == max(widths)}
+    # per position at the narrowest width (the bottlenecked one), first seed
+    narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == min(widths)}
     pos_path = os.path.join(args.out_dir, 'icl_position.png')
-    plot_positions(widest, pos_path, f'error per position, D = {max(widths)}, d = {args.d}')
+    plot_positions(narrowest, pos_path, f'error per position, D = {min(widths)}, d = {args.d}, seed {args.seed}')
     if args.assets_dir:
         shutil.copy(pos_path, os.path.join(args.assets_dir, 'icl_position.png'))
     return payload
@@ -1036,15 +1041,15 @@ def sweep_compute(args):
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6, 4))
         for k, rs in runs.items():
-            _, flops, m, s = mean_history(rs, 'at_2d')
+            _, flops, m, lo, hi = mean_history(rs, 'at_2d')
             keep = flops > 0
             ls = ':' if k.startswith('bilinear MLR') and k != next(iter(runs)) else '-'
             ax.plot(flops[keep], m[keep], label=f'{k} ({len(rs)} seeds)', color=color(k), ls=ls)
-            ax.fill_between(flops[keep], np.maximum(m - s, 1e-4)[keep], (m + s)[keep], alpha=0.15, color=color(k))
+            ax.fill_between(flops[keep], lo[keep], hi[keep], alpha=0.15, color=color(k))
         ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
                ylabel=f'error at N = 2d (d = {args.d})',
                title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals during training, {args.n_eval_during} '
-                     'held-out prompts each; mean ± std over seeds)')
+                     'held-out prompts each; mean and min-max over seeds)')
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
@@ -1097,14 +1102,14 @@ def sweep_linear(args):
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6, 4))
         for k, rs in runs.items():
-            steps, _, m, s = mean_history(rs, 'query')
+            steps, _, m, lo, hi = mean_history(rs, 'query')
             c = f"C{depths.index(rs[0]['config']['n_layer'])}"
             ax.plot(steps, m, ls='-' if k.startswith('standard') else '--', label=f'{k} ({len(rs)} seeds)', color=c)
-            ax.fill_between(steps, np.maximum(m - s, 1e-4), m + s, alpha=0.12, color=c)
+            ax.fill_between(steps, lo, hi, alpha=0.12, color=c)
         for name in ('averaging', 'zero'):
             ax.axhline(base['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')
         ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
-               title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean ± std over seeds')
+               title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
