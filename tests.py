@@ -2224,6 +2224,7 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     again = icl.main(argv)                                                # nothing retrained
     assert 'all 8 runs are finished' in capsys.readouterr().out
     assert len(again['reused']) == 8
+    assert again['wall_s_when_trained'] == first['wall_s']               # a replot keeps the training's wall time
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
 
     more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains

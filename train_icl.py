@@ -706,6 +706,11 @@ def plot_positions(runs, path, title):
 def write_sweep(args, name, payload, plot_fn):
     os.makedirs(args.out_dir, exist_ok=True)
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
+    n_runs = sum(1 for k in payload['runs'])
+    if len(payload['reused']) == n_runs and os.path.exists(jpath):    # a replot: keep the wall time of the training
+        with open(jpath) as f:
+            old = json.load(f)
+        payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
     write_json(jpath, payload)
     plot_fn(ppath)
     if args.assets_dir:
@@ -1000,12 +1005,6 @@ def sweep_bottleneck(args):
                'sum_run_time_s': sum(t['time_s'] * t['seeds'] for t in table), 'table': table,
                'baselines_at_2d': {k: v['at_2d'] for k, v in base.items()},
                'baselines': base, 'runs': seed_runs(runs)}
-    old = os.path.join(args.out_dir, 'sweep_bottleneck.json')
-    n_runs = sum(len(rs) for rs in runs.values())
-    if len(payload['reused']) == n_runs and os.path.exists(old):     # a replot: keep the wall time of the training
-        with open(old) as f:
-            o = json.load(f)
-        payload['wall_s_when_trained'] = o.get('wall_s_when_trained', o['wall_s'])
     write_sweep(args, 'bottleneck', payload, lambda path: plot_bottleneck(path, table, base, widths, args))
     # per position at the narrowest width (the bottlenecked one), first seed
     narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == min(widths)}
@@ -1039,7 +1038,7 @@ def sweep_compute(args):
 
     def plot(path):
         plt = _plt()
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for k, rs in runs.items():
             _, flops, m, lo, hi = mean_history(rs, 'at_2d')
             keep = flops > 0
@@ -1048,9 +1047,9 @@ def sweep_compute(args):
             ax.fill_between(flops[keep], lo[keep], hi[keep], alpha=0.15, color=color(k))
         ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
                ylabel=f'error at N = 2d (d = {args.d})',
-               title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals during training, {args.n_eval_during} '
-                     'held-out prompts each; mean and min-max over seeds)')
-        ax.legend(fontsize=7)
+               title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals in training, '
+                     f'{args.n_eval_during} held-out prompts; mean, seed range)')
+        ax.legend(fontsize=7, loc='lower left')
         fig.tight_layout()
         fig.savefig(path, dpi=90)
         plt.close(fig)
