@@ -706,9 +706,8 @@ def plot_positions(runs, path, title):
 def write_sweep(args, name, payload, plot_fn):
     os.makedirs(args.out_dir, exist_ok=True)
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
-    n_runs = sum(1 for k in payload['runs'])
-    if len(payload['reused']) == n_runs and os.path.exists(jpath):    # a replot: keep the wall time of the training
-        with open(jpath) as f:
+    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot: keep the training's
+        with open(jpath) as f:                                                      # wall time
             old = json.load(f)
         payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
     write_json(jpath, payload)
@@ -725,7 +724,7 @@ def write_sweep(args, name, payload, plot_fn):
 # Each sweep's CPU recipe: where it departs from DEFAULTS (the official settings) and why. Applied to every flag
 # not given on the command line; --quick then applies QUICK the same way. How it was found: README, "CPU recipe".
 CPU_RECIPE = dict(
-    max_iters=5000,          # official 500 001 (GPU); 5000 steps at the official lr 1e-4 take full-rank models to <= 0.1
+    max_iters=5000,          # official 500 001 (GPU); 5000 steps at the official lr 1e-4 took full-rank models to ~0.1
     lr=1e-4,                 # the official value (in every official lr grid); 3e-4 left 1 head on the plateau longer
     # Curriculum: Garg et al.'s idea, stretched. The official one (dims from 4, +1 per 2000 of 500 001 steps) ends
     # after ~6 % of the run, ~300 steps here, which is no curriculum at d = 5; without one, 1 head at D = 24 stayed
@@ -1060,8 +1059,8 @@ def sweep_compute(args):
     return payload
 
 
-# seed 003 §3 and its appendix: each architecture's tuned lr and batch (a grid 5e-5 .. 1e-3 and 16 .. 128), with
-# plain Adam (no muP). Ours keeps AdamW's official betas (0.9, 0.95), eps and warmup (seed 003 does not give them).
+# seed 003 §2.2.1-2.2.2 and its appendix: each architecture's tuned lr and batch (grids 5e-5 .. 1e-3 and 16 .. 128),
+# with plain Adam (no muP). Ours keeps AdamW's official betas (0.9, 0.95), eps and warmup (seed 003 does not give them).
 SEED003_OPTIMIZER = {'standard': dict(lr=1e-4, batch_size=32, mup=False),
                      'linear': dict(lr=3e-4, batch_size=64, mup=False)}
 
