@@ -751,7 +751,7 @@ QUICK = {
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200),
     # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR
     'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),
-    # 3 layers only: the depth at which seed 003 compares the two at their best (not run yet)
+    # 3 layers only: the depth at which seed 003 compares the two at their best (1.6 min once; README)
     'linear': dict(depths='3', max_iters=3000, seeds=1, n_eval=500, n_boot=200),
 }
 
