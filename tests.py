@@ -2256,11 +2256,32 @@ def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
     for row in out['table']:
         assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
     assert os.path.exists(tmp_path / f'icl_{sweep}.png')
-    if sweep == 'linear':              # seed 003: each architecture with its own tuned lr and batch, plain Adam
-        for k, r in out['runs'].items():
-            want = icl.SEED003_OPTIMIZER[r['config']['attn']]
+    if sweep == 'linear':              # seed 003: each architecture with its own tuned lr and muP off; the
+        for k, r in out['runs'].items():                # --batch_size 4 given by the tiny argv wins for both
+            want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4)
             assert {f: r['config'][f] for f in want} == want, k
-        assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 32), (3e-4, 64)}
+        assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
+
+
+def test_linear_sweep_uses_seed003_optimizer_for_flags_not_given(monkeypatch, tmp_path, capsys):
+    """Without optimizer flags each architecture trains with seed 003's lr, batch and no muP; a given flag
+    replaces its value for both, and a line says so (it was silently overridden)."""
+    seen = []
+    monkeypatch.setattr(icl, 'run_points', lambda args, points: seen.append(points) or 1 / 0)
+    base = ['--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1']
+    with pytest.raises(ZeroDivisionError):
+        icl.main(base)
+    cfg = {label: a for label, (a, _) in seen[-1].items()}
+    assert {f: getattr(cfg['standard 1-layer'], f) for f in ('lr', 'batch_size', 'mup')} == \
+        icl.SEED003_OPTIMIZER['standard']
+    assert {f: getattr(cfg['linear 1-layer'], f) for f in ('lr', 'batch_size', 'mup')} == \
+        icl.SEED003_OPTIMIZER['linear']
+    assert 'used for both architectures' not in capsys.readouterr().out
+    with pytest.raises(ZeroDivisionError):
+        icl.main(base + ['--lr', '2e-4'])
+    assert {a.lr for a, _ in seen[-1].values()} == {2e-4}
+    assert {a.batch_size for a, _ in seen[-1].values()} == {32, 64}
+    assert '--lr given: used for both architectures' in capsys.readouterr().out
 
 
 def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):

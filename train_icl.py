@@ -758,7 +758,7 @@ QUICK = {
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
                 'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
-                'seeds', 'quick', 'bottleneck_ranks'}
+                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given'}
 
 
 def finished_run(args):
@@ -1067,10 +1067,15 @@ SEED003_OPTIMIZER = {'standard': dict(lr=1e-4, batch_size=32, mup=False),
 
 def sweep_linear(args):
     """Seed 003: softmax (quadratic) vs linear attention at depths 1/3/6, d = 5, 10 pairs + query, 4 heads,
-    each with its own lr and batch (SEED003_OPTIMIZER); isotropic and anisotropic test error at the query,
-    steps and samples to 90% of the loss drop."""
+    each with its own lr and batch (SEED003_OPTIMIZER; a flag given on the command line wins, for both);
+    isotropic and anisotropic test error at the query, steps and samples to 90% of the loss drop."""
+    given = getattr(args, 'optimizer_given', [])
+    if given:
+        print(f"--sweep linear: {', '.join('--' + k for k in given)} given: used for both architectures instead "
+              f"of seed 003's per-architecture values (SEED003_OPTIMIZER)")
+    optimizer = {attn: {k: v for k, v in o.items() if k not in given} for attn, o in SEED003_OPTIMIZER.items()}
     points = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
-                                            n_points=11, test_cov='aniso', **SEED003_OPTIMIZER[attn],
+                                            n_points=11, test_cov='aniso', **optimizer[attn],
                                             grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
                                     f'linear_{attn}_L{L}')
               for L in sorted((int(x) for x in args.depths.split(',')), reverse=True)
@@ -1189,6 +1194,7 @@ def main(argv=None):
         for k, v in {**SWEEP_RECIPE[args.sweep], **(QUICK[args.sweep] if args.quick else {})}.items():
             if k not in given:
                 setattr(args, k, v)
+        args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
         pick_device(args.device)
