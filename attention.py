@@ -77,6 +77,8 @@ class ModelConfig:
     btt_rank: int = opt(1, 'bilinear BTT: rank of the BTT cores')
     btt_factors: str = opt('sqrt', "BTT shape: 'sqrt' (D = a * b, b the largest divisor <= sqrt D) or 'official'")
     bilinear_rms_cap: bool = opt(False, 'official rescaling W / max(1, RMS(W) / s0) of the bilinear maps')
+    bilinear_mlr_ln: str = opt('level', "bilinear MLR's q / k LayerNorm: 'level' (official: over each level's "
+                                        "p_l r_l features) or 'head' (over the head's features, all levels at once)")
     # SWA, global + SWA and BRL
     window: int = opt(64, 'SWA / BRL look-back w: query i sees keys i-w..i (w + 1 keys)')
     gswa_ranks: str = opt('', 'global_swa_split: "global|local" features per head (default half|half)')
@@ -137,6 +139,8 @@ def check_config(cfg):
         raise ValueError(f"n_head = {cfg.n_head} must divide n_embd = {cfg.n_embd}")
     if cfg.logit_scale not in LOGIT_SCALES:
         raise ValueError(f"logit_scale must be one of {', '.join(LOGIT_SCALES)}, got {cfg.logit_scale!r}")
+    if cfg.bilinear_mlr_ln not in ('level', 'head'):
+        raise ValueError(f"bilinear_mlr_ln must be 'level' or 'head', got {cfg.bilinear_mlr_ln!r}")
     if cfg.btt_factors not in ('sqrt', 'official'):
         raise ValueError(f"btt_factors must be 'sqrt' or 'official', got {cfg.btt_factors!r}")
     if cfg.window <= 0:
@@ -531,7 +535,10 @@ class BilinearMLRAttention(BilinearAttention):
     """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l chunks,
     chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l), c_l from logit_scales() with
     R = p_l r_l (logit_scale 'auto': 1/sqrt(p_l r_l), the official default). q and k have their own LayerNorm
-    per level, and bilinear_rms_cap applies the official weight rescaling (rms_cap) to each level's maps."""
+    per level, and bilinear_rms_cap applies the official weight rescaling (rms_cap) to each level's maps.
+    bilinear_mlr_ln 'head' (not in the official code) LayerNorms each head's q and k over all levels at once:
+    a per-level LayerNorm over 1 feature outputs 0 and over 2 features +-g, so such levels never learn; the
+    official runs never meet this (head width 32, every level >= 8 features), small heads do."""
     kind = 'bilinear_mlr'
 
     def __init__(self, cfg):
@@ -549,10 +556,12 @@ class BilinearMLRAttention(BilinearAttention):
                                     for p, r in zip(self.blocks, self.ranks))
         self.k_maps = nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
                                     for p, r in zip(self.blocks, self.ranks))
-        self.q_lns = nn.ModuleList(nn.LayerNorm(p * r, bias=False) for p, r in zip(self.blocks, self.ranks))
-        self.k_lns = nn.ModuleList(nn.LayerNorm(p * r, bias=False) for p, r in zip(self.blocks, self.ranks))
-        self.feature_width = sum(p * r for p, r in zip(self.blocks, self.ranks))
-        self.level_scales = logit_scales(cfg, self.kind, [p * r for p, r in zip(self.blocks, self.ranks)])
+        self.level_widths = [p * r for p, r in zip(self.blocks, self.ranks)]
+        self.feature_width = sum(self.level_widths)
+        ln_widths = self.level_widths if cfg.bilinear_mlr_ln == 'level' else [self.feature_width]
+        self.q_lns = nn.ModuleList(nn.LayerNorm(n, bias=False) for n in ln_widths)
+        self.k_lns = nn.ModuleList(nn.LayerNorm(n, bias=False) for n in ln_widths)
+        self.level_scales = logit_scales(cfg, self.kind, self.level_widths)
 
     def level_map(self, m, x):
         """x (..., D) through one level's block-diagonal map, rescaled by rms_cap when bilinear_rms_cap is on."""
@@ -564,13 +573,18 @@ class BilinearMLRAttention(BilinearAttention):
     def features(self, x):
         B, T, _ = x.shape
         qs, ks = [], []
-        for l, (p, r, c) in enumerate(zip(self.blocks, self.ranks, self.level_scales)):
+        for l, (p, r) in enumerate(zip(self.blocks, self.ranks)):
             # block-diagonal output is laid out (chunk, head, r); each head wants (chunk, r)
             heads = lambda y: y.view(B, T, p, self.H, r).transpose(2, 3).reshape(B, T, self.H, p * r)
-            ql, kl = heads(self.level_map(self.q_maps[l], x)), heads(self.level_map(self.k_maps[l], x))
-            qs.append(c * self.q_lns[l](ql))
-            ks.append(self.k_lns[l](kl))
-        return torch.cat(qs, -1).transpose(1, 2), torch.cat(ks, -1).transpose(1, 2)   # (B, H, T, sum p_l r_l)
+            qs.append(heads(self.level_map(self.q_maps[l], x)))                 # (B, T, H, p_l r_l)
+            ks.append(heads(self.level_map(self.k_maps[l], x)))
+        if self.cfg.bilinear_mlr_ln == 'head':                                  # one LayerNorm over all levels
+            qs, ks = self.q_lns[0](torch.cat(qs, -1)), self.k_lns[0](torch.cat(ks, -1))
+            qs, ks = qs.split(self.level_widths, -1), ks.split(self.level_widths, -1)
+        else:
+            qs, ks = [ln(q) for ln, q in zip(self.q_lns, qs)], [ln(k) for ln, k in zip(self.k_lns, ks)]
+        q = torch.cat([c * ql for c, ql in zip(self.level_scales, qs)], -1)
+        return q.transpose(1, 2), torch.cat(ks, -1).transpose(1, 2)              # (B, H, T, sum p_l r_l)
 
     def feature_flops(self, T):
         return 2 * 2 * T * sum(m.flops for m in self.q_maps)

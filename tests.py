@@ -1190,6 +1190,49 @@ def test_self_attention_init_order_unchanged():
                                                          'o_proj.weight', 'q_ln.weight', 'k_ln.weight']
 
 
+def test_bilinear_mlr_head_layernorm_lets_tiny_levels_learn():
+    """Ranks 1|1|2 at head width 4: with the official per-level LayerNorm, level 0 (1 feature) outputs 0 and
+    its map gets no gradient; with bilinear_mlr_ln 'head' one LayerNorm covers the head's 1 + 2 + 8 features
+    (each head's q / c_l has mean 0 and variance 1 over them) and level 0's map learns."""
+    grads = {}
+    for ln in ('level', 'head'):
+        torch.manual_seed(0)
+        layer = A.BilinearMLRAttention(A.ModelConfig(attn='bilinear_mlr', n_layer=1, n_head=2, n_embd=8,
+                                                     block_size=8, ranks='1|1|2', bilinear_mlr_ln=ln))
+        torch.nn.init.normal_(layer.o_proj.weight)                          # zero-init output: no gradient
+        x = torch.randn(2, 5, 8)
+        q, k = layer.features(x)                                            # (B, H, T, 11)
+        assert q.shape == k.shape == (2, 2, 5, 11)
+        if ln == 'head':
+            scales = torch.cat([torch.full((w,), c) for w, c in zip(layer.level_widths, layer.level_scales)])
+            for f in (q / scales, k):
+                assert torch.allclose(f.mean(-1), torch.zeros(()), atol=1e-5)
+                assert torch.allclose(f.var(-1, unbiased=False), torch.ones(()), atol=1e-3)
+        else:
+            assert torch.all(q[..., 0] == 0) and torch.all(k[..., 0] == 0)   # LayerNorm over 1 feature
+        layer(x).pow(2).sum().backward()
+        grads[ln] = layer.q_maps[0].weight.grad.abs().sum().item()
+    assert grads['level'] == 0 and grads['head'] > 0
+
+
+def test_bilinear_mlr_ln_level_is_the_official_per_level_layernorm():
+    """'level' (the default) computes exactly the per-level LayerNorm: each level's q / c_l normalized alone."""
+    layer = A.BilinearMLRAttention(A.ModelConfig(attn='bilinear_mlr', **SMALL))     # levels of 2, 2, 4 features
+    for ln in list(layer.q_lns) + list(layer.k_lns):
+        torch.nn.init.uniform_(ln.weight, 0.5, 1.5)
+    B, T, D, H = 2, 6, SMALL['n_embd'], SMALL['n_head']
+    x = torch.randn(B, T, D)
+    q, k = layer.features(x)
+    for l, (p, r, c) in enumerate(zip(layer.blocks, layer.ranks, layer.level_scales)):
+        lo = sum(layer.level_widths[:l])
+        for f, maps, lns, scale in ((q, layer.q_maps, layer.q_lns, c), (k, layer.k_maps, layer.k_lns, 1.0)):
+            y = maps[l](x).view(B, T, p, H, r).transpose(2, 3).reshape(B, T, H, p * r)
+            want = scale * F.layer_norm(y, (p * r,), lns[l].weight).transpose(1, 2)
+            assert torch.allclose(f[..., lo:lo + p * r], want, atol=1e-6)
+    with pytest.raises(ValueError, match="bilinear_mlr_ln must be 'level' or 'head', got 'x'"):
+        A.check_config(A.ModelConfig(attn='bilinear_mlr', bilinear_mlr_ln='x', **SMALL))
+
+
 @pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
 @pytest.mark.parametrize('bad,words', [(dict(rope=True), 'rope'), (dict(n_kv_head=2), 'n_kv_head')])
 def test_bilinear_still_refuses_unsupported_settings(attn, bad, words):
@@ -2175,7 +2218,7 @@ def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
     first = icl.main(argv)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
     assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
-    for name in ('icl_bottleneck.png', 'icl_bottleneck.json', 'icl_position.png'):
+    for name in ('icl_bottleneck_d4.png', 'icl_bottleneck_d4.json', 'icl_position_d4.png'):   # d = 4 in the names
         assert os.path.exists(tmp_path / 'assets' / name)
     again = icl.main(argv)                                                  # same settings: nothing retrained
     assert len(again['reused']) == 4
@@ -2195,6 +2238,40 @@ def test_bottleneck_sweep_trains_no_mlr_at_an_unlisted_head_width(tmp_path, caps
     assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
 
 
+def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
+    """--full_rank_widths: 8-head standard trains at every width, 1-head standard and bilinear BTT only at the
+    listed ones; a width outside --widths is one line."""
+    out = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8',
+                                  '--bottleneck_ranks', '', '--seeds', '1'))
+    assert sorted(t['model'] for t in out['table']) == ['bilinear BTT, 8 heads, D=8', 'standard, 1 head, D=8',
+                                                        'standard, 8 heads, D=16', 'standard, 8 heads, D=8']
+    assert {f[:-5] for f in os.listdir(tmp_path) if f.startswith('bottleneck_') and f.endswith('.json')} == {
+        'bottleneck_standard_H8_D16_d4_s0', 'bottleneck_standard_H8_D8_d4_s0', 'bottleneck_standard_H1_D8_d4_s0',
+        'bottleneck_bilinear_btt_H8_D8_d4_s0'}
+    got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_widths',
+                                                 '16'), capsys)
+    assert_one_line_error(got, err, 2, ["--full_rank_widths '16' must be among --widths '8'"], 'train_icl.py')
+
+
+def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
+    """--sweep bottleneck --d 8 takes LARGER_D_RECIPE on top of the bottleneck recipe (flags given still win);
+    its files carry d, the d = 5 sweep's do not; it has no --quick."""
+    seen = {}
+    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
+    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: seen.setdefault('outputs', kw))
+    icl.main(['--sweep', 'bottleneck', '--d', '8', '--seeds', '2', '--out_dir', str(tmp_path)])
+    a, recipe = seen['args'], icl.LARGER_D_RECIPE[8]
+    assert (a.widths, a.full_rank_widths, a.max_iters) == (recipe['widths'], recipe['full_rank_widths'],
+                                                           recipe['max_iters'])
+    assert a.seeds == 2 and a.curr_interval == icl.SWEEP_RECIPE['bottleneck']['curr_interval']
+    assert seen['outputs']['results'].endswith('sweep_bottleneck_d8.json')
+    assert 'icl_position_d8.png' in seen['outputs']['plots']
+    assert icl.sweep_name(icl.variant(a, d=5, sweep='bottleneck')) == 'bottleneck'
+    assert icl.position_plot_name(icl.variant(a, d=5)) == 'icl_position.png'
+    got, err = run_cli(icl.main, ['--sweep', 'bottleneck', '--d', '8', '--quick'], capsys)
+    assert_one_line_error(got, err, 2, ['--quick', 'd = 8'], 'train_icl.py')
+
+
 # -----------------------------------------------------------------------------
 # train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
 
@@ -2207,7 +2284,7 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     first = icl.main(argv)
     assert 'estimate: 8 of 8 runs to train' in capsys.readouterr().out
     assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
-    with open(tmp_path / 'sweep_bottleneck.json') as f:
+    with open(tmp_path / 'sweep_bottleneck_d4.json') as f:
         saved = json.load(f)
     assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
     for row in saved['table']:
@@ -2218,7 +2295,7 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     seeds = {r['config']['seed'] for r in saved['runs'].values()}
     evals = {r['config']['eval_seed'] for r in saved['runs'].values()}
     assert seeds == {0, 1} and len(evals) == 1                           # own training seed, shared test prompts
-    for name in ('icl_bottleneck.png', 'icl_position.png'):
+    for name in ('icl_bottleneck_d4.png', 'icl_position_d4.png'):
         assert os.path.exists(tmp_path / name)
 
     again = icl.main(argv)                                                # nothing retrained

@@ -188,6 +188,9 @@ def add_icl_sweep_args(p):
     g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
                    help='run a figure-reproducing sweep instead of a single model')
     g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck sweep: model widths D')
+    g.add_argument('--full_rank_widths', type=str, default='',
+                   help='bottleneck sweep: the widths (of --widths) at which 1-head standard and bilinear BTT / MLR '
+                        'train; 8-head standard trains at every width ("" = every width)')
     g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
     g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
     g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
@@ -745,6 +748,19 @@ SWEEP_RECIPE = {
     # curriculum; this one is the bottleneck recipe's. lr and batch per architecture: SEED003_OPTIMIZER
     'linear': dict(CPU_RECIPE, max_iters=12000),
 }
+# `--sweep bottleneck --d 8`, the one larger d: its recipe on top of SWEEP_RECIPE['bottleneck']. The d = 5 sweep at
+# d = 8 would take ~3.6 h (all four models at two widths, 10 000 steps), so it trains what the threshold needs:
+# 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT) at width 4 only
+LARGER_D_RECIPE = {8: dict(
+    widths='32,64', full_rank_widths='32',
+    # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling. 8000
+    # is what fits in ~60 min with 3 seeds; the curriculum rule (+1 dim / +2 points every 500 steps within the
+    # first half) then reaches the full task (d = 8, N = 16) at step 3000
+    max_iters=8000,
+    # no bilinear MLR: at head width 4 the only allocation with a level of rank >= d is 1|1|2, which does not
+    # learn at d = 5 either (README), and it costs as much as BTT
+    bottleneck_ranks='')}
+
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
     # D = 24 only (8 heads of width 3 < d), one seed; bilinear MLR has no learnable allocation at head width 3
@@ -758,7 +774,7 @@ QUICK = {
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
                 'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
-                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given'}
+                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths'}
 
 
 def finished_run(args):
@@ -914,6 +930,23 @@ def seed_runs(runs):
     return compact({f'{k}, seed={r["config"]["seed"]}': r for k, rs in runs.items() for r in rs})
 
 
+def full_rank_widths(args):
+    """The bottleneck sweep's widths for 1-head standard and bilinear BTT / MLR: --full_rank_widths, or every width."""
+    return [int(w) for w in (args.full_rank_widths or args.widths).split(',')]
+
+
+def sweep_name(args):
+    """The sweep's name in its files: 'bottleneck' at the default d, 'bottleneck_d8' at d = 8 (the two sweeps'
+    outputs side by side in one --out_dir / --assets_dir), else the --sweep name."""
+    if args.sweep == 'bottleneck' and args.d != DEFAULTS['d']:
+        return f'bottleneck_d{args.d}'
+    return args.sweep
+
+
+def position_plot_name(args):
+    return 'icl_position.png' if args.d == DEFAULTS['d'] else f'icl_position_d{args.d}.png'
+
+
 def bottleneck_mlr_ranks(spec, head_width):
     """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'), or None when the width
     is not listed: the sweep then trains no bilinear MLR there. The ranks sum to the head width, as the official
@@ -981,17 +1014,20 @@ def plot_bottleneck(path, table, base, widths, args):
 def sweep_bottleneck(args):
     """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
     and 8-head bilinear MLR, each point trained with --seeds seeds."""
-    widths = [int(w) for w in args.widths.split(',')]
+    widths, full_rank = [int(w) for w in args.widths.split(',')], full_rank_widths(args)
+    name, tag = sweep_name(args), '' if args.d == DEFAULTS['d'] else f'_d{args.d}'
     t0 = time.time()
     points = {}
     for D in sorted(widths, reverse=True):                            # costliest first
         for label, (attn, H) in reversed(BOTTLENECK_MODELS.items()):
+            if label != 'standard, 8 heads' and D not in full_rank:
+                continue
             ranks = bottleneck_mlr_ranks(args.bottleneck_ranks, D // H) if attn == 'bilinear_mlr' else ''
             if ranks is None:
                 print(f'{label}, D={D}: not trained (head width {D // H} has no entry in --bottleneck_ranks)')
                 continue
             points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
-                                         f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
+                                         f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}{tag}')
     runs = run_points(args, points)
     wall = time.time() - t0
     table = bottleneck_table(runs)
@@ -1000,17 +1036,17 @@ def sweep_bottleneck(args):
     base = next(iter(runs.values()))[0]['baselines']
     print('baselines at N=2d: ' + ', '.join(f'{k} {v["at_2d"]:.4f}' for k, v in base.items())
           + f' | sweep wall {wall:.0f}s')
-    payload = {'sweep': 'bottleneck', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
+    payload = {'sweep': name, 'd': args.d, 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
                'sum_run_time_s': sum(t['time_s'] * t['seeds'] for t in table), 'table': table,
                'baselines_at_2d': {k: v['at_2d'] for k, v in base.items()},
                'baselines': base, 'runs': seed_runs(runs)}
-    write_sweep(args, 'bottleneck', payload, lambda path: plot_bottleneck(path, table, base, widths, args))
+    write_sweep(args, name, payload, lambda path: plot_bottleneck(path, table, base, widths, args))
     # per position at the narrowest width (the bottlenecked one), first seed
     narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == min(widths)}
-    pos_path = os.path.join(args.out_dir, 'icl_position.png')
+    pos_path = os.path.join(args.out_dir, position_plot_name(args))
     plot_positions(narrowest, pos_path, f'error per position, D = {min(widths)}, d = {args.d}, seed {args.seed}')
     if args.assets_dir:
-        shutil.copy(pos_path, os.path.join(args.assets_dir, 'icl_position.png'))
+        shutil.copy(pos_path, os.path.join(args.assets_dir, position_plot_name(args)))
     return payload
 
 
@@ -1172,12 +1208,12 @@ def check_args(parser, args):
         'curr_d_start', 'curr_n_start', 'seeds'], non_negative=[
         'n_points', 'warmup_iters', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval',
         'curr_interval', 'threads'])
-    for name in ('widths', 'depths'):
+    for name in ('widths', 'depths', 'full_rank_widths'):
         try:
             values = [int(v) for v in getattr(args, name).split(',')]
         except ValueError:
             values = []
-        if not values or min(values) <= 0:
+        if (not values or min(values) <= 0) and not (name == 'full_rank_widths' and args.full_rank_widths == ''):
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
@@ -1191,10 +1227,16 @@ def main(argv=None):
         parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
     if args.sweep:   # the sweep's CPU recipe, then --quick, for every flag not given on the command line
         given = given_flags(parser, argv)
-        for k, v in {**SWEEP_RECIPE[args.sweep], **(QUICK[args.sweep] if args.quick else {})}.items():
+        larger_d = LARGER_D_RECIPE.get(args.d, {}) if args.sweep == 'bottleneck' else {}
+        if larger_d and args.quick:
+            parser.error(f'--quick is the d = {DEFAULTS["d"]} bottleneck sweep\'s short version; the d = {args.d} '
+                         f'sweep has none (drop --quick, or --d)')
+        for k, v in {**SWEEP_RECIPE[args.sweep], **larger_d, **(QUICK[args.sweep] if args.quick else {})}.items():
             if k not in given:
                 setattr(args, k, v)
         args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
+        if not set(full_rank_widths(args)) <= set(int(w) for w in args.widths.split(',')):
+            parser.error(f"--full_rank_widths {args.full_rank_widths!r} must be among --widths {args.widths!r}")
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
         pick_device(args.device)
@@ -1204,8 +1246,9 @@ def main(argv=None):
         raise SystemExit(f'error: {e}')
     if args.sweep:
         payload = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
-        plots = [f'icl_{args.sweep}.png'] + (['icl_position.png'] if args.sweep == 'bottleneck' else [])
-        report_outputs(results=os.path.join(args.out_dir, f'sweep_{args.sweep}.json'),
+        name = sweep_name(args)
+        plots = [f'icl_{name}.png'] + ([position_plot_name(args)] if args.sweep == 'bottleneck' else [])
+        report_outputs(results=os.path.join(args.out_dir, f'sweep_{name}.json'),
                        runs=os.path.join(args.out_dir, '<run>.json and .pt'),
                        plots=', '.join(os.path.join(args.out_dir, p) for p in plots), copies_in=args.assets_dir or None)
         return payload
