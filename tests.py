@@ -2253,6 +2253,16 @@ def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
     assert_one_line_error(got, err, 2, ["--full_rank_widths '16' must be among --widths '8'"], 'train_icl.py')
 
 
+def test_sweep_variant_keeps_mlr_layernorm_default_for_other_models(tmp_path):
+    """The bottleneck recipe sets bilinear_mlr_ln 'head'; only bilinear MLR runs take it, so standard and BTT runs
+    trained before (saved at the default 'level') are still reused."""
+    assert icl.SWEEP_RECIPE['bottleneck']['bilinear_mlr_ln'] == 'head'
+    args = icl.build_parser().parse_args(icl_sweep_argv(tmp_path, 'bottleneck', '--bilinear_mlr_ln', 'head'))
+    assert icl.variant(args, attn='bilinear_mlr').bilinear_mlr_ln == 'head'
+    for attn in ('standard', 'bilinear_btt'):
+        assert icl.variant(args, attn=attn).bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'
+
+
 def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
     """--sweep bottleneck --d 8 takes LARGER_D_RECIPE on top of the bottleneck recipe (flags given still win);
     its files carry d, the d = 5 sweep's do not; it has no --quick."""

@@ -735,14 +735,18 @@ CPU_RECIPE = dict(
     # +1 dim and +2 points every 500 steps: the full task (d = 5, N = 10) from step 1500 on
     curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
     n_eval_during=128, eval_interval=250)    # fewer, smaller evals during training: CPU time
+# Bilinear MLR at these head widths (3, 4): one LayerNorm over the head's features, all levels at once, instead
+# of the official one per level (bilinear_mlr_ln 'head', a departure). Per level, 1|1|2's levels of 1 and 2
+# features cannot learn (a LayerNorm over 1 feature outputs 0, over 2 a sign) and the model stayed on the plateau
+# (1.00 +- 0.04 over 3 seeds); with 'head' a single-seed trial reached 0.08 (README, "CPU recipe")
+MLR_SMALL_HEADS = dict(bilinear_mlr_ln='head')
 SWEEP_RECIPE = {
     # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
-    # widths 2 and 3 fail, 4 learns)
-    'bottleneck': dict(CPU_RECIPE, widths='24,32'),
-    # the bottleneck sweep's D = 24, where 8 heads fail (its standard and BTT runs are reused). Bilinear MLR at head
-    # width 3: 1|1|1, whose levels hold 1, 2 and 4 features; no allocation of 3 ranks has a learnable level of
-    # rank >= d (bottleneck_mlr_ranks), so this shows what MLR can do at this width, not a full-rank model
-    'compute': dict(CPU_RECIPE, compute_width=24, compute_ranks='1|1|1'),
+    # widths 2 and 3 fail, 4 learns). Bilinear MLR 1|1|1 at head width 3 (levels of 1, 2, 4 features: score rank
+    # 7 >= d once every level learns) and 1|1|2 at head width 4 (1, 2, 8 features: rank 11)
+    'bottleneck': dict(CPU_RECIPE, **MLR_SMALL_HEADS, widths='24,32', bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
+    # the bottleneck sweep's D = 24, where 8 heads fail (its runs are reused): bilinear MLR 1|1|1 as there
+    'compute': dict(CPU_RECIPE, **MLR_SMALL_HEADS, compute_width=24, compute_ranks='1|1|1'),
     # seed 003: softmax 30 000 steps, linear 7500 / 8000 / 10 000 (1 / 3 / 6 layers), best checkpoint by validation
     # loss; CPU budget (~45 min with 2 workers): one length for all, the final model. Seed 003 says nothing of a
     # curriculum; this one is the bottleneck recipe's. lr and batch per architecture: SEED003_OPTIMIZER
@@ -757,15 +761,14 @@ LARGER_D_RECIPE = {8: dict(
     # is what fits in ~60 min with 3 seeds; the curriculum rule (+1 dim / +2 points every 500 steps within the
     # first half) then reaches the full task (d = 8, N = 16) at step 3000
     max_iters=8000,
-    # no bilinear MLR: at head width 4 the only allocation with a level of rank >= d is 1|1|2, which does not
-    # learn at d = 5 either (README), and it costs as much as BTT
+    # no bilinear MLR: it costs as much as BTT, which the budget has room for once
     bottleneck_ranks='')}
 
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
-    # D = 24 only (8 heads of width 3 < d), one seed; bilinear MLR has no learnable allocation at head width 3
+    # D = 24 only (8 heads of width 3 < d), one seed
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200),
-    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR
+    # the bottleneck quick mode's runs, reused in the same --out_dir (bilinear MLR 1|1|1 included)
     'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),
     # 3 layers only: the depth at which seed 003 compares the two at their best (1.6 min once; README)
     'linear': dict(depths='3', max_iters=3000, seeds=1, n_eval=500, n_boot=200),
@@ -830,10 +833,14 @@ def run_jobs(jobs, workers):
 
 
 def variant(args, **overrides):
+    """One sweep run's settings. bilinear_mlr_ln, read by bilinear MLR only, stays at its default for the other
+    models, so that their runs equal (and reuse) runs trained before the sweeps set it."""
     a = copy.copy(args)
     a.sweep = ''
     for k, v in overrides.items():
         setattr(a, k, v)
+    if a.attn != 'bilinear_mlr':
+        a.bilinear_mlr_ln = attention.ModelConfig.bilinear_mlr_ln
     return a
 
 
@@ -950,12 +957,11 @@ def position_plot_name(args):
 def bottleneck_mlr_ranks(spec, head_width):
     """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'), or None when the width
     is not listed: the sweep then trains no bilinear MLR there. The ranks sum to the head width, as the official
-    code asserts. Why so few widths: the official code (and this one) LayerNorms each level's p_l r_l features,
-    and a LayerNorm over 1 feature outputs 0, over 2 features +-g (a sign, zero gradient almost everywhere), so
-    such levels never learn. The official runs never meet this (head width 32, every level >= 8 features). At
-    head width 3 no allocation has a learnable level of rank >= d = 5 (the finest, 4 blocks x rank 1, has 4);
-    at width 4, 1|1|2 spends 2 ranks on dead levels and keeps 4 blocks x rank 2 = rank 8; at width 8, 4|2|1|1
-    has >= 4 features on every level."""
+    code asserts. Small heads: with the official per-level LayerNorm (bilinear_mlr_ln 'level'), a level of 1
+    feature outputs 0 and one of 2 features +-g (a sign, zero gradient almost everywhere), so such levels never
+    learn (the official runs never meet this: head width 32, every level >= 8 features); the sweep recipe's
+    bilinear_mlr_ln 'head' (one LayerNorm over all levels) lets them learn. At width 8, 4|2|1|1 has >= 4
+    features on every level either way."""
     for item in spec.split(','):
         w, _, ranks = item.partition(':')
         if w.strip() == str(head_width):
