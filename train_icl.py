@@ -18,6 +18,7 @@ d = 5, D = 32, 2000 steps.
   python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --max_iters 20000   # a bigger one
   python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT/MLR)
   python train_icl.py --sweep bottleneck --quick   # its short version (one width, one seed; estimate printed)
+  python train_icl.py --sweep bottleneck --d 8 --out_dir out/icl_d8   # the same at d = 8 (LARGER_D_RECIPE)
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
   python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
   python train_icl.py --help
