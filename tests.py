@@ -3087,7 +3087,8 @@ def test_every_model_flag_reaches_the_config():
     values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard', layer_pattern='standard,standard,standard',
                   global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1, ranks='8|8',
                   mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
-                  bilinear_rms_cap=True, window=8, gswa_ranks='8|8', n_compressed=4, brl_block=4, brl_beta=0.25,
+                  bilinear_rms_cap=True, bilinear_mlr_ln='head', window=8, gswa_ranks='8|8', n_compressed=4,
+                  brl_block=4, brl_beta=0.25,
                   brl_lambda_init=0.3, brl_gamma=False, brl_history='block', brl_rel_buckets=8, mup_base_width=64)
     flags = {f.name for f in fields(attention.ModelConfig)} - set(attention.TASK_FIELDS) - {'rope'}
     assert set(values) == flags                                   # rope: from --pos, below

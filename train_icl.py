@@ -241,6 +241,7 @@ def upgrade_run_config(cfg):
     old script built its models (it passed only its own flags to ModelConfig)."""
     cfg = upgrade_flags(cfg, RENAMED_FLAGS)
     cfg.setdefault('bilinear_init', 1 if cfg.get('attn', '').startswith('bilinear') else BILINEAR_INIT)
+    cfg.setdefault('full_rank_widths', '')       # a sweep flag since 2026-11-24 (not a training setting)
     return cfg
 
 
