@@ -2313,6 +2313,12 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     assert len(again['reused']) == 8
     assert again['wall_s_when_trained'] == first['wall_s']               # a replot keeps the training's wall time
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
+    with open(tmp_path / 'sweep_bottleneck_d4.json') as f:
+        saved = json.load(f)
+    next(iter(saved['runs'].values()))['model']['at_2d'] += 1.0          # as if the JSON held other runs
+    with open(tmp_path / 'sweep_bottleneck_d4.json', 'w') as f:
+        json.dump(saved, f)
+    assert 'wall_s_when_trained' not in icl.main(argv)                   # then it is not their wall time
 
     more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
     assert 'estimate: 4 of 12 runs to train' in capsys.readouterr().out

@@ -708,13 +708,19 @@ def plot_positions(runs, path, title):
     plt.close(fig)
 
 
+def results_of(runs):
+    """{run label: its run name and final error}: what tells two sweeps' runs apart."""
+    return {k: (r.get('run'), r['model']['at_2d']) for k, r in runs.items()}
+
+
 def write_sweep(args, name, payload, plot_fn):
     os.makedirs(args.out_dir, exist_ok=True)
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
-    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot: keep the training's
-        with open(jpath) as f:                                                      # wall time
+    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot of the same runs:
+        with open(jpath) as f:                                                      # keep the training's wall time
             old = json.load(f)
-        payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
+        if results_of(old['runs']) == results_of(payload['runs']):
+            payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
     write_json(jpath, payload)
     plot_fn(ppath)
     if args.assets_dir:
