@@ -746,7 +746,7 @@ CPU_RECIPE = dict(
 # Bilinear MLR at these head widths (3, 4): one LayerNorm over the head's features, all levels at once, instead
 # of the official one per level (bilinear_mlr_ln 'head', a departure). Per level, 1|1|2's levels of 1 and 2
 # features cannot learn (a LayerNorm over 1 feature outputs 0, over 2 a sign) and the model stayed on the plateau
-# (1.00 +- 0.04 over 3 seeds); with 'head' a single-seed trial reached 0.08 (README, "CPU recipe")
+# (1.00 +- 0.04 over 3 seeds); with 'head' it reached 0.042 +- 0.011 (README, "CPU recipe" and Results)
 MLR_SMALL_HEADS = dict(bilinear_mlr_ln='head')
 SWEEP_RECIPE = {
     # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
@@ -1223,11 +1223,13 @@ def check_args(parser, args):
         'n_points', 'warmup_iters', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval',
         'curr_interval', 'threads'])
     for name in ('widths', 'depths', 'full_rank_widths'):
+        if name == 'full_rank_widths' and args.full_rank_widths == '':     # '' = every width
+            continue
         try:
             values = [int(v) for v in getattr(args, name).split(',')]
         except ValueError:
             values = []
-        if (not values or min(values) <= 0) and not (name == 'full_rank_widths' and args.full_rank_widths == ''):
+        if not values or min(values) <= 0:
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
