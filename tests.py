@@ -2339,6 +2339,30 @@ def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
     assert len(again['reused']) == 6
 
 
+def test_sweep_jobs_run_longest_first_and_return_in_order(monkeypatch):
+    # the compute quick mode's four runs (CPU s): in the jobs' order two workers would take 538 s, longest first 456
+    assert icl.longest_first_wall([366, 284, 67, 172], 2) == 456
+    assert icl.longest_first_wall([366, 284, 67, 172], 1) == 366 + 284 + 67 + 172
+    submitted = []
+
+    class InProcess:                               # stands in for the process pool: records what it is given
+        def __init__(self, *a, **k): pass
+        def __enter__(self): return self
+        def __exit__(self, *a): return False
+        def map(self, f, jobs):
+            submitted.extend(name for _, name in jobs)
+            return [f(j) for j in jobs]
+
+    import concurrent.futures
+    monkeypatch.setattr(concurrent.futures, 'ProcessPoolExecutor', InProcess)
+    monkeypatch.setattr(icl, 'sweep_preflight', lambda jobs: None)
+    monkeypatch.setattr(icl, 'print_estimate', lambda jobs, w: [s for s, _ in jobs])
+    monkeypatch.setattr(icl, '_train_job', lambda job: f'result of {job[1]}')
+    jobs = [(67, 'a'), (366, 'b'), (172, 'c'), (284, 'd')]
+    assert icl.run_jobs(jobs, 2) == ['result of a', 'result of b', 'result of c', 'result of d']
+    assert submitted == ['b', 'd', 'c', 'a']
+
+
 @pytest.mark.parametrize('sweep', ['compute', 'linear'])
 def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
     extra = ['--compute_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']

@@ -765,9 +765,9 @@ SWEEP_RECIPE = {
 # 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT) at width 4 only
 LARGER_D_RECIPE = {8: dict(
     widths='32,64', full_rank_widths='32',
-    # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling. 8000
-    # is what fits in ~60 min with 3 seeds; the curriculum rule (+1 dim / +2 points every 500 steps within the
-    # first half) then reaches the full task (d = 8, N = 16) at step 3000
+    # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling. With
+    # 8000 the sweep took 70 min (over the 60-min budget; the full-rank models are still short of steps: README);
+    # the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8, N = 16 at 3000
     max_iters=8000,
     # no bilinear MLR: it costs as much as BTT, which the budget has room for once
     bottleneck_ranks='')}
@@ -829,15 +829,18 @@ def sweep_preflight(jobs):
 
 
 def run_jobs(jobs, workers):
-    """Train each (args, name); with workers > 1, in that many fresh processes (1 torch thread each)."""
+    """Train each (args, name); with workers > 1, in that many fresh processes (1 torch thread each), the longest
+    runs first (by the estimate), so that the short ones fill the gaps at the end. -> results in the jobs' order."""
     sweep_preflight(jobs)
-    print_estimate(jobs, workers)
+    seconds = print_estimate(jobs, workers)
     if workers <= 1:
         return [_train_job(j) for j in jobs]
     import concurrent.futures
     import multiprocessing
+    order = sorted(range(len(jobs)), key=lambda i: -seconds[i])
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as ex:
-        return list(ex.map(_train_job, jobs))
+        results = list(ex.map(_train_job, [jobs[i] for i in order]))
+    return [r for _, r in sorted(zip(order, results), key=lambda ir: ir[0])]
 
 
 def variant(args, **overrides):
@@ -870,31 +873,42 @@ def measured_ms_per_step(args, reps=3):
     return 1e3 * float(np.median(times[1:]))
 
 
+def longest_first_wall(seconds, workers):
+    """Wall time of jobs taking these seconds on `workers` processes, each taking the next job when it is free,
+    the longest job first (as run_jobs submits them)."""
+    free = [0.0] * workers
+    for s in sorted(seconds, reverse=True):
+        free[free.index(min(free))] += s
+    return max(free)
+
+
 def print_estimate(jobs, workers):
     """Before a sweep trains: its expected wall time from a measured ms/step per distinct model (the seeds of a
-    point share one measurement). Per run: steps x ms/step, plus the evaluations (a forward is ~1/3 of a step)."""
-    todo = [a for a, _ in jobs if not (a.reuse and finished_run(a) is not None)]
-    if not todo:
+    point share one measurement). Per run: steps x ms/step, plus the evaluations (a forward is ~1/3 of a step).
+    -> the estimated seconds of each job (0 for a finished run that will be reused)."""
+    todo = [not (a.reuse and finished_run(a) is not None) for a, _ in jobs]
+    if not any(todo):
         print(f'estimate: all {len(jobs)} runs are finished in --out_dir; nothing to train')
-        return 0.0
+        return [0.0] * len(jobs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                       # as the workers run
-    ms, per_run = {}, []
-    for a in todo:
+    ms, seconds = {}, []
+    for (a, _), train in zip(jobs, todo):
         key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
-        if key not in ms:
+        if train and key not in ms:
             ms[key] = measured_ms_per_step(a)
         evals = (a.max_iters // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
-        per_run.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
+        seconds.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0 if train else 0.0)  # + baselines
     torch.set_num_threads(threads)
-    w = max(1, min(workers, len(todo)))
-    est = max(sum(per_run) / w, max(per_run))
-    print(f'estimate: {len(todo)} of {len(jobs)} runs to train ({len(jobs) - len(todo)} finished ones reused), '
-          f'{sum(per_run) / 60:.1f} min of training on 1 thread each -> about {est / 60:.1f} min wall with '
-          f'{w} worker(s) on an idle machine (ms/step measured now: '
+    n = sum(todo)
+    w = max(1, min(workers, n))
+    print(f'estimate: {n} of {len(jobs)} runs to train ({len(jobs) - n} finished ones reused), '
+          f'{sum(seconds) / 60:.1f} min of training on 1 thread each -> about '
+          f'{longest_first_wall(seconds, w) / 60:.1f} min wall with {w} worker(s), longest runs first, on an idle '
+          'machine (ms/step measured now: '
           + ', '.join(f'{k[0]}{" " + k[4] if k[4] else ""} H{k[1]} D{k[2]} L{k[3]} {v:.0f}'
                       for k, v in ms.items()) + ')')
-    return est
+    return seconds
 
 
 def training_seeds(args):
