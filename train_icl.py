@@ -776,7 +776,8 @@ LARGER_D_RECIPE = {8: dict(
 QUICK = {
     # D = 24 only (8 heads of width 3 < d), one seed; no bilinear MLR (with it: ~8.3 min, over budget)
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200, bottleneck_ranks=''),
-    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR 1|1|1
+    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR 1|1|1: 7.5 min from scratch
+    # (the runs longest first; 8.9 min in the table's order), ~5 min (its MLR run) after the bottleneck quick mode
     'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),
     # 3 layers only: the depth at which seed 003 compares the two at their best (1.6 min once; README)
     'linear': dict(depths='3', max_iters=3000, seeds=1, n_eval=500, n_boot=200),
@@ -941,6 +942,10 @@ def seed_summary(rs, key, get):
     return {key: m, f'{key}_std': s, f'{key}_seeds': vals}
 
 
+def n_seeds(n):
+    return f'{n} seed' + ('s' if n != 1 else '')
+
+
 def mean_history(rs, key):
     """Training curves over seeds: (x steps, flops, mean, min, max) at the evaluation steps all seeds share. The
     band is min-max over seeds: on a log axis mean - std is often below 0 with 3 seeds."""
@@ -1020,7 +1025,7 @@ def plot_bottleneck(path, table, base, widths, args):
             continue
         x, m = np.array([t['D'] for t in rows]), np.array([t['err_at_2d'] for t in rows])
         seeds = [np.array(t['err_at_2d_seeds'], dtype=float) for t in rows]
-        ax.plot(x, m, marker='o', label=f'{label} (mean, {rows[0]["seeds"]} seeds)', color=color(label))
+        ax.plot(x, m, marker='o', label=f'{label} (mean, {n_seeds(rows[0]["seeds"])})', color=color(label))
         ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
         for xi, v in zip(x, seeds):
             ax.scatter(np.full(len(v), xi), v, s=12, color=color(label), alpha=0.6)
@@ -1106,7 +1111,7 @@ def sweep_compute(args):
             _, flops, m, lo, hi = mean_history(rs, 'at_2d')
             keep = flops > 0
             ls = ':' if k.startswith('bilinear MLR') and k != next(iter(runs)) else '-'
-            ax.plot(flops[keep], m[keep], label=f'{k} ({len(rs)} seeds)', color=color(k), ls=ls)
+            ax.plot(flops[keep], m[keep], label=f'{k} ({n_seeds(len(rs))})', color=color(k), ls=ls)
             ax.fill_between(flops[keep], lo[keep], hi[keep], alpha=0.15, color=color(k))
         ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
                ylabel=f'error at N = 2d (d = {args.d})',
@@ -1171,7 +1176,7 @@ def sweep_linear(args):
         for k, rs in runs.items():
             steps, _, m, lo, hi = mean_history(rs, 'query')
             c = f"C{depths.index(rs[0]['config']['n_layer'])}"
-            ax.plot(steps, m, ls='-' if k.startswith('standard') else '--', label=f'{k} ({len(rs)} seeds)', color=c)
+            ax.plot(steps, m, ls='-' if k.startswith('standard') else '--', label=f'{k} ({n_seeds(len(rs))})', color=c)
             ax.fill_between(steps, lo, hi, alpha=0.12, color=c)
         for name in ('averaging', 'zero'):
             ax.axhline(base['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')

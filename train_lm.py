@@ -705,6 +705,7 @@ def finish_run(model, proc, result, out_dir):
         result['param_checksums'] = [c.item() for c in checks]
         if proc.master:
             write_json(os.path.join(out_dir, 'ddp.json'), result)
+        dist.barrier()     # no rank tears gloo down while another still uses it (seen once: SIGABRT at exit)
         dist.destroy_process_group()
     if proc.master:
         report_outputs(checkpoint=os.path.join(out_dir, 'ckpt.pt'), log=os.path.join(out_dir, 'log.json'),
