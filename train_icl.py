@@ -1016,14 +1016,15 @@ def bottleneck_table(runs):
 
 def plot_bottleneck(path, table, base, widths, args):
     """Fig. 2/3a: error at N = 2d against width D per model: the mean over seeds (line), each seed (dots) and
-    their range (band); the baselines as horizontal lines."""
+    their range (band), the models drawn a little apart at each width; the baselines as horizontal lines."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label in BOTTLENECK_MODELS:
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    for k, label in enumerate(BOTTLENECK_MODELS):
         rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
         if not rows:
             continue
-        x, m = np.array([t['D'] for t in rows]), np.array([t['err_at_2d'] for t in rows])
+        shift = 1.008 ** (k - (len(BOTTLENECK_MODELS) - 1) / 2)    # side by side at one width, not on top
+        x, m = np.array([t['D'] for t in rows]) * shift, np.array([t['err_at_2d'] for t in rows])
         seeds = [np.array(t['err_at_2d_seeds'], dtype=float) for t in rows]
         ax.plot(x, m, marker='o', label=f'{label} (mean, {n_seeds(rows[0]["seeds"])})', color=color(label))
         ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
@@ -1038,7 +1039,7 @@ def plot_bottleneck(path, table, base, widths, args):
                  f'lr {args.lr:g}\n(least squares = 0; dots: seeds, band: their range)')
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.legend(fontsize=7, loc='lower left')
+    ax.legend(fontsize=7, loc='center left', bbox_to_anchor=(1.01, 0.5))   # outside: it hid seeds' dots
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
