@@ -769,7 +769,8 @@ LARGER_D_RECIPE = {8: dict(
     # 8000 the sweep took 70 min (over the 60-min budget; the full-rank models are still short of steps: README);
     # the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8, N = 16 at 3000
     max_iters=8000,
-    # no bilinear MLR: it costs as much as BTT, which the budget has room for once
+    # no bilinear MLR (its 1|1|2 costs 69 % of BTT's CPU time; the budget has room for one of the two): add it with
+    # --bottleneck_ranks '4:1|1|2' (README: 27 min more, and the best model at D = 32)
     bottleneck_ranks='')}
 
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
