@@ -2240,7 +2240,7 @@ def test_bottleneck_sweep_trains_no_mlr_at_an_unlisted_head_width(tmp_path, caps
 
 def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
     """--full_rank_widths: 8-head standard trains at every width, 1-head standard and bilinear BTT only at the
-    listed ones; a width outside --widths is one line."""
+    listed ones; --full_rank_models picks among those; a width outside --widths or an unknown model is one line."""
     out = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8',
                                   '--bottleneck_ranks', '', '--seeds', '1'))
     assert sorted(t['model'] for t in out['table']) == ['bilinear BTT, 8 heads, D=8', 'standard, 1 head, D=8',
@@ -2251,6 +2251,12 @@ def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
     got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_widths',
                                                  '16'), capsys)
     assert_one_line_error(got, err, 2, ["--full_rank_widths '16' must be among --widths '8'"], 'train_icl.py')
+    only = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                                   '--bottleneck_ranks', '', '--seeds', '1'))
+    assert sorted(t['model'] for t in only['table']) == ['standard, 1 head, D=8', 'standard, 8 heads, D=8']
+    assert len(only['reused']) == 2                        # the same runs as above: a sweep flag, not a setting
+    got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--full_rank_models', 'btt'), capsys)
+    assert_one_line_error(got, err, 2, ["--full_rank_models 'btt'", 'standard_1head, bilinear_btt'], 'train_icl.py')
 
 
 def test_sweep_variant_keeps_mlr_layernorm_default_for_other_models(tmp_path):

@@ -192,6 +192,8 @@ def add_icl_sweep_args(p):
     g.add_argument('--full_rank_widths', type=str, default='',
                    help='bottleneck sweep: the widths (of --widths) at which 1-head standard and bilinear BTT / MLR '
                         'train; 8-head standard trains at every width ("" = every width)')
+    g.add_argument('--full_rank_models', type=str, default='standard_1head,bilinear_btt,bilinear_mlr',
+                   help='bottleneck sweep: which of these train at --full_rank_widths (comma-separated)')
     g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
     g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
     g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
@@ -787,7 +789,7 @@ QUICK = {
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
                 'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
-                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths'}
+                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths', 'full_rank_models'}
 
 
 def finished_run(args):
@@ -999,6 +1001,8 @@ def bottleneck_mlr_ranks(spec, head_width):
 
 BOTTLENECK_MODELS = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
                      'bilinear BTT, 8 heads': ('bilinear_btt', 8), 'bilinear MLR, 8 heads': ('bilinear_mlr', 8)}
+FULL_RANK_MODELS = {'standard_1head': 'standard, 1 head', 'bilinear_btt': 'bilinear BTT, 8 heads',
+                    'bilinear_mlr': 'bilinear MLR, 8 heads'}             # --full_rank_models: name -> label
 
 
 def bottleneck_table(runs):
@@ -1050,12 +1054,13 @@ def sweep_bottleneck(args):
     """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
     and 8-head bilinear MLR, each point trained with --seeds seeds."""
     widths, full_rank = [int(w) for w in args.widths.split(',')], full_rank_widths(args)
+    full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
     name, tag = sweep_name(args), '' if args.d == DEFAULTS['d'] else f'_d{args.d}'
     t0 = time.time()
     points = {}
     for D in sorted(widths, reverse=True):                            # costliest first
         for label, (attn, H) in reversed(BOTTLENECK_MODELS.items()):
-            if label != 'standard, 8 heads' and D not in full_rank:
+            if label != 'standard, 8 heads' and (D not in full_rank or label not in full_rank_labels):
                 continue
             ranks = bottleneck_mlr_ranks(args.bottleneck_ranks, D // H) if attn == 'bilinear_mlr' else ''
             if ranks is None:
@@ -1252,6 +1257,10 @@ def check_args(parser, args):
             values = []
         if not values or min(values) <= 0:
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
+    bad = [m for m in args.full_rank_models.split(',') if m not in FULL_RANK_MODELS]
+    if bad:
+        parser.error(f"--full_rank_models {args.full_rank_models!r}: {bad[0]!r} is not a model here; expected "
+                     f"comma-separated names among {', '.join(FULL_RANK_MODELS)}")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
 
