@@ -192,7 +192,7 @@ def add_icl_sweep_args(p):
     g.add_argument('--full_rank_widths', type=str, default='',
                    help='bottleneck sweep: the widths (of --widths) at which 1-head standard and bilinear BTT / MLR '
                         'train; 8-head standard trains at every width ("" = every width)')
-    g.add_argument('--full_rank_models', type=str, default='standard_1head,bilinear_btt,bilinear_mlr',
+    g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS),
                    help='bottleneck sweep: which of these train at --full_rank_widths (comma-separated)')
     g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
     g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
@@ -243,7 +243,8 @@ def upgrade_run_config(cfg):
     old script built its models (it passed only its own flags to ModelConfig)."""
     cfg = upgrade_flags(cfg, RENAMED_FLAGS)
     cfg.setdefault('bilinear_init', 1 if cfg.get('attn', '').startswith('bilinear') else BILINEAR_INIT)
-    cfg.setdefault('full_rank_widths', '')       # a sweep flag since 2026-11-24 (not a training setting)
+    cfg.setdefault('full_rank_widths', '')       # sweep flags since 2026-11-24 (not training settings)
+    cfg.setdefault('full_rank_models', ','.join(FULL_RANK_MODELS))
     return cfg
 
 
