@@ -899,11 +899,14 @@ def print_estimate(jobs, workers):
     torch.set_num_threads(1)                       # as the workers run
     ms, seconds = {}, []
     for (a, _), train in zip(jobs, todo):
+        if not train:
+            seconds.append(0.0)
+            continue
         key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
-        if train and key not in ms:
+        if key not in ms:
             ms[key] = measured_ms_per_step(a)
         evals = (a.max_iters // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
-        seconds.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0 if train else 0.0)  # + baselines
+        seconds.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
     torch.set_num_threads(threads)
     n = sum(todo)
     w = max(1, min(workers, n))
