@@ -28,6 +28,7 @@ import subprocess
 import sys
 import urllib.parse
 from dataclasses import fields
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -2361,12 +2362,16 @@ def test_sweep_jobs_run_longest_first_and_return_in_order(monkeypatch):
 
     import concurrent.futures
     monkeypatch.setattr(concurrent.futures, 'ProcessPoolExecutor', InProcess)
-    monkeypatch.setattr(icl, 'sweep_preflight', lambda jobs: None)
-    monkeypatch.setattr(icl, 'print_estimate', lambda jobs, w: [s for s, _ in jobs])
-    monkeypatch.setattr(icl, '_train_job', lambda job: f'result of {job[1]}')
-    jobs = [(67, 'a'), (366, 'b'), (172, 'c'), (284, 'd')]
-    assert icl.run_jobs(jobs, 2) == ['result of a', 'result of b', 'result of c', 'result of d']
-    assert submitted == ['b', 'd', 'c', 'a']
+    scans = []                                     # the out_dir is scanned once per job, before anything trains
+    monkeypatch.setattr(icl, 'finished_run', lambda a: scans.append(a.s) or ({'run': 'e'} if a.s == 0 else None))
+    monkeypatch.setattr(icl, 'sweep_preflight', lambda todo, a: submitted.append(('preflight', len(todo))))
+    monkeypatch.setattr(icl, 'print_estimate', lambda todo, w, n: [a.s for a, _ in todo])
+    monkeypatch.setattr(icl, '_train_job', lambda job: {'run': job[1]})
+    jobs = [(SimpleNamespace(s=s, reuse=True), name) for s, name in [(67, 'a'), (366, 'b'), (0, 'e'), (172, 'c'),
+                                                                      (284, 'd')]]
+    assert icl.run_jobs(jobs, 2) == [{'run': 'a'}, {'run': 'b'}, {'run': 'e', 'reused': True}, {'run': 'c'},
+                                     {'run': 'd'}]
+    assert submitted == [('preflight', 4), 'b', 'd', 'c', 'a'] and scans == [67, 366, 0, 172, 284]
 
 
 @pytest.mark.parametrize('sweep', ['compute', 'linear'])

@@ -809,19 +809,15 @@ def finished_run(args):
 
 def _train_job(job):
     args, name = job
-    if args.reuse and (r := finished_run(args)) is not None:
-        print(f'[{name}] reusing the finished run {r["run"]} (same training settings)')
-        return dict(r, reused=True)
     r = train(args, run_name=name)
     r.pop('_model')          # results only: they cross a process boundary
     return r
 
 
-def sweep_preflight(jobs):
+def sweep_preflight(todo, a):
     """A sweep's start-up checks, before any run trains: --out_dir (and --assets_dir) can be written, and no run
-    that is not reused replaces an earlier run's files, or resumes a checkpoint of other settings."""
-    a = jobs[0][0]
-    todo = [(args, name) for args, name in jobs if not (args.reuse and finished_run(args) is not None)]
+    to train (`todo`, the jobs not reused; `a` any job's args) replaces an earlier run's files, or resumes a
+    checkpoint of other settings."""
     files = [os.path.join(a.out_dir, f'{name}.{ext}') for _, name in todo for ext in ('pt', 'json')]
     prepare_out_dir(a.out_dir, files, a.resume, a.overwrite)
     if a.assets_dir:
@@ -834,18 +830,28 @@ def sweep_preflight(jobs):
 
 
 def run_jobs(jobs, workers):
-    """Train each (args, name); with workers > 1, in that many fresh processes (1 torch thread each), the longest
-    runs first (by the estimate), so that the short ones fill the gaps at the end. -> results in the jobs' order."""
-    sweep_preflight(jobs)
-    seconds = print_estimate(jobs, workers)
+    """Train each (args, name) that has no finished run in --out_dir (with --reuse; one scan of the folder for
+    all the jobs); with workers > 1, in that many fresh processes (1 torch thread each), the longest runs first
+    (by the estimate), so that the short ones fill the gaps at the end. -> results in the jobs' order."""
+    results = [finished_run(a) if a.reuse else None for a, _ in jobs]
+    for i, (_, name) in enumerate(jobs):
+        if results[i] is not None:
+            print(f'[{name}] reusing the finished run {results[i]["run"]} (same training settings)')
+            results[i] = dict(results[i], reused=True)
+    todo = [i for i, r in enumerate(results) if r is None]
+    sweep_preflight([jobs[i] for i in todo], jobs[0][0])
+    seconds = print_estimate([jobs[i] for i in todo], workers, len(jobs))
+    order = [todo[i] for i in sorted(range(len(todo)), key=lambda i: -seconds[i])]
     if workers <= 1:
-        return [_train_job(j) for j in jobs]
-    import concurrent.futures
-    import multiprocessing
-    order = sorted(range(len(jobs)), key=lambda i: -seconds[i])
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as ex:
-        results = list(ex.map(_train_job, [jobs[i] for i in order]))
-    return [r for _, r in sorted(zip(order, results), key=lambda ir: ir[0])]
+        trained = [_train_job(jobs[i]) for i in order]
+    else:
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as ex:
+            trained = list(ex.map(_train_job, [jobs[i] for i in order]))
+    for i, r in zip(order, trained):
+        results[i] = r
+    return results
 
 
 def variant(args, **overrides):
@@ -887,30 +893,26 @@ def longest_first_wall(seconds, workers):
     return max(free)
 
 
-def print_estimate(jobs, workers):
-    """Before a sweep trains: its expected wall time from a measured ms/step per distinct model (the seeds of a
-    point share one measurement). Per run: steps x ms/step, plus the evaluations (a forward is ~1/3 of a step).
-    -> the estimated seconds of each job (0 for a finished run that will be reused)."""
-    todo = [not (a.reuse and finished_run(a) is not None) for a, _ in jobs]
-    if not any(todo):
-        print(f'estimate: all {len(jobs)} runs are finished in --out_dir; nothing to train')
-        return [0.0] * len(jobs)
+def print_estimate(todo, workers, n_jobs):
+    """Before a sweep trains the jobs `todo` (of n_jobs; the rest reuse finished runs): its expected wall time
+    from a measured ms/step per distinct model (the seeds of a point share one measurement). Per run: steps x
+    ms/step, plus the evaluations (a forward is ~1/3 of a step). -> the estimated seconds of each job in todo."""
+    if not todo:
+        print(f'estimate: all {n_jobs} runs are finished in --out_dir; nothing to train')
+        return []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                       # as the workers run
     ms, seconds = {}, []
-    for (a, _), train in zip(jobs, todo):
-        if not train:
-            seconds.append(0.0)
-            continue
+    for a, _ in todo:
         key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
         if key not in ms:
             ms[key] = measured_ms_per_step(a)
         evals = (a.max_iters // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
         seconds.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
     torch.set_num_threads(threads)
-    n = sum(todo)
+    n = len(todo)
     w = max(1, min(workers, n))
-    print(f'estimate: {n} of {len(jobs)} runs to train ({len(jobs) - n} finished ones reused), '
+    print(f'estimate: {n} of {n_jobs} runs to train ({n_jobs - n} finished ones reused), '
           f'{sum(seconds) / 60:.1f} min of training on 1 thread each -> about '
           f'{longest_first_wall(seconds, w) / 60:.1f} min wall with {w} worker(s), longest runs first, on an idle '
           'machine (ms/step measured now: '
