@@ -2251,13 +2251,33 @@ def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
         'bottleneck_bilinear_btt_H8_D8_d4_s0'}
     got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_widths',
                                                  '16'), capsys)
-    assert_one_line_error(got, err, 2, ["--full_rank_widths '16' must be among --widths '8'"], 'train_icl.py')
+    assert_one_line_error(got, err, 2, ["--full_rank_widths '16': its widths must be among --widths '8'"],
+                          'train_icl.py')
     only = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
                                    '--bottleneck_ranks', '', '--seeds', '1'))
     assert sorted(t['model'] for t in only['table']) == ['standard, 1 head, D=8', 'standard, 8 heads, D=8']
     assert len(only['reused']) == 2                        # the same runs as above: a sweep flag, not a setting
     got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--full_rank_models', 'btt'), capsys)
     assert_one_line_error(got, err, 2, ["--full_rank_models 'btt'", 'standard_1head, bilinear_btt'], 'train_icl.py')
+
+
+def test_bottleneck_sweep_width_lrs(tmp_path, capsys):
+    """--width_lrs: every model at a listed width trains at its lr, the other widths at --lr; the lr is a training
+    setting of each run (a run at another lr is not reused). Bad specs and widths outside --widths: one line."""
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8', '--lr', '3e-4',
+                          '--width_lrs', '8:1e-4', '--bottleneck_ranks', '', '--seeds', '1')
+    out = icl.main(argv)
+    lrs = {k: r['config']['lr'] for k, r in out['runs'].items()}
+    assert lrs == {'standard, 8 heads, D=16, seed=0': 3e-4, 'standard, 8 heads, D=8, seed=0': 1e-4,
+                   'standard, 1 head, D=8, seed=0': 1e-4, 'bilinear BTT, 8 heads, D=8, seed=0': 1e-4}
+    assert len(icl.main(argv)['reused']) == 4
+    other = icl.main([a if a != '8:1e-4' else '8:2e-4' for a in argv] + ['--overwrite'])
+    assert sorted(other['reused']) == ['standard, 8 heads, D=16, seed=0']
+    for bad, words in (('8:0', "--width_lrs '8:0'"), ('8', "--width_lrs '8'"), ('x:1e-4', "'width:lr,...'"),
+                       ('8:nan', "--width_lrs '8:nan'"), ('16:1e-4', "--width_lrs '16:1e-4': its widths must be among")):
+        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--width_lrs', bad),
+                           capsys)
+        assert_one_line_error(got, err, 2, [words], 'train_icl.py')
 
 
 def test_sweep_variant_keeps_mlr_layernorm_default_for_other_models(tmp_path):
@@ -2278,8 +2298,9 @@ def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(icl, 'report_outputs', lambda **kw: seen.setdefault('outputs', kw))
     icl.main(['--sweep', 'bottleneck', '--d', '8', '--seeds', '2', '--out_dir', str(tmp_path)])
     a, recipe = seen['args'], icl.LARGER_D_RECIPE[8]
-    assert (a.widths, a.full_rank_widths, a.max_iters) == (recipe['widths'], recipe['full_rank_widths'],
-                                                           recipe['max_iters'])
+    assert (a.widths, a.full_rank_widths, a.max_iters, a.width_lrs, a.bottleneck_ranks) == (
+        recipe['widths'], recipe['full_rank_widths'], recipe['max_iters'], recipe['width_lrs'],
+        recipe['bottleneck_ranks'])
     assert a.seeds == 2 and a.curr_interval == icl.SWEEP_RECIPE['bottleneck']['curr_interval']
     assert seen['outputs']['results'].endswith('sweep_bottleneck_d8.json')
     assert 'icl_position_d8.png' in seen['outputs']['plots']

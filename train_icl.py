@@ -194,6 +194,9 @@ def add_icl_sweep_args(p):
                         'train; 8-head standard trains at every width ("" = every width)')
     g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS),
                    help='bottleneck sweep: which of these train at --full_rank_widths (comma-separated)')
+    g.add_argument('--width_lrs', type=str, default='',
+                   help="bottleneck sweep: the lr at these widths, 'width:lr,...' (the official runs sweep the lr "
+                        "per width); the other widths train at --lr")
     g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
     g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
     g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
@@ -245,6 +248,7 @@ def upgrade_run_config(cfg):
     cfg.setdefault('bilinear_init', 1 if cfg.get('attn', '').startswith('bilinear') else BILINEAR_INIT)
     cfg.setdefault('full_rank_widths', '')       # sweep flags since 2026-11-24 (not training settings)
     cfg.setdefault('full_rank_models', ','.join(FULL_RANK_MODELS))
+    cfg.setdefault('width_lrs', '')
     return cfg
 
 
@@ -765,20 +769,22 @@ SWEEP_RECIPE = {
 }
 # `--sweep bottleneck --d 8`, the one larger d: its recipe on top of SWEEP_RECIPE['bottleneck']. The d = 5 sweep at
 # d = 8 would take ~3.6 h (all four models at two widths, 10 000 steps), so it trains what the threshold needs:
-# 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT) at width 4 only
+# 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT and MLR) at width 4
 LARGER_D_RECIPE = {8: dict(
     widths='32,64', full_rank_widths='32',
-    # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling. With
-    # 8000 the sweep took 70 min (over the 60-min budget; the full-rank models are still short of steps: README);
-    # the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8, N = 16 at 3000
+    # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling; with
+    # 8000 the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8 at 3000
     max_iters=8000,
-    # no bilinear MLR (its 1|1|2 costs 69 % of BTT's CPU time; the budget has room for one of the two): add it with
-    # --bottleneck_ranks '4:1|1|2' (README: 27 min more, and the best model at D = 32)
-    bottleneck_ranks='')}
+    # the lr per width, as the official runs choose it from a grid per width (standard: 1e-3, 5e-4, 1e-4, 5e-5):
+    # at D = 32 the muP lr (x 768 / fan_in) of 1e-4 is too large. 1 head, D = 32, seeds 0 / 1: 0.328 / 0.879 at
+    # 1e-4, 0.051 / 0.042 at 5e-5 (README, "CPU recipe"). D = 64 keeps 1e-4 (every model there learned with it)
+    width_lrs='32:5e-5',
+    bottleneck_ranks='4:1|1|2')}
 
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
-    # D = 24 only (8 heads of width 3 < d), one seed; no bilinear MLR (with it: ~8.3 min, over budget)
+    # D = 24 only (8 heads of width 3 < d), one seed; no bilinear MLR (with it, its runs are the compute quick mode's
+    # four: 7.5 min longest first, a margin too thin for the 8-min budget on a machine that is not idle)
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200, bottleneck_ranks=''),
     # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR 1|1|1: 7.5 min from scratch
     # (the runs longest first; 8.9 min in the table's order), ~5 min (its MLR run) after the bottleneck quick mode
@@ -790,7 +796,8 @@ QUICK = {
 
 NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
                 'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
-                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths', 'full_rank_models'}
+                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths', 'full_rank_models',
+                'width_lrs'}
 
 
 def finished_run(args):
@@ -990,6 +997,11 @@ def position_plot_name(args):
     return 'icl_position.png' if args.d == DEFAULTS['d'] else f'icl_position_d{args.d}.png'
 
 
+def width_lrs(args):
+    """--width_lrs 'width:lr,...' -> {width: lr} (empty: every width at --lr)."""
+    return {int(w): float(lr) for w, lr in (item.split(':') for item in args.width_lrs.split(',') if item)}
+
+
 def bottleneck_mlr_ranks(spec, head_width):
     """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'), or None when the width
     is not listed: the sweep then trains no bilinear MLR there. The ranks sum to the head width, as the official
@@ -1072,7 +1084,8 @@ def sweep_bottleneck(args):
             if ranks is None:
                 print(f'{label}, D={D}: not trained (head width {D // H} has no entry in --bottleneck_ranks)')
                 continue
-            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
+            lr = width_lrs(args).get(D, args.lr)
+            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks, lr=lr),
                                          f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}{tag}')
     runs = run_points(args, points)
     wall = time.time() - t0
@@ -1267,6 +1280,13 @@ def check_args(parser, args):
     if bad:
         parser.error(f"--full_rank_models {args.full_rank_models!r}: {bad[0]!r} is not a model here; expected "
                      f"comma-separated names among {', '.join(FULL_RANK_MODELS)}")
+    try:
+        lrs = width_lrs(args)
+    except ValueError:
+        lrs = {0: 0}
+    if not all(v > 0 for v in [*lrs, *lrs.values()]):                   # not > 0: also nan
+        parser.error(f"--width_lrs {args.width_lrs!r}: expected 'width:lr,...' with positive widths and lrs, "
+                     "e.g. '32:5e-5'")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
 
@@ -1287,8 +1307,9 @@ def main(argv=None):
             if k not in given:
                 setattr(args, k, v)
         args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
-        if not set(full_rank_widths(args)) <= set(int(w) for w in args.widths.split(',')):
-            parser.error(f"--full_rank_widths {args.full_rank_widths!r} must be among --widths {args.widths!r}")
+        for flag, ws in (('full_rank_widths', full_rank_widths(args)), ('width_lrs', width_lrs(args))):
+            if not set(ws) <= set(int(w) for w in args.widths.split(',')):
+                parser.error(f"--{flag} {getattr(args, flag)!r}: its widths must be among --widths {args.widths!r}")
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
         pick_device(args.device)
