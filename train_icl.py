@@ -775,9 +775,10 @@ LARGER_D_RECIPE = {8: dict(
     # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling; with
     # 8000 the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8 at 3000
     max_iters=8000,
-    # the lr per width, as the official runs choose it from a grid per width (standard: 1e-3, 5e-4, 1e-4, 5e-5):
-    # at D = 32 the muP lr (x 768 / fan_in) of 1e-4 is too large. 1 head, D = 32, seeds 0 / 1: 0.328 / 0.879 at
-    # 1e-4, 0.051 / 0.042 at 5e-5 (README, "CPU recipe"). D = 64 keeps 1e-4 (every model there learned with it)
+    # the lr per width, as the official runs pick it from a grid per width (standard 1e-3 ... 5e-5, BTT 1e-4 and
+    # 5e-5, bilinear MLR 1e-2 ... 1e-4; here one lr for all models at a width). Under muP (lr x 768 / fan_in) 1e-4
+    # is too large at D = 32: 1 head, seeds 0 / 1, 0.328 / 0.879 at 1e-4, 0.051 / 0.042 at 5e-5 (README, "CPU
+    # recipe"). D = 64 keeps 1e-4: both models trained there learned with it
     width_lrs='32:5e-5',
     bottleneck_ranks='4:1|1|2')}
 
