@@ -2264,12 +2264,16 @@ def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
 def test_bottleneck_sweep_width_lrs(tmp_path, capsys):
     """--width_lrs: every model at a listed width trains at its lr, the other widths at --lr; the lr is a training
     setting of each run (a run at another lr is not reused). Bad specs and widths outside --widths: one line."""
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8', '--lr', '3e-4',
-                          '--width_lrs', '8:1e-4', '--bottleneck_ranks', '', '--seeds', '1')
+    base = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8', '--lr', '3e-4',
+                          '--bottleneck_ranks', '', '--seeds', '1')
+    argv = base + ['--width_lrs', '8:1e-4']
     out = icl.main(argv)
     lrs = {k: r['config']['lr'] for k, r in out['runs'].items()}
     assert lrs == {'standard, 8 heads, D=16, seed=0': 3e-4, 'standard, 8 heads, D=8, seed=0': 1e-4,
                    'standard, 1 head, D=8, seed=0': 1e-4, 'bilinear BTT, 8 heads, D=8, seed=0': 1e-4}
+    args = icl.build_parser().parse_args(argv)
+    assert icl.lr_text(args, [16, 8]) == '0.0001 at D = 8, 0.0003 at 16'                 # the plot's title
+    assert icl.lr_text(icl.build_parser().parse_args(base), [8, 16]) == '0.0003'
     assert len(icl.main(argv)['reused']) == 4
     other = icl.main([a if a != '8:1e-4' else '8:2e-4' for a in argv] + ['--overwrite'])
     assert sorted(other['reused']) == ['standard, 8 heads, D=16, seed=0']

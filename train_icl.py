@@ -1003,6 +1003,14 @@ def width_lrs(args):
     return {int(w): float(lr) for w, lr in (item.split(':') for item in args.width_lrs.split(',') if item)}
 
 
+def lr_text(args, widths):
+    """The sweep's lr for a plot title: '1e-04', or per width with --width_lrs ('5e-05 at D = 32, 1e-04 at 64')."""
+    lrs = {D: width_lrs(args).get(D, args.lr) for D in sorted(widths)}
+    if len(set(lrs.values())) == 1:
+        return f'{args.lr:g}'
+    return ', '.join(f'{lr:g} at {"D = " if i == 0 else ""}{D}' for i, (D, lr) in enumerate(lrs.items()))
+
+
 def bottleneck_mlr_ranks(spec, head_width):
     """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'), or None when the width
     is not listed: the sweep then trains no bilinear MLR there. The ranks sum to the head width, as the official
@@ -1060,7 +1068,8 @@ def plot_bottleneck(path, table, base, widths, args):
     ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
            ylabel=f'error at N = 2d (d = {args.d})',
            title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps, '
-                 f'lr {args.lr:g}\n(least squares = 0; dots: seeds, band: their range)')
+                 f'lr {lr_text(args, widths)}\n(least squares = 0; dots: seeds, band: their range)')
+    ax.title.set_fontsize('medium')
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.legend(fontsize=7, loc='center left', bbox_to_anchor=(1.01, 0.5))   # outside: it hid seeds' dots
