@@ -776,9 +776,10 @@ LARGER_D_RECIPE = {8: dict(
     # 8000 the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8 at 3000
     max_iters=8000,
     # the lr per width, as the official runs pick it from a grid per width (standard 1e-3 ... 5e-5, BTT 1e-4 and
-    # 5e-5, bilinear MLR 1e-2 ... 1e-4; here one lr for all models at a width). Under muP (lr x 768 / fan_in) 1e-4
-    # is too large at D = 32: 1 head, seeds 0 / 1, 0.328 / 0.879 at 1e-4, 0.051 / 0.042 at 5e-5 (README, "CPU
-    # recipe"). D = 64 keeps 1e-4: both models trained there learned with it
+    # 5e-5, bilinear MLR 1e-2 ... 1e-4; here one lr for all models at a width, so bilinear MLR's 5e-5 at D = 32 is
+    # below its official grid). Under muP (lr x 768 / fan_in) 1e-4 is too large at D = 32: 1 head, seeds 0 / 1,
+    # 0.328 / 0.879 at 1e-4, 0.051 / 0.042 at 5e-5 (README, "CPU recipe"). D = 64 keeps 1e-4: both models trained
+    # there learned with it
     width_lrs='32:5e-5',
     bottleneck_ranks='4:1|1|2')}
 
@@ -1005,7 +1006,8 @@ def width_lrs(args):
 
 def lr_text(args, widths):
     """The sweep's lr for a plot title: '1e-04', or per width with --width_lrs ('5e-05 at D = 32, 1e-04 at 64')."""
-    lrs = {D: width_lrs(args).get(D, args.lr) for D in sorted(widths)}
+    given = width_lrs(args)
+    lrs = {D: given.get(D, args.lr) for D in sorted(widths)}
     if len(set(lrs.values())) == 1:
         return f'{args.lr:g}'
     return ', '.join(f'{lr:g} at {"D = " if i == 0 else ""}{D}' for i, (D, lr) in enumerate(lrs.items()))
@@ -1083,6 +1085,7 @@ def sweep_bottleneck(args):
     and 8-head bilinear MLR, each point trained with --seeds seeds."""
     widths, full_rank = [int(w) for w in args.widths.split(',')], full_rank_widths(args)
     full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
+    lrs = width_lrs(args)
     name, tag = sweep_name(args), '' if args.d == DEFAULTS['d'] else f'_d{args.d}'
     t0 = time.time()
     points = {}
@@ -1094,8 +1097,8 @@ def sweep_bottleneck(args):
             if ranks is None:
                 print(f'{label}, D={D}: not trained (head width {D // H} has no entry in --bottleneck_ranks)')
                 continue
-            lr = width_lrs(args).get(D, args.lr)
-            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks, lr=lr),
+            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks,
+                                                 lr=lrs.get(D, args.lr)),
                                          f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}{tag}')
     runs = run_points(args, points)
     wall = time.time() - t0
@@ -1291,10 +1294,10 @@ def check_args(parser, args):
         parser.error(f"--full_rank_models {args.full_rank_models!r}: {bad[0]!r} is not a model here; expected "
                      f"comma-separated names among {', '.join(FULL_RANK_MODELS)}")
     try:
-        lrs = width_lrs(args)
+        ok = all(w > 0 and lr > 0 for w, lr in width_lrs(args).items())  # lr > 0 is False for nan too
     except ValueError:
-        lrs = {0: 0}
-    if not all(v > 0 for v in [*lrs, *lrs.values()]):                   # not > 0: also nan
+        ok = False
+    if not ok:
         parser.error(f"--width_lrs {args.width_lrs!r}: expected 'width:lr,...' with positive widths and lrs, "
                      "e.g. '32:5e-5'")
     if args.resume and args.overwrite:
