@@ -2306,6 +2306,7 @@ def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
         recipe['widths'], recipe['full_rank_widths'], recipe['max_iters'], recipe['width_lrs'],
         recipe['bottleneck_ranks'])
     assert a.seeds == 2 and a.curr_interval == icl.SWEEP_RECIPE['bottleneck']['curr_interval']
+    assert a.lr == icl.CPU_RECIPE['lr'] and icl.width_lrs(a) == {64: 1e-4}   # D = 32 at the recipe's lr
     assert seen['outputs']['results'].endswith('sweep_bottleneck_d8.json')
     assert 'icl_position_d8.png' in seen['outputs']['plots']
     assert icl.sweep_name(icl.variant(a, d=5, sweep='bottleneck')) == 'bottleneck'

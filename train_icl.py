@@ -742,8 +742,12 @@ def write_sweep(args, name, payload, plot_fn):
 # Each sweep's CPU recipe: where it departs from DEFAULTS (the official settings) and why. Applied to every flag
 # not given on the command line; --quick then applies QUICK the same way. How it was found: README, "CPU recipe".
 CPU_RECIPE = dict(
-    max_iters=5000,          # official 500 001 (GPU); 5000 steps at the official lr 1e-4 took full-rank models to ~0.1
-    lr=1e-4,                 # the official value (in every official lr grid); 3e-4 left 1 head on the plateau longer
+    max_iters=5000,          # official 500 001 (GPU); 5000 steps took the full-rank models to ~0.1
+    # the low end of the official standard-attention grid (1e-3 ... 5e-5; the official default 1e-4). Under muP the
+    # hidden lr is lr x 768 / D, so 1e-4 is 3.2e-3 at D = 24: there a seed could stay on the "predict 0" plateau
+    # (1 head at d = 5: 0.084 / 0.628 / 0.112 over seeds 0-2); at 5e-5 every 1-head and BTT run ends <= 0.1 and the
+    # seeds agree (std <= 0.014). 3e-4 left 1 head on the plateau longer. README, "CPU recipe"
+    lr=5e-5,
     # Curriculum: Garg et al.'s idea, stretched. The official one (dims from 4, +1 per 2000 of 500 001 steps) ends
     # after ~6 % of the run, ~300 steps here, which is no curriculum at d = 5; without one, 1 head at D = 24 stayed
     # on the predict-0 plateau for 5000 steps (1.04), with this one it reached 0.08. Dims from 2 and points from 4,
@@ -777,10 +781,10 @@ LARGER_D_RECIPE = {8: dict(
     max_iters=8000,
     # the lr per width, as the official runs pick it from a grid per width (standard 1e-3 ... 5e-5, BTT 1e-4 and
     # 5e-5, bilinear MLR 1e-2 ... 1e-4; here one lr for all models at a width, so bilinear MLR's 5e-5 at D = 32 is
-    # below its official grid). Under muP (lr x 768 / fan_in) 1e-4 is too large at D = 32: 1 head, seeds 0 / 1,
-    # 0.328 / 0.879 at 1e-4, 0.051 / 0.042 at 5e-5 (README, "CPU recipe"). D = 64 keeps 1e-4: both models trained
-    # there learned with it
-    width_lrs='32:5e-5',
+    # below its official grid). D = 32 keeps the recipe's 5e-5: at 1e-4, 1 head (seeds 0 / 1) ended 0.328 / 0.879,
+    # at 5e-5 0.051 / 0.042 (README, "CPU recipe"). D = 64 trains at 1e-4 (muP gives it half D = 32's hidden lr
+    # already): both models trained there learned with it
+    width_lrs='64:1e-4',
     bottleneck_ranks='4:1|1|2')}
 
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
