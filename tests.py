@@ -2322,6 +2322,24 @@ def icl_sweep_argv(tmp_path, sweep, *extra):
     return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--max_iters', '2', '--workers', '1', *extra)
 
 
+def test_quick_sweep_files_lie_beside_the_full_sweeps(tmp_path):
+    """--quick tags its runs, sweep JSON and plots '_quick': run in the full sweep's --out_dir / --assets_dir it
+    neither collides with the full runs (refused, or asked to --overwrite them) nor replaces their plots."""
+    assets = tmp_path / 'assets'
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                          '--seeds', '1', '--assets_dir', str(assets))
+    icl.main(argv + ['--max_iters', '3'])                                 # the "full" sweep: other settings
+    quick = icl.main(argv + ['--quick'])
+    assert not quick['reused'] and all(r['run'].endswith('_d4_quick_s0') for r in quick['runs'].values())
+    for name in ('sweep_bottleneck_d4', 'sweep_bottleneck_d4_quick'):
+        with open(tmp_path / f'{name}.json') as f:
+            assert json.load(f)['runs']                                   # both summaries kept
+    for name in ('icl_bottleneck_d4', 'icl_bottleneck_d4_quick', 'icl_position_d4', 'icl_position_d4_quick'):
+        assert os.path.exists(assets / f'{name}.png')
+    runs = {p.name for p in tmp_path.glob('bottleneck_*.json')}
+    assert runs == {f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
+
+
 def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
     first = icl.main(argv)
@@ -2409,7 +2427,8 @@ def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
     key = 'err_at_2d' if sweep == 'compute' else 'test'
     for row in out['table']:
         assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
-    assert os.path.exists(tmp_path / f'icl_{sweep}.png')
+    tag = '_d4' if sweep == 'compute' else ''      # the tiny argv's d = 4; the linear sweep is d = 5 whatever --d says
+    assert os.path.exists(tmp_path / f'icl_{sweep}{tag}.png')
     if sweep == 'linear':              # seed 003: each architecture with its own tuned lr and muP off; the
         for k, r in out['runs'].items():                # --batch_size 4 given by the tiny argv wins for both
             want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4)

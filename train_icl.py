@@ -782,17 +782,17 @@ LARGER_D_RECIPE = {8: dict(
     # the lr per width, as the official runs pick it from a grid per width (standard 1e-3 ... 5e-5, BTT 1e-4 and
     # 5e-5, bilinear MLR 1e-2 ... 1e-4; here one lr for all models at a width, so bilinear MLR's 5e-5 at D = 32 is
     # below its official grid). D = 32 keeps the recipe's 5e-5: at 1e-4, 1 head (seeds 0 / 1) ended 0.328 / 0.879,
-    # at 5e-5 0.051 / 0.042 (README, "CPU recipe"). D = 64 trains at 1e-4 (muP gives it half D = 32's hidden lr
-    # already): both models trained there learned with it
+    # at 5e-5 0.051 / 0.042 (README, "CPU recipe"). D = 64 trains at 1e-4: under muP the hidden lr is lr x 768 / D,
+    # so both widths get 1.2e-3, and both models trained at D = 64 learned with it
     width_lrs='64:1e-4',
     bottleneck_ranks='4:1|1|2')}
 
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
     # D = 24 only (8 heads of width 3 < d), one seed; no bilinear MLR (with it, its runs are the compute quick mode's
-    # four: 7.5 min longest first, a margin too thin for the 8-min budget on a machine that is not idle)
+    # four: 7.3 min longest first, a margin too thin for the 8-min budget on a machine that is not idle)
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200, bottleneck_ranks=''),
-    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR 1|1|1: 7.5 min from scratch
+    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR 1|1|1: 7.3 min from scratch
     # (the runs longest first; 8.9 min in the table's order), ~5 min (its MLR run) after the bottleneck quick mode
     'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),
     # 3 layers only: the depth at which seed 003 compares the two at their best (1.6 min once; README)
@@ -991,16 +991,22 @@ def full_rank_widths(args):
     return [int(w) for w in (args.full_rank_widths or args.widths).split(',')]
 
 
+def run_tag(args):
+    """What tells a sweep's files apart from the full d = 5 sweep's: '_d8' at d = 8 (not for the linear sweep,
+    seed 003's d = 5 whatever --d says), '_quick' with --quick, else ''. In its run names, its sweep JSON and its
+    plots, so that the sweeps' outputs lie side by side in one --out_dir / --assets_dir and a --quick run never
+    collides with (or is asked to --overwrite) a full one."""
+    other_d = args.d != DEFAULTS['d'] and args.sweep != 'linear'
+    return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
+
+
 def sweep_name(args):
-    """The sweep's name in its files: 'bottleneck' at the default d, 'bottleneck_d8' at d = 8 (the two sweeps'
-    outputs side by side in one --out_dir / --assets_dir), else the --sweep name."""
-    if args.sweep == 'bottleneck' and args.d != DEFAULTS['d']:
-        return f'bottleneck_d{args.d}'
-    return args.sweep
+    """The sweep's name in its files: 'bottleneck', 'bottleneck_d8', 'compute_quick', ..."""
+    return args.sweep + run_tag(args)
 
 
 def position_plot_name(args):
-    return 'icl_position.png' if args.d == DEFAULTS['d'] else f'icl_position_d{args.d}.png'
+    return f'icl_position{run_tag(args)}.png'
 
 
 def width_lrs(args):
@@ -1090,7 +1096,7 @@ def sweep_bottleneck(args):
     widths, full_rank = [int(w) for w in args.widths.split(',')], full_rank_widths(args)
     full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
     lrs = width_lrs(args)
-    name, tag = sweep_name(args), '' if args.d == DEFAULTS['d'] else f'_d{args.d}'
+    name, tag = sweep_name(args), run_tag(args)
     t0 = time.time()
     points = {}
     for D in sorted(widths, reverse=True):                            # costliest first
@@ -1134,7 +1140,7 @@ def sweep_compute(args):
     models.update({'bilinear BTT, 8 heads': ('bilinear_btt', 8, ''), 'standard, 1 head': ('standard', 1, ''),
                    'standard, 8 heads': ('standard', 8, '')})
     points = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
-                      f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}')
+                      f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}{run_tag(args)}')
               for label, (attn, H, ranks) in models.items()}
     t0 = time.time()
     runs = run_points(args, points)
@@ -1167,7 +1173,7 @@ def sweep_compute(args):
 
     payload = {'sweep': 'compute', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
                'table': table, 'baselines': next(iter(runs.values()))[0]['baselines'], 'runs': seed_runs(runs)}
-    write_sweep(args, 'compute', payload, plot)
+    write_sweep(args, sweep_name(args), payload, plot)
     return payload
 
 
@@ -1189,7 +1195,7 @@ def sweep_linear(args):
     points = {f'{attn} {L}-layer': (variant(args, attn=attn, n_layer=L, n_head=4, n_embd=args.linear_width, d=5,
                                             n_points=11, test_cov='aniso', **optimizer[attn],
                                             grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
-                                    f'linear_{attn}_L{L}')
+                                    f'linear_{attn}_L{L}{run_tag(args)}')
               for L in sorted((int(x) for x in args.depths.split(',')), reverse=True)
               for attn in ('standard', 'linear')}
     t0 = time.time()
@@ -1235,7 +1241,7 @@ def sweep_linear(args):
                'baselines_query': {k: v['query'] for k, v in base['baselines'].items()},
                'baselines_query_aniso': {k: v['query'] for k, v in base['baselines_shifted'].items()},
                'baselines': base['baselines'], 'runs': seed_runs(runs)}
-    write_sweep(args, 'linear', payload, plot)
+    write_sweep(args, sweep_name(args), payload, plot)
     return payload
 
 
