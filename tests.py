@@ -2274,6 +2274,7 @@ def test_bottleneck_sweep_width_lrs(tmp_path, capsys):
     args = icl.build_parser().parse_args(argv)
     assert icl.lr_text(args, [16, 8]) == '0.0001 at D = 8, 0.0003 at 16'                 # the plot's title
     assert icl.lr_text(icl.build_parser().parse_args(base), [8, 16]) == '0.0003'
+    assert icl.lr_text(icl.build_parser().parse_args(base + ['--width_lrs', '8:1e-4,16:1e-4']), [8, 16]) == '0.0001'
     assert len(icl.main(argv)['reused']) == 4
     other = icl.main([a if a != '8:1e-4' else '8:2e-4' for a in argv] + ['--overwrite'])
     assert sorted(other['reused']) == ['standard, 8 heads, D=16, seed=0']
@@ -2313,6 +2314,13 @@ def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
     assert icl.position_plot_name(icl.variant(a, d=5)) == 'icl_position.png'
     got, err = run_cli(icl.main, ['--sweep', 'bottleneck', '--d', '8', '--quick'], capsys)
     assert_one_line_error(got, err, 2, ['--quick', 'd = 8'], 'train_icl.py')
+    seen.clear()            # other --widths: the recipe's per-width settings (which name 32 and 64) are not applied
+    icl.main(['--sweep', 'bottleneck', '--d', '8', '--widths', '16,32', '--out_dir', str(tmp_path)])
+    a = seen['args']
+    assert (a.widths, a.full_rank_widths, a.width_lrs, a.max_iters) == ('16,32', '', '', recipe['max_iters'])
+    seen.clear()
+    icl.main(['--sweep', 'bottleneck', '--widths', '16', '--full_rank_widths', '16', '--out_dir', str(tmp_path)])
+    assert seen['args'].full_rank_widths == '16'                          # given with them: wins
 
 
 # -----------------------------------------------------------------------------

@@ -742,7 +742,9 @@ def write_sweep(args, name, payload, plot_fn):
 # Each sweep's CPU recipe: where it departs from DEFAULTS (the official settings) and why. Applied to every flag
 # not given on the command line; --quick then applies QUICK the same way. How it was found: README, "CPU recipe".
 CPU_RECIPE = dict(
-    max_iters=5000,          # official 500 001 (GPU); 5000 steps took the full-rank models to ~0.1
+    # official 500 001 (GPU). At 5000 steps bilinear MLR 1|1|1 at D = 24 ended just above 0.1 on every seed (0.104 -
+    # 0.122, still falling); at 7000 every full-rank run at D = 24 ends <= 0.1 and 8 heads of width 3 stay >= 0.5
+    max_iters=7000,
     # the low end of the official standard-attention grid (1e-3 ... 5e-5; the official default 1e-4). Under muP the
     # hidden lr is lr x 768 / D, so 1e-4 is 3.2e-3 at D = 24: there a seed could stay on the "predict 0" plateau
     # (1 head at d = 5: 0.084 / 0.628 / 0.112 over seeds 0-2); at 5e-5 every 1-head and BTT run ends <= 0.1 and the
@@ -761,9 +763,12 @@ CPU_RECIPE = dict(
 MLR_SMALL_HEADS = dict(bilinear_mlr_ln='head')
 SWEEP_RECIPE = {
     # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
-    # widths 2 and 3 fail, 4 learns). Bilinear MLR 1|1|1 at head width 3 (levels of 1, 2, 4 features: score rank
-    # 7 >= d once every level learns) and 1|1|2 at head width 4 (1, 2, 8 features: rank 11)
-    'bottleneck': dict(CPU_RECIPE, **MLR_SMALL_HEADS, widths='24,32', bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
+    # widths 2 and 3 fail, 4 learns). The full-rank models at D = 24 only, where 8 heads fail (as the d = 8 recipe
+    # does): the 15 runs fit the 60-min budget (all four models at both widths would take ~85 min at 7000 steps;
+    # --full_rank_widths 24,32 trains them). Bilinear MLR 1|1|1 at head width 3 (levels of 1, 2, 4 features: score
+    # rank 7 >= d once every level learns); 1|1|2 at head width 4 (1, 2, 8 features: rank 11) with --full_rank_widths
+    'bottleneck': dict(CPU_RECIPE, **MLR_SMALL_HEADS, widths='24,32', full_rank_widths='24',
+                       bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
     # the bottleneck sweep's D = 24, where 8 heads fail (its runs are reused): bilinear MLR 1|1|1 as there
     'compute': dict(CPU_RECIPE, **MLR_SMALL_HEADS, compute_width=24, compute_ranks='1|1|1'),
     # seed 003: softmax 30 000 steps, linear 7500 / 8000 / 10 000 (1 / 3 / 6 layers), best checkpoint by validation
@@ -786,6 +791,10 @@ LARGER_D_RECIPE = {8: dict(
     # so both widths get 1.2e-3, and both models trained at D = 64 learned with it
     width_lrs='64:1e-4',
     bottleneck_ranks='4:1|1|2')}
+
+# Recipe settings that name the recipe's widths: with --widths given they are not applied (every width then trains
+# the full-rank models, at --lr), unless given too
+PER_WIDTH = {'full_rank_widths', 'width_lrs'}
 
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
 QUICK = {
@@ -1019,7 +1028,7 @@ def lr_text(args, widths):
     given = width_lrs(args)
     lrs = {D: given.get(D, args.lr) for D in sorted(widths)}
     if len(set(lrs.values())) == 1:
-        return f'{args.lr:g}'
+        return f'{lrs[min(lrs)]:g}'                 # one lr: --lr, or the --width_lrs value of every width
     return ', '.join(f'{lr:g} at {"D = " if i == 0 else ""}{D}' for i, (D, lr) in enumerate(lrs.items()))
 
 
@@ -1079,8 +1088,8 @@ def plot_bottleneck(path, table, base, widths, args):
             ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
     ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
            ylabel=f'error at N = 2d (d = {args.d})',
-           title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps, '
-                 f'lr {lr_text(args, widths)}\n(least squares = 0; dots: seeds, band: their range)')
+           title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps\n'
+                 f'lr {lr_text(args, widths)} (least squares = 0; dots: seeds, band: their range)')
     ax.title.set_fontsize('medium')
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.xaxis.set_minor_locator(plt.NullLocator())
@@ -1327,7 +1336,7 @@ def main(argv=None):
             parser.error(f'--quick is the d = {DEFAULTS["d"]} bottleneck sweep\'s short version; the d = {args.d} '
                          f'sweep has none (drop --quick, or --d)')
         for k, v in {**SWEEP_RECIPE[args.sweep], **larger_d, **(QUICK[args.sweep] if args.quick else {})}.items():
-            if k not in given:
+            if k not in given and not (k in PER_WIDTH and 'widths' in given):   # per-width: the recipe's widths
                 setattr(args, k, v)
         args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
         for flag, ws in (('full_rank_widths', full_rank_widths(args)), ('width_lrs', width_lrs(args))):
