@@ -1089,7 +1089,7 @@ def plot_bottleneck(path, table, base, widths, args):
     ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
            ylabel=f'error at N = 2d (d = {args.d})',
            title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps\n'
-                 f'lr {lr_text(args, widths)} (least squares = 0; dots: seeds, band: their range)')
+                 f'lr {lr_text(args, widths)}\n(least squares = 0; dots: seeds, band: their range)')
     ax.title.set_fontsize('medium')
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.xaxis.set_minor_locator(plt.NullLocator())
