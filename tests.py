@@ -2398,6 +2398,31 @@ def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
     assert len(again['reused']) == 6
 
 
+def test_estimate_counts_only_the_steps_a_resumed_run_has_left(tmp_path, monkeypatch):
+    """--resume continues a run's checkpoint: the preflight hands its step to the estimate, which counts only the
+    steps (and evaluations) left (it counted whole runs: 110 min printed for 37 min of work)."""
+    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                          '--seeds', '1')
+    icl.main(argv)                                                        # 2 steps per run
+    name = 'bottleneck_standard_H8_D8_d4_s0'
+    os.remove(tmp_path / f'{name}.json')                                  # as if cut off at step 2 of 4
+    ck = torch.load(tmp_path / f'{name}.pt', weights_only=True)
+    ck['config']['max_iters'] = 4
+    torch.save(ck, tmp_path / f'{name}.pt')
+    seen = {}
+    real = icl.print_estimate
+    monkeypatch.setattr(icl, 'print_estimate', lambda todo, w, n, done: (seen.update(done=done),
+                                                                         real(todo, w, n, done))[1])
+    out = icl.main(argv + ['--max_iters', '4', '--resume', '--full_rank_models', 'bilinear_btt'])
+    assert seen['done'] == {name: 2} and out['runs']['standard, 8 heads, D=8, seed=0']['config']['max_iters'] == 4
+    monkeypatch.setattr(icl, 'measured_ms_per_step', lambda a: 1000.0)   # 1 s per step: the sums below
+    a = SimpleNamespace(attn='standard', n_head=8, n_embd=8, n_layer=2, ranks='', d=4, n_points=8, batch_size=4,
+                        max_iters=4, eval_interval=2, n_eval_during=8, n_eval=16)
+    fresh, resumed = real([(a, 'r')], 1, 1), real([(a, 'r')], 1, 1, {'r': 2})
+    assert fresh == [pytest.approx(4 + (2 * 8 + 2 * 16) / 4 / 3 + 2)]   # steps + evaluations / 3 + baselines
+    assert resumed == [pytest.approx(2 + (1 * 8 + 2 * 16) / 4 / 3 + 2)]
+
+
 def test_sweep_jobs_run_longest_first_and_return_in_order(monkeypatch):
     # the compute quick mode's four runs (CPU s): in the jobs' order two workers would take 538 s, longest first 456
     assert icl.longest_first_wall([366, 284, 67, 172], 2) == 456
@@ -2417,7 +2442,7 @@ def test_sweep_jobs_run_longest_first_and_return_in_order(monkeypatch):
     scans = []                                     # the out_dir is scanned once per job, before anything trains
     monkeypatch.setattr(icl, 'finished_run', lambda a: scans.append(a.s) or ({'run': 'e'} if a.s == 0 else None))
     monkeypatch.setattr(icl, 'sweep_preflight', lambda todo, a: submitted.append(('preflight', len(todo))))
-    monkeypatch.setattr(icl, 'print_estimate', lambda todo, w, n: [a.s for a, _ in todo])
+    monkeypatch.setattr(icl, 'print_estimate', lambda todo, w, n, done: [a.s for a, _ in todo])
     monkeypatch.setattr(icl, '_train_job', lambda job: {'run': job[1]})
     jobs = [(SimpleNamespace(s=s, reuse=True), name) for s, name in [(67, 'a'), (366, 'b'), (0, 'e'), (172, 'c'),
                                                                       (284, 'd')]]

@@ -839,16 +839,20 @@ def _train_job(job):
 def sweep_preflight(todo, a):
     """A sweep's start-up checks, before any run trains: --out_dir (and --assets_dir) can be written, and no run
     to train (`todo`, the jobs not reused; `a` any job's args) replaces an earlier run's files, or resumes a
-    checkpoint of other settings."""
+    checkpoint of other settings. -> {run name: its checkpoint's step} for the runs --resume continues."""
     files = [os.path.join(a.out_dir, f'{name}.{ext}') for _, name in todo for ext in ('pt', 'json')]
     prepare_out_dir(a.out_dir, files, a.resume, a.overwrite)
     if a.assets_dir:
         prepare_out_dir(a.assets_dir, flag='--assets_dir')
+    done = {}
     for args, name in todo if a.resume else []:
         path = os.path.join(a.out_dir, f'{name}.pt')
         if os.path.exists(path):
-            saved = upgrade_run_config(load_checkpoint(path, SCRIPT, ('config',))['config'])
+            ck = load_checkpoint(path, SCRIPT, ('config', 'step'))
+            saved = upgrade_run_config(ck['config'])
             resume_settings(saved, resolve(args), set(saved) - {'bilinear_init'}, NOT_TRAINING)
+            done[name] = ck['step']
+    return done
 
 
 def run_jobs(jobs, workers):
@@ -861,8 +865,8 @@ def run_jobs(jobs, workers):
             print(f'[{name}] reusing the finished run {results[i]["run"]} (same training settings)')
             results[i] = dict(results[i], reused=True)
     todo = [i for i, r in enumerate(results) if r is None]
-    sweep_preflight([jobs[i] for i in todo], jobs[0][0])
-    seconds = print_estimate([jobs[i] for i in todo], workers, len(jobs))
+    done = sweep_preflight([jobs[i] for i in todo], jobs[0][0])
+    seconds = print_estimate([jobs[i] for i in todo], workers, len(jobs), done)
     order = [todo[i] for i in sorted(range(len(todo)), key=lambda i: -seconds[i])]
     if workers <= 1:
         trained = [_train_job(jobs[i]) for i in order]
@@ -915,22 +919,24 @@ def longest_first_wall(seconds, workers):
     return max(free)
 
 
-def print_estimate(todo, workers, n_jobs):
+def print_estimate(todo, workers, n_jobs, done=None):
     """Before a sweep trains the jobs `todo` (of n_jobs; the rest reuse finished runs): its expected wall time
-    from a measured ms/step per distinct model (the seeds of a point share one measurement). Per run: steps x
-    ms/step, plus the evaluations (a forward is ~1/3 of a step). -> the estimated seconds of each job in todo."""
+    from a measured ms/step per distinct model (the seeds of a point share one measurement). Per run: the steps
+    left (`done`: {run name: step of the checkpoint --resume continues}) x ms/step, plus their evaluations (a
+    forward is ~1/3 of a step). -> the estimated seconds of each job in todo."""
     if not todo:
         print(f'estimate: all {n_jobs} runs are finished in --out_dir; nothing to train')
         return []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                       # as the workers run
     ms, seconds = {}, []
-    for a, _ in todo:
+    for a, name in todo:
         key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
         if key not in ms:
             ms[key] = measured_ms_per_step(a)
-        evals = (a.max_iters // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
-        seconds.append(ms[key] / 1e3 * (a.max_iters + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
+        steps = a.max_iters - (done or {}).get(name, 0)
+        evals = (steps // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
+        seconds.append(ms[key] / 1e3 * (steps + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
     torch.set_num_threads(threads)
     n = len(todo)
     w = max(1, min(workers, n))
