@@ -2415,12 +2415,15 @@ def test_estimate_counts_only_the_steps_a_resumed_run_has_left(tmp_path, monkeyp
                                                                          real(todo, w, n, done))[1])
     out = icl.main(argv + ['--max_iters', '4', '--resume', '--full_rank_models', 'bilinear_btt'])
     assert seen['done'] == {name: 2} and out['runs']['standard, 8 heads, D=8, seed=0']['config']['max_iters'] == 4
-    monkeypatch.setattr(icl, 'measured_ms_per_step', lambda a: 1000.0)   # 1 s per step: the sums below
-    a = SimpleNamespace(attn='standard', n_head=8, n_embd=8, n_layer=2, ranks='', d=4, n_points=8, batch_size=4,
-                        max_iters=4, eval_interval=2, n_eval_during=8, n_eval=16)
+    # each step timed at its prompt length N (the curriculum's): 10 ms per point, N = 4 at step 0 and 8 after
+    monkeypatch.setattr(icl, 'measured_ms_per_step', lambda a, n: 10.0 * n)
+    a = icl.variant(icl.build_parser().parse_args(icl_tiny_argv(
+        'standard', tmp_path, '--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')), seed=0)
+    assert icl.steps_per_length(a) == {4: 1, 8: 3} and icl.steps_per_length(a, 2) == {8: 2}
     fresh, resumed = real([(a, 'r')], 1, 1), real([(a, 'r')], 1, 1, {'r': 2})
-    assert fresh == [pytest.approx(4 + (2 * 8 + 2 * 16) / 4 / 3 + 2)]   # steps + evaluations / 3 + baselines
-    assert resumed == [pytest.approx(2 + (1 * 8 + 2 * 16) / 4 / 3 + 2)]
+    # steps at their lengths + evaluations (at N = 8) / 3 + baselines
+    assert fresh == [pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)]
+    assert resumed == [pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)]
 
 
 def test_sweep_jobs_run_longest_first_and_return_in_order(monkeypatch):
@@ -2663,9 +2666,44 @@ def test_old_checkpoint_resumes_and_its_settings_still_bind(tmp_path, capsys):
     again = icl.main(tiny_argv(tmp_path, '--resume'))                     # finished at step 4: nothing to redo
     assert again['model'] == first['model'] and again['config']['max_iters'] == 4 and 'steps' not in again['config']
     capsys.readouterr()
-    # the checkpoint's max_iters (saved as 'steps') still binds a conflicting flag
-    with pytest.raises(ValueError, match='--max_iters: checkpoint 4 vs given 5'):
-        icl.main(tiny_argv(tmp_path, '--resume', '--max_iters', '5'))
+    # the checkpoint's max_iters (saved as 'steps') still binds: a length below its step is refused
+    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
+        icl.main(tiny_argv(tmp_path, '--resume', '--max_iters', '3'))
+
+
+def without_times(history):
+    return [{k: v for k, v in h.items() if k != 'time_s'} for h in history]
+
+
+def test_resume_with_a_larger_max_iters_continues_the_run(tmp_path):
+    """--resume --max_iters 6 continues a finished 4-step run whose lr is constant after warmup and whose
+    curriculum ends by step 4: the same curve and held-out errors as a 6-step run from scratch. A cosine
+    schedule scales with the run's length, so its steps would differ: refused, naming the first such step."""
+    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
+    icl.main(tiny_argv(tmp_path / 'a', *curr))
+    longer = icl.main(tiny_argv(tmp_path / 'a', *curr, '--resume', '--max_iters', '6'))
+    scratch = icl.main(tiny_argv(tmp_path / 'b', *curr, '--max_iters', '6'))
+    assert longer['config']['max_iters'] == 6 and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
+    assert without_times(longer['history']) == without_times(scratch['history'])
+    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
+    icl.main(tiny_argv(tmp_path / 'c', *curr, '--lr_schedule', 'cosine'))
+    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
+        icl.main(tiny_argv(tmp_path / 'c', '--resume', '--max_iters', '6'))
+
+
+def test_sweep_resume_with_a_larger_max_iters_continues_every_run(tmp_path, capsys):
+    """A finished sweep, --resume'd with a larger --max_iters, continues each run from its checkpoint (the estimate
+    counts the steps left) and ends where the same sweep trained that long from scratch ends."""
+    argv = icl_sweep_argv(tmp_path / 'a', 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                          '--seeds', '1')
+    icl.main(argv)                                                        # 2 steps per run
+    capsys.readouterr()
+    longer = icl.main(argv + ['--max_iters', '4', '--resume'])
+    out = capsys.readouterr().out
+    assert 'estimate: 2 of 2 runs to train' in out and out.count('resumed from') == 2
+    scratch = icl.main(icl_sweep_argv(tmp_path / 'b', 'bottleneck', '--widths', '8', '--full_rank_models',
+                                      'standard_1head', '--seeds', '1', '--max_iters', '4'))
+    assert [t['err_at_2d_seeds'] for t in longer['table']] == [t['err_at_2d_seeds'] for t in scratch['table']]
 
 # -----------------------------------------------------------------------------
 # model flags this script did not have: they reach the model

@@ -28,6 +28,7 @@ point is trained with --seeds seeds (default 3; tables give mean ± std); a swee
 first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and resumes from finished (run, seed) pairs.
 """
 import argparse
+import collections
 import copy
 import json
 import math
@@ -225,7 +226,8 @@ def add_system_args(p):
     g.add_argument('--assets_dir', type=str, default='',
                    help="sweeps copy their PNG and JSON here, e.g. 'assets' for the README's figures ('' = don't)")
     g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt where it stopped (a sweep: '
-                   'every run that has a checkpoint)')
+                   'every run that has a checkpoint); with a larger --max_iters, continue it to that length, when '
+                   'the steps it took had the same lr and curriculum under it (check_resume)')
     g.add_argument('--overwrite', action='store_true', help="replace the earlier run's files in --out_dir (without "
                    "it, or --resume, they are refused)")
     g.add_argument('--device', type=str, default='auto', help="'auto' (cuda if available else cpu), 'cpu', 'cuda'")
@@ -537,13 +539,38 @@ def new_state():
     return dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
 
 
+def check_resume(saved, args, given, step):
+    """--resume: the checkpoint's settings win and a given flag that differs is refused (resume_settings), except
+    a new --max_iters: it continues the run to that length when every step already taken (0 .. step - 1) had the
+    same lr and curriculum under it, so that the longer run is the same run as one trained that long from scratch
+    (a constant lr after warmup and a curriculum that ends before `step` do this; a cosine schedule, or a curriculum
+    still scaled to the run's length, do not). ValueError in one line otherwise."""
+    may_change = set(NOT_TRAINING)
+    if 'max_iters' in given and args.max_iters != saved['max_iters']:
+        old = argparse.Namespace(**saved)
+        new = argparse.Namespace(**dict(saved, max_iters=args.max_iters))
+        if args.max_iters < step:
+            raise ValueError(f"--max_iters {args.max_iters} is below the checkpoint's step {step}; give "
+                             f"--max_iters >= {step} to continue the run")
+        for s in range(step):
+            was, now = (lr_at(s, old), curriculum(s, old)), (lr_at(s, new), curriculum(s, new))
+            if was != now:
+                raise ValueError(
+                    f"--max_iters {args.max_iters} cannot continue this {saved['max_iters']}-step run: at step {s} "
+                    f"it trained with lr x {was[0]:.4g} and (d, N) = {was[1]}, a {args.max_iters}-step run has lr x "
+                    f"{now[0]:.4g} and (d, N) = {now[1]} (--lr_schedule cosine and --curr_interval 0 scale with "
+                    "--max_iters); train a new run in another --out_dir")
+        may_change.add('max_iters')
+    resume_settings(saved, args, given, may_change)
+
+
 def resume_run(ckpt_path, model, opt, gen, args, run_name):
     """--resume: load <run_name>.pt into model, optimizer and the RNGs; every training setting of the checkpoint
-    must agree with args (resume_settings). -> the run state to continue from."""
+    must agree with args, or continue it (check_resume). -> the run state to continue from."""
     ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
     saved = upgrade_run_config(ck['config'])
     # every training setting must agree; bilinear_init is carried over (the weights come from the checkpoint)
-    resume_settings(saved, args, set(saved) - {'bilinear_init'}, NOT_TRAINING)
+    check_resume(saved, args, set(saved) - {'bilinear_init'}, ck['state']['step'])
     model.load_state_dict(ck['model'])
     opt.load_state_dict(ck['optimizer'])
     gen.set_state(ck['data_rng'])
@@ -850,7 +877,7 @@ def sweep_preflight(todo, a):
         if os.path.exists(path):
             ck = load_checkpoint(path, SCRIPT, ('config', 'step'))
             saved = upgrade_run_config(ck['config'])
-            resume_settings(saved, resolve(args), set(saved) - {'bilinear_init'}, NOT_TRAINING)
+            check_resume(saved, resolve(args), set(saved) - {'bilinear_init'}, ck['step'])
             done[name] = ck['step']
     return done
 
@@ -892,14 +919,14 @@ def variant(args, **overrides):
     return a
 
 
-def measured_ms_per_step(args, reps=3):
-    """Wall ms of one training step (forward, backward, AdamW) of this run's model at the full prompt length,
-    measured here on 1 thread: the median of `reps` steps after one warm-up step."""
+def measured_ms_per_step(args, n_points=None, reps=3):
+    """Wall ms of one training step (forward, backward, AdamW) of this run's model at prompt length n_points (None:
+    the full one), measured here on 1 thread: the median of `reps` steps after one warm-up step."""
     a = resolve(args)
     torch.manual_seed(0)
     model = ICLModel(model_config(a), a.d, a.pos_std, a.read_in_std)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    xs, ys, _ = sample_prompts(torch.Generator().manual_seed(0), a.batch_size, a.d, a.n_points)
+    xs, ys, _ = sample_prompts(torch.Generator().manual_seed(0), a.batch_size, a.d, n_points or a.n_points)
     times = []
     for _ in range(reps + 1):
         t = time.time()
@@ -919,11 +946,19 @@ def longest_first_wall(seconds, workers):
     return max(free)
 
 
+def steps_per_length(args, start=0):
+    """{prompt length N: training steps at it} over steps start .. max_iters - 1, as the curriculum grows N."""
+    a = resolve(args)
+    return collections.Counter(curriculum(s, a)[1] for s in range(start, a.max_iters))
+
+
 def print_estimate(todo, workers, n_jobs, done=None):
     """Before a sweep trains the jobs `todo` (of n_jobs; the rest reuse finished runs): its expected wall time
-    from a measured ms/step per distinct model (the seeds of a point share one measurement). Per run: the steps
-    left (`done`: {run name: step of the checkpoint --resume continues}) x ms/step, plus their evaluations (a
-    forward is ~1/3 of a step). -> the estimated seconds of each job in todo."""
+    from a ms/step measured per distinct model and prompt length (the seeds of a point share one measurement).
+    Per run: the steps left (`done`: {run name: step of the checkpoint --resume continues}) at each prompt length
+    of the curriculum x that length's ms/step (timing every step at the full length read ~40 % high with a long
+    curriculum), plus their evaluations at the full length (a forward is ~1/3 of a step). -> the estimated
+    seconds of each job in todo."""
     if not todo:
         print(f'estimate: all {n_jobs} runs are finished in --out_dir; nothing to train')
         return []
@@ -932,11 +967,13 @@ def print_estimate(todo, workers, n_jobs, done=None):
     ms, seconds = {}, []
     for a, name in todo:
         key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
-        if key not in ms:
-            ms[key] = measured_ms_per_step(a)
-        steps = a.max_iters - (done or {}).get(name, 0)
-        evals = (steps // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
-        seconds.append(ms[key] / 1e3 * (steps + evals / a.batch_size / 3) + 2.0)  # + ~2 s of baselines
+        lengths = steps_per_length(a, (done or {}).get(name, 0))
+        full = resolve(a).n_points
+        for n in {full, *lengths} - set(ms.get(key, {})):
+            ms.setdefault(key, {})[n] = measured_ms_per_step(a, n)
+        evals = (sum(lengths.values()) // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
+        train_ms = sum(ms[key][n] * k for n, k in lengths.items())
+        seconds.append((train_ms + ms[key][full] * evals / a.batch_size / 3) / 1e3 + 2.0)  # + ~2 s of baselines
     torch.set_num_threads(threads)
     n = len(todo)
     w = max(1, min(workers, n))
@@ -944,8 +981,8 @@ def print_estimate(todo, workers, n_jobs, done=None):
           f'{sum(seconds) / 60:.1f} min of training on 1 thread each -> about '
           f'{longest_first_wall(seconds, w) / 60:.1f} min wall with {w} worker(s), longest runs first, on an idle '
           'machine (ms/step measured now: '
-          + ', '.join(f'{k[0]}{" " + k[4] if k[4] else ""} H{k[1]} D{k[2]} L{k[3]} {v:.0f}'
-                      for k, v in ms.items()) + ')')
+          + ', '.join(f'{k[0]}{" " + k[4] if k[4] else ""} H{k[1]} D{k[2]} L{k[3]} {v[max(v)]:.0f}'
+                      for k, v in ms.items()) + ' at the full prompt length)')
     return seconds
 
 
@@ -1366,7 +1403,7 @@ def main(argv=None):
     run_name = f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
     if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
         ck = load_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'), SCRIPT, ('config', 'state'))
-        resume_settings(upgrade_run_config(ck['config']), args, given_flags(parser, argv), NOT_TRAINING)
+        check_resume(upgrade_run_config(ck['config']), args, given_flags(parser, argv), ck['state']['step'])
     results = train(args, run_name=run_name)
     plot = os.path.join(args.out_dir, 'icl_position.png')
     plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results}, plot, 'error per position')
