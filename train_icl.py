@@ -805,7 +805,9 @@ SWEEP_RECIPE = {
 }
 # `--sweep bottleneck --d 8`, the one larger d: its recipe on top of SWEEP_RECIPE['bottleneck']. The d = 5 sweep at
 # d = 8 would take ~3.6 h (all four models at two widths, 10 000 steps), so it trains what the threshold needs:
-# 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT and MLR) at width 4
+# 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT and MLR) at width 4.
+# Not D = 24 (width 3): there 8 heads stay >= 0.5 (0.76-0.84 after 12 000 steps), but the full-rank models are
+# slower too, with a seed of each model above 0.1 at 12 000 steps (README, "A narrower model at d = 8")
 LARGER_D_RECIPE = {8: dict(
     widths='32,64', full_rank_widths='32',
     # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling; with
