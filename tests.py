@@ -2692,8 +2692,8 @@ def test_resume_with_a_larger_max_iters_continues_the_run(tmp_path):
 
 
 def test_sweep_resume_with_a_larger_max_iters_continues_every_run(tmp_path, capsys):
-    """A finished sweep, --resume'd with a larger --max_iters, continues each run from its checkpoint (the estimate
-    counts the steps left) and ends where the same sweep trained that long from scratch ends."""
+    """A finished sweep, --resume'd with a larger --max_iters, continues each run from its checkpoint (the preflight
+    accepts the longer length) and ends where the same sweep trained that long from scratch ends."""
     argv = icl_sweep_argv(tmp_path / 'a', 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
                           '--seeds', '1')
     icl.main(argv)                                                        # 2 steps per run
