@@ -792,9 +792,9 @@ SWEEP_RECIPE = {
     # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
     # widths 2 and 3 fail, 4 learns). The full-rank models at D = 24 only, where 8 heads fail (as the d = 8 recipe
     # does): the 15 runs fit the 60-min budget (31.7 min wall from scratch, session 10; all four models at both
-    # widths would hold ~1.8x the CPU; --full_rank_widths 24,32 trains them). Bilinear MLR 1|1|1 at head width 3
-    # (levels of 1, 2, 4 features: score rank 7 >= d once every level learns); 1|1|2 at head width 4 (1, 2, 8
-    # features: rank 11) with --full_rank_widths
+    # widths would hold ~1.8x the CPU, by its per-run CPU times, not run; --full_rank_widths 24,32 trains them).
+    # Bilinear MLR 1|1|1 at head width 3 (levels of 1, 2, 4 features: score rank 7 >= d once every level learns);
+    # 1|1|2 at head width 4 (1, 2, 8 features: rank 11) with --full_rank_widths
     'bottleneck': dict(CPU_RECIPE, **MLR_SMALL_HEADS, widths='24,32', full_rank_widths='24',
                        bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
     # the bottleneck sweep's D = 24, where 8 heads fail (its runs are reused): bilinear MLR 1|1|1 as there
