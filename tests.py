@@ -39,11 +39,13 @@ from torch.utils.flop_counter import FlopCounterMode
 import attention
 import attention as A
 import kernels as K
+import runs as R
 import train_icl as icl
 import train_lm
 import train_lra as lra
 import train_ts as ts
-from attention import ATTENTION, TASK_FIELDS, ModelConfig
+from attention import ATTENTION, ModelConfig
+from runs import TASK_FIELDS
 from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
 
@@ -1943,7 +1945,7 @@ def as_before_issue_19(cfg):
 
 
 def test_lm_no_bar_is_a_deprecated_no_progress(capsys):
-    A.Deprecated.noted.clear()  # the note is printed once per process; another test may have printed it
+    R.Deprecated.noted.clear()  # the note is printed once per process; another test may have printed it
     old = train_lm.parse_args(['--attn', 'mlr', '--no_bar'])
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ['note: --no_bar is deprecated and will be removed; use --no-progress'], err
@@ -2565,7 +2567,7 @@ def job_args(out, argv):
 
 @pytest.mark.parametrize('old,value,dest,want', OLD_SPELLINGS, ids=[s[0] for s in OLD_SPELLINGS])
 def test_old_spelling_sets_the_new_flag_and_notes_it(old, value, dest, want, capsys):
-    A.Deprecated.noted.discard(old)                        # the note is printed once per process
+    R.Deprecated.noted.discard(old)                        # the note is printed once per process
     p = icl.build_parser()
     a = p.parse_args([old, value])
     assert getattr(a, dest) == want and not hasattr(a, old.lstrip('-'))
@@ -3154,7 +3156,7 @@ LRA_OLD_CONFIG = {"attn": "brl", "batch_size": 32, "bench": False, "bench_attn":
 @pytest.fixture
 def fresh_notes(monkeypatch):
     """Each deprecation note prints once per process: start from none printed."""
-    monkeypatch.setattr(attention.Deprecated, 'noted', set())
+    monkeypatch.setattr(R.Deprecated, 'noted', set())
 
 
 def test_old_spellings_parse_as_the_new_ones_with_a_note(fresh_notes, capsys):
@@ -3199,7 +3201,7 @@ def test_compare_reads_results_of_runs_before_the_rename(tmp_path):
     """--compare reads results.json's top-level keys (none renamed); an old run's file plots beside a new one."""
     for name, config in (('old', LRA_OLD_CONFIG), ('new', lra.upgrade_run_config(LRA_OLD_CONFIG))):
         (tmp_path / name).mkdir()
-        attention.write_json(str(tmp_path / name / 'results.json'), {
+        R.write_json(str(tmp_path / name / 'results.json'), {
             'task': 'listops', 'attn': 'brl', 'config': config, 'test_acc_at_best_val': 0.25,
             'majority_test_acc': 0.2, 'history': [{'step': 6, 'val_acc': 0.2, 'train_seconds': 1.0}]})
     lra.main(['--compare', f"{tmp_path / 'old'},{tmp_path / 'new'}", '--out_dir', str(tmp_path / 'plot')])
@@ -3247,7 +3249,7 @@ def test_every_model_flag_reaches_the_config():
                   bilinear_rms_cap=True, bilinear_mlr_ln='head', window=8, gswa_ranks='8|8', n_compressed=4,
                   brl_block=4, brl_beta=0.25,
                   brl_lambda_init=0.3, brl_gamma=False, brl_history='block', brl_rel_buckets=8, mup_base_width=64)
-    flags = {f.name for f in fields(attention.ModelConfig)} - set(attention.TASK_FIELDS) - {'rope'}
+    flags = {f.name for f in fields(attention.ModelConfig)} - set(R.TASK_FIELDS) - {'rope'}
     assert set(values) == flags                                   # rope: from --pos, below
     argv = [a for k, v in values.items() if not isinstance(v, bool)
             for a in (f'--{k}', str(v))] + ['--qk_ln', '--mlr_divide_levels', '--bilinear_rms_cap', '--no-brl_gamma']
@@ -3759,7 +3761,7 @@ def no_ms(history):
 
 
 def test_old_spellings_are_aliases_with_a_note(monkeypatch, capsys):
-    monkeypatch.setattr(A.Deprecated, 'noted', set())
+    monkeypatch.setattr(R.Deprecated, 'noted', set())
     p = ts.build_parser()
     new = ts.parse_args(['--max_iters', '7', '--warmup_iters', '3', '--no-progress', '--cache_dir', '/c'], p)
     capsys.readouterr()
@@ -3773,7 +3775,7 @@ def test_old_spellings_are_aliases_with_a_note(monkeypatch, capsys):
 
 
 def test_old_spellings_train_the_same_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(A.Deprecated, 'noted', set())
+    monkeypatch.setattr(R.Deprecated, 'noted', set())
     a = ts.main(tiny(tmp_path, 'new'))
     b = ts.main(old_spellings(tiny(tmp_path, 'old')))
     assert 'note: --max_steps is deprecated' in capsys.readouterr().err
@@ -3796,7 +3798,7 @@ def test_upgrade_run_config_maps_an_old_args_dict():
     assert new['n_layer'] == 2 and new['ranks'] == '8|4|4' and new['lr'] == 0.003   # kept as they were
     # the model flags the script did not have: ModelConfig's defaults, which the old runs used
     assert (new['mlp_hidden'], new['rope'], new['n_kv_head'], new['mup_alpha']) == (0, False, 0, 8.0)
-    assert not set(A.TASK_FIELDS) & set(new)
+    assert not set(R.TASK_FIELDS) & set(new)
     assert ts.upgrade_run_config(new) == new                                  # today's names: unchanged
     assert ts.upgrade_run_config({'quiet': False})['progress'] is True
 
@@ -3847,7 +3849,7 @@ def test_seed_sweep_reuses_old_results(tmp_path):
 def test_model_group_is_modelconfig():
     p = ts.build_parser()
     group = next(g for g in p._action_groups if g.title.startswith('model'))
-    assert {a.dest for a in group._group_actions} == {f.name for f in fields(A.ModelConfig)} - set(A.TASK_FIELDS)
+    assert {a.dest for a in group._group_actions} == {f.name for f in fields(A.ModelConfig)} - set(R.TASK_FIELDS)
 
 
 @pytest.mark.parametrize('attn,T,causal', [('standard', 288, True), ('mlr', 192, False)])
@@ -3904,7 +3906,7 @@ def run_cli(main, argv, capsys):
     """What `python train_x.py ARGV` does, in this process: -> (exit code, its stderr)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        A.run_main(main, argv)
+        R.run_main(main, argv)
     return e.value.code, capsys.readouterr().err
 
 
@@ -3952,10 +3954,10 @@ def all_finite(state_dict):
 def orphan(tmp_path_factory):
     """What a kill -9 in the middle of a checkpoint write leaves: a process that dies inside atomic_write."""
     d = tmp_path_factory.mktemp('killed')
-    code = ("import os, signal, sys; sys.path.insert(0, {here!r}); import attention as A\n"
+    code = ("import os, signal, sys; sys.path.insert(0, {here!r}); import runs as R\n"
             "def write(tmp):\n    open(tmp, 'wb').write(b'half a checkpoint')\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "A.atomic_write({path!r}, write)").format(here=HERE, path=str(d / 'ckpt.pt'))
+            "R.atomic_write({path!r}, write)").format(here=HERE, path=str(d / 'ckpt.pt'))
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGKILL
     left = tmp_files(d)
@@ -3992,13 +3994,13 @@ def plant_orphan(orphan, folder, name):
 
 def test_atomic_write_failure_leaves_old_file_and_no_tmp(tmp_path):
     path = tmp_path / 'f.json'
-    A.write_json(str(path), {'a': 1})
+    R.write_json(str(path), {'a': 1})
 
     def fail(tmp):
         open(tmp, 'w').write('{"a": 2, "b"')
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        A.atomic_write(str(path), fail)
+        R.atomic_write(str(path), fail)
     assert path.read_text().replace(' ', '').replace('\n', '') == '{"a":1}' and not tmp_files(tmp_path)
 
 
@@ -4007,30 +4009,30 @@ def test_orphan_tmp_of_dead_writer_removed_live_kept(tmp_path, orphan):
     live = tmp_path / f'ckpt.pt.tmp{os.getpid()}'     # a writer that is still running: left alone
     live.write_bytes(b'x')
     (tmp_path / 'old.npz.tmp.npz').write_bytes(b'x')  # the older pid-less scheme
-    A.remove_orphan_tmp(str(tmp_path))
+    R.remove_orphan_tmp(str(tmp_path))
     assert not os.path.exists(dead) and live.exists() and not (tmp_path / 'old.npz.tmp.npz').exists()
 
 
 def test_save_checkpoint_refuses_nan_weights(tmp_path):
     path = tmp_path / 'ckpt.pt'
-    with pytest.raises(A.Diverged, match='not finite at step 7'):
-        A.save_checkpoint(str(path), dict(model={'w': torch.tensor([1.0, float('nan')])}, step=7))
+    with pytest.raises(R.Diverged, match='not finite at step 7'):
+        R.save_checkpoint(str(path), dict(model={'w': torch.tensor([1.0, float('nan')])}, step=7))
     assert not os.path.exists(path) and not tmp_files(tmp_path)
 
 
 @pytest.mark.parametrize('value', [float('nan'), float('inf'), -float('inf'), 1e25])
 def test_check_loss_stops_on_nan_inf_and_runaway(value):
-    with pytest.raises(A.Diverged, match='at step 4'):
-        A.check_loss(torch.tensor(value, requires_grad=True), 4)
-    assert A.check_loss(torch.tensor(2.5), 4) == 2.5
+    with pytest.raises(R.Diverged, match='at step 4'):
+        R.check_loss(torch.tensor(value, requires_grad=True), 4)
+    assert R.check_loss(torch.tensor(2.5), 4) == 2.5
 
 
 def test_given_flags_sees_flags_given_with_their_default_value():
-    p = A.ArgParser()
+    p = R.ArgParser()
     p.add_argument('--attn', default='standard')
     p.add_argument('--lr', type=float, default=1e-3)
     p.set_defaults(lr=3e-3)
-    assert A.given_flags(p, ['--attn', 'standard']) == {'attn'}
+    assert R.given_flags(p, ['--attn', 'standard']) == {'attn'}
     assert p.parse_args([]).lr == 3e-3                 # the parser is left as it was
 
 
@@ -4038,7 +4040,7 @@ def test_resume_settings_lists_every_conflict():
     import argparse
     args = argparse.Namespace(attn='standard', lr=0.1, n_embd=32, max_iters=9, resume=True)
     with pytest.raises(ValueError) as e:
-        A.resume_settings(dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False), args,
+        R.resume_settings(dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False), args,
                           {'attn', 'lr', 'n_embd', 'max_iters', 'resume'}, may_change={'max_iters'})
     assert "--attn: checkpoint 'mlr' vs given 'standard'" in str(e.value)
     assert '--lr: checkpoint 0.01 vs given 0.1' in str(e.value) and 'n_embd' not in str(e.value)
@@ -4046,9 +4048,9 @@ def test_resume_settings_lists_every_conflict():
 
 def test_check_ranges_and_one_line_parser_error(capsys):
     import argparse
-    p = A.ArgParser(prog='x.py')
+    p = R.ArgParser(prog='x.py')
     with pytest.raises(SystemExit) as e:
-        A.check_ranges(p, argparse.Namespace(steps=0), positive=['steps'])
+        R.check_ranges(p, argparse.Namespace(steps=0), positive=['steps'])
     assert_one_line_error(e.value.code, capsys.readouterr().err, 2, ['--steps 0', '> 0'], 'x.py')
 
 
@@ -4116,7 +4118,7 @@ def test_sweep_runs_get_a_session_of_their_own(tmp_path):
     which passes one SIGINT on (a run that got two would stop mid-step without saving)."""
     script = tmp_path / 'child.py'
     script.write_text('import os\nprint(os.getsid(0), os.getpgrp(), os.getpid())\n')
-    codes = attention.run_processes([('a', [], str(tmp_path / 'a'))], 1, str(script), main=None, tag='t')
+    codes = R.run_processes([('a', [], str(tmp_path / 'a'))], 1, str(script), main=None, tag='t')
     assert codes == {'a': 0}
     sid, pgrp, pid = map(int, (tmp_path / 'a' / 'train.log').read_text().split())
     assert sid == pgrp == pid != os.getsid(0)
@@ -4127,32 +4129,32 @@ def test_a_new_model_config_field_is_a_flag_everywhere(monkeypatch):
     @dataclasses.dataclass
     class Extended(ModelConfig):
         brl_new_knob: float = attention.opt(0.25, 'a knob added in a fork')
-    monkeypatch.setattr(attention, 'ModelConfig', Extended)
+    monkeypatch.setattr(R, 'ModelConfig', Extended)
     for name, parser in script_parsers().items():
         group = model_group(parser)
         assert group['brl_new_knob'].default == 0.25 and group['brl_new_knob'].help == 'a knob added in a fork', name
 
 
 def test_model_config_builds_from_flags_and_refuses_bad_values():
-    p = attention.ArgParser(prog='x')
-    attention.add_model_args(p, n_embd=64)
+    p = R.ArgParser(prog='x')
+    R.add_model_args(p, n_embd=64)
     args = p.parse_args(['--attn', 'brl', '--brl_beta', '0.25', '--no-brl_gamma', '--n_head', '2'])
-    cfg = attention.model_config(args, block_size=32, causal=False)
+    cfg = R.model_config(args, block_size=32, causal=False)
     assert (cfg.n_embd, cfg.brl_beta, cfg.brl_gamma, cfg.n_head, cfg.causal) == (64, 0.25, False, 2, False)
     with pytest.raises(ValueError, match='brl_beta = 1.5'):
-        attention.model_config(p.parse_args(['--brl_beta', '1.5']), block_size=32, causal=False)
+        R.model_config(p.parse_args(['--brl_beta', '1.5']), block_size=32, causal=False)
     with pytest.raises(ValueError, match='n_layer = 0'):
-        attention.model_config(p.parse_args(['--n_layer', '0']), block_size=32, causal=False)
+        R.model_config(p.parse_args(['--n_layer', '0']), block_size=32, causal=False)
     with pytest.raises(TypeError, match='block_size'):
-        attention.add_model_args(attention.ArgParser(), block_size=64)
+        R.add_model_args(R.ArgParser(), block_size=64)
 
 
 def test_deprecated_spelling_sets_the_new_flag_and_says_so(capsys):
-    p = attention.ArgParser(prog='x')
-    attention.add_model_args(p)
+    p = R.ArgParser(prog='x')
+    R.add_model_args(p)
     p.add_argument('--max_iters', type=int, default=5)
-    attention.add_deprecated(p, '--steps_old_test', '--max_iters')
-    attention.add_deprecated(p, '--no_diff_old_test', '--no-brl_gamma', const=False)
+    R.add_deprecated(p, '--steps_old_test', '--max_iters')
+    R.add_deprecated(p, '--no_diff_old_test', '--no-brl_gamma', const=False)
     args = p.parse_args(['--steps_old_test', '7', '--no_diff_old_test'])
     assert (args.max_iters, args.brl_gamma) == (7, False)
     err = capsys.readouterr().err

@@ -51,12 +51,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention  # noqa: E402
+import runs  # noqa: E402
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
-# the model flags and the run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Interrupted, add_deprecated, add_model_args, check_ranges,  # noqa: E402
-                       ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, pick_device,
-                       prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
-                       set_rng_state, upgrade_flags, write_json)
+# the run plumbing the four train scripts share (runs.py)
+from runs import (add_deprecated, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
+                 given_flags, guarded_update, Interrupted, load_checkpoint, pick_device,
+                 prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
+                 save_checkpoint, set_rng_state, upgrade_flags, write_json)  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_icl.py'
@@ -66,7 +67,7 @@ ATTN_NAMES = list(ATTENTION) + ['global_swa']
 # Defaults: the official ICL runs' settings, each with its source ("official" = the paper's public code:
 # scripts/icl_regression/submit_icl_regression.sh over train_ICL.py, src/model.py, src/muP.py), except the
 # problem and run size, which are CPU scale. Flags override them. MODEL_DEFAULTS feeds the model group that every
-# train script shares (attention.add_model_args: one flag per ModelConfig field), DEFAULTS this script's flags.
+# train script shares (runs.add_model_args: one flag per ModelConfig field), DEFAULTS this script's flags.
 
 MODEL_DEFAULTS = dict(      # the model group's defaults where they differ from attention.ModelConfig's
     n_embd=32,               # CPU scale (official: D = 16 ... 1024)
@@ -440,14 +441,14 @@ class ICLModel(nn.Module):
 
 
 def model_config(args):
-    """The body's ModelConfig from the model flags (attention.model_config); the task sets the rest: causal, and
+    """The body's ModelConfig from the model flags (runs.model_config); the task sets the rest: causal, and
     block_size = 2N, the interleaved prompt's length."""
     T = 2 * args.n_points
     kinds = [k.strip() for k in args.layer_pattern.split(',')] if args.layer_pattern else [args.attn]
     if 'mlr' in kinds:   # MLR fixes its level blocks from block_size: round up so they tile (causal pads)
         levels = len([r for r in args.ranks.split('|') if r.strip()]) or 1
         T = -(-T // 2 ** (levels - 1)) * 2 ** (levels - 1)                 # ceil(T / 2^(L-1)) * 2^(L-1)
-    return attention.model_config(args, block_size=T, causal=True)
+    return runs.model_config(args, block_size=T, causal=True)
 
 # -----------------------------------------------------------------------------
 # Evaluation: normalized squared error per position, bootstrap intervals, baselines on the same prompts
@@ -1415,4 +1416,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (runs.run_main)

@@ -50,16 +50,14 @@ from tqdm import tqdm
 
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups)
+# the run plumbing the four train scripts share (runs.py)
+from runs import (add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
+                 check_loss, check_ranges, ctrl_c_finishes_step, given_flags, Interrupted,
+                 load_checkpoint, mean_std, model_config, one_thread_seconds, paired_difference,
+                 paired_rows, pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir,
+                 remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main,
+                 run_processes, save_checkpoint, set_rng_state, write_json)  # noqa: E402
 # the model flags, declared once for the four train scripts (attention.ModelConfig's fields)
-from attention import add_deprecated, add_model_args, model_config
-# seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
-from attention import (add_sweep_args, mean_std, one_thread_seconds, paired_difference, paired_rows, plot_seed_bands,
-                       pm, positive_int, run_processes)
-# run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Interrupted, atomic_write, check_loss, check_ranges, ctrl_c_finishes_step,
-                       given_flags, load_checkpoint, pick_device, prepare_out_dir, remove_orphan_tmp,
-                       report_outputs, resume_settings, rng_state, run_main, save_checkpoint, set_rng_state,
-                       write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_lm.py'
@@ -249,7 +247,7 @@ def resolved_ranks(cfg):
 
 def build_config(cfg):
     """The ModelConfig of a run config (a plain dict, as stored in checkpoints): every model flag as given, the
-    task's context length T and causal attention, and ranks 'auto' resolved (attention.model_config checks it)."""
+    task's context length T and causal attention, and ranks 'auto' resolved (runs.model_config checks it)."""
     if cfg['n_embd'] % cfg['n_head']:
         raise ValueError(f"--n_embd {cfg['n_embd']} must be divisible by --n_head {cfg['n_head']}")
     return model_config(argparse.Namespace(**cfg), block_size=cfg['block_size'], causal=True,
@@ -414,7 +412,7 @@ LM_MODEL_DEFAULTS = dict(ranks='auto')
 
 def add_lm_model_args(p):
     """The preset and the LM's own model settings, then the model group of every train script (ModelConfig's
-    fields, attention.add_model_args), with the two values only train_lm.py resolves: --ranks auto and
+    fields, runs.add_model_args), with the two values only train_lm.py resolves: --ranks auto and
     --logit_scale paper."""
     g = p.add_argument_group('LM model (besides the shared model group below)')
     g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~10 min), paper, '
@@ -516,8 +514,8 @@ def check_args(parser, args):
         parser.error(f"--workers {args.workers}: must be >= 0 (0 = one run after another in this process)")
 
 # -----------------------------------------------------------------------------
-# checkpoints: one dict {model, optimizer, config, step, ...}, written atomically (attention.save_checkpoint),
-# read with weights_only=True and one-line errors (attention.load_checkpoint)
+# checkpoints: one dict {model, optimizer, config, step, ...}, written atomically (runs.save_checkpoint),
+# read with weights_only=True and one-line errors (runs.load_checkpoint)
 
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'itos')
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
@@ -1198,4 +1196,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (runs.run_main)

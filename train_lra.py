@@ -58,17 +58,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import ATTENTION, TASK_FIELDS, ModelConfig, Transformer, optimizer_groups  # noqa: E402
+from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
+# the run plumbing the four train scripts share (runs.py)
+from runs import (add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
+                 check_ranges, ctrl_c_finishes_step, given_flags, guarded_update, Interrupted,
+                 load_checkpoint, mean_std, model_config, one_thread_seconds, paired_difference,
+                 paired_rows, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
+                 report_outputs, resume_settings, rng_state, run_main, run_processes,
+                 save_checkpoint, set_rng_state, TASK_FIELDS, upgrade_flags, write_json)  # noqa: E402
 # the model flags, the same in every train script (attention.py: add_model_args, model_config)
-from attention import add_deprecated, add_model_args, model_config, upgrade_flags  # noqa: E402
-# seeded sweeps: processes, mean ± std, paired differences (attention.py, last section)
-from attention import (add_sweep_args, mean_std, one_thread_seconds, paired_difference, paired_rows,  # noqa: E402
-                       plot_seed_bands, pm, run_processes)
-# run safety shared by the four train scripts (attention.py, last section)
-from attention import (ArgParser, Interrupted, atomic_write, check_ranges, guarded_update,  # noqa: E402
-                       ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
-                       remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
-                       set_rng_state, write_json)
 
 SCRIPT = 'train_lra.py'
 TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
@@ -1416,4 +1414,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (runs.run_main)

@@ -61,13 +61,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import Transformer, MupLinear, optimizer_groups, ATTENTION
-# the model flags and the run safety shared by the four train scripts (attention.py, last section)
-from attention import add_deprecated, add_model_args, model_config, upgrade_flags
-from attention import paired_difference, plot_seed_bands   # seeded sweeps, as in train_lm.py and train_lra.py
-from attention import (ArgParser, Diverged, Interrupted, atomic_write, check_ranges, guarded_update,
-                       ctrl_c_finishes_step, given_flags, load_checkpoint, pick_device, prepare_out_dir,
-                       remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
-                       set_rng_state, write_json)
+# the run plumbing the four train scripts share (runs.py)
+from runs import (add_deprecated, add_model_args, ArgParser, atomic_write, check_ranges,
+                 ctrl_c_finishes_step, Diverged, given_flags, guarded_update, Interrupted,
+                 load_checkpoint, model_config, paired_difference, pick_device, plot_seed_bands,
+                 prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state,
+                 run_main, save_checkpoint, set_rng_state, upgrade_flags, write_json)  # noqa: E402
 
 SCRIPT = 'train_ts.py'
 
@@ -934,7 +933,7 @@ def run_longhorizon(args, device):
 # --seeds 3 (or 0,1,2) runs the task once per seed into <out_dir>/seed<k> (each an ordinary run: resumable, and
 # reused when its results exist), then writes <out_dir>/results_<task>_seeds.json. The spread of a
 # difference is the standard deviation over seeds of the per-seed (paired) differences; a difference
-# "exceeds the spread" when a paired t-test rejects 0 at 5 % (attention.paired_difference, as the LM and
+# "exceeds the spread" when a paired t-test rejects 0 at 5 % (runs.paired_difference, as the LM and
 # ListOps sweeps: with 3 seeds, |mean| > 2.48 std).
 
 def seed_metrics(results):
@@ -1326,4 +1325,4 @@ def run_task(parser, args, argv, device):
 
 
 if __name__ == '__main__':
-    run_main(main)  # errors, divergence and Ctrl-C end in one line (attention.run_main)
+    run_main(main)  # errors, divergence and Ctrl-C end in one line (runs.run_main)

@@ -1,0 +1,530 @@
+"""
+The run plumbing the four train scripts share, so that each of them holds only its experiment.
+
+    model flags     every attention.ModelConfig field is a flag of every train script (add_model_args)
+    errors          run_main: one line on stderr, never a traceback; exit 2 for a bad flag value, 1 for a bad
+                    file, a conflict or an I/O failure, 130 for Ctrl-C (after saving a checkpoint)
+    run folders     prepare_out_dir: writable, no earlier run overwritten by accident
+    checkpoints     written atomically, never with non-finite weights; RNG states saved and restored
+    divergence      check_loss / guarded_update stop at the first non-finite loss, before any update
+    sweeps          runs in their own processes, one thread each; mean ± std over seeds, paired t-tests, plots
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import fields
+
+import numpy as np
+import torch
+
+from attention import ModelConfig, check_config
+
+# -----------------------------------------------------------------------------
+# run safety shared by the train scripts: errors, checkpoints, resume, divergence, Ctrl-C, outputs
+#
+# The one standard of train_lm.py, train_icl.py, train_lra.py and train_ts.py. Their __main__ is
+# run_main(main): a bad flag value ends in one line 'train_x.py: error: ...' and exit code 2; a bad file or
+# checkpoint, a --resume that conflicts with its checkpoint, an earlier run in --out_dir or a diverged loss
+# end in one such line and exit code 1; Ctrl-C saves a checkpoint after the current step and exits 130.
+
+
+class Diverged(RuntimeError):
+    """The training loss or the weights stopped being finite; the run stopped without saving them."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the run saved a checkpoint after its current step and stopped."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with the defaults in --help and one-line errors: 'prog: error: message (see --help)', exit 2."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault('formatter_class', HelpFormatter)
+        kw.setdefault('allow_abbrev', False)   # --quic is an error, not --quick (sweeps pass flags on by name)
+        super().__init__(*args, **kw)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# The model flags: every ModelConfig field is a flag of every train script, with the field's help, declared
+# once here. block_size and causal are not flags: each task sets them from its data.
+TASK_FIELDS = ('block_size', 'causal')
+FLAG_TYPES = {'int': int, 'float': float, 'str': str}
+
+
+def add_model_args(parser, **task_defaults):
+    """The 'model' group of a train script: --<field> for each ModelConfig field but TASK_FIELDS, defaulting
+    to ModelConfig's value or, where the script's task has its own, to task_defaults[field]."""
+    flags = {f.name for f in fields(ModelConfig)} - set(TASK_FIELDS)
+    unknown = sorted(set(task_defaults) - flags)
+    if unknown:
+        raise TypeError(f"add_model_args: not model flags: {unknown}")
+    g = parser.add_argument_group('model (attention.ModelConfig: the same flags in every train script)')
+    for f in fields(ModelConfig):
+        if f.name in TASK_FIELDS:
+            continue
+        default, kind = task_defaults.get(f.name, f.default), getattr(f.type, '__name__', f.type)
+        if kind == 'bool':
+            g.add_argument(f'--{f.name}', action=argparse.BooleanOptionalAction, default=default,
+                           help=f.metadata['help'])
+        else:
+            g.add_argument(f'--{f.name}', type=FLAG_TYPES[kind], default=default, help=f.metadata['help'])
+    return g
+
+
+def upgrade_flags(saved, renamed, inverted=None):
+    """A run's saved flags in today's names, so that runs saved before a rename are resumed and reused: the
+    renamed keys ({old: new}), an old negative switch as today's positive one ({old: new}, new = not old), and
+    every model flag the run lacks at ModelConfig's default (the value its model was built with then)."""
+    inverted = inverted or {}
+    new = {renamed.get(k, k): v for k, v in saved.items() if k not in inverted}
+    new.update({inverted[k]: not v for k, v in saved.items() if k in inverted})
+    for f in fields(ModelConfig):
+        if f.name not in TASK_FIELDS:
+            new.setdefault(f.name, f.default)
+    return new
+
+
+def model_config(args, block_size, causal, **task):
+    """ModelConfig from the parsed model flags; the task gives block_size, causal and any field the script sets
+    itself (e.g. ranks resolved from 'auto'). Checked: a bad value is one ValueError line."""
+    task.update(block_size=block_size, causal=causal)
+    cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task}, **task})
+    check_config(cfg)
+    return cfg
+
+
+class Deprecated(argparse.Action):
+    """An old spelling of a flag, kept for one release: it sets the new flag and prints a one-line note."""
+    noted = set()
+
+    def __init__(self, option_strings, dest, new, **kw):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string not in Deprecated.noted:
+            Deprecated.noted.add(option_string)
+            print(f"note: {option_string} is deprecated and will be removed; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def add_deprecated(parser, old, new, const=None):
+    """Keep `old` working as `new` (already declared); `const` for a switch (e.g. --no_diff = --no-brl_gamma)."""
+    action = parser._option_string_actions[new]
+    if const is None:
+        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, type=action.type,
+                            choices=action.choices)
+    else:
+        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, nargs=0, const=const)
+
+
+def check_ranges(parser, args, positive=(), non_negative=()):
+    """parser.error (one line, exit 2) at the first flag outside its range: `positive` ones must be > 0,
+    `non_negative` ones >= 0, and all finite (NaN and inf are refused)."""
+    for names, ok, valid in ((positive, lambda v: v > 0, '> 0'), (non_negative, lambda v: v >= 0, '>= 0')):
+        for name in names:
+            v = getattr(args, name)
+            if v is not None and not (math.isfinite(v) and ok(v)):
+                parser.error(f"--{name} {v}: must be {'' if math.isfinite(v) else 'a finite number '}{valid}")
+
+
+def given_flags(parser, argv=None):
+    """The dests of the flags written on the command line, whatever their values (a flag given with its
+    default value counts too, which comparing values with the defaults would miss)."""
+    actions, defaults = [(a, a.default) for a in parser._actions], parser._defaults
+    try:
+        parser._defaults = {}
+        for a, _ in actions:
+            a.default = argparse.SUPPRESS                 # so that only the given flags reach the namespace
+        ns, _ = parser.parse_known_args(argv)
+    finally:
+        parser._defaults = defaults
+        for a, d in actions:
+            a.default = d
+    return set(vars(ns))
+
+
+def resume_settings(saved, args, given, may_change=()):
+    """--resume: the checkpoint's settings (saved, a dict of flag values) win. A flag given on the command line
+    must equal the checkpoint's value unless it is in may_change (run length, logging, device, ...), else
+    ValueError naming every conflict as '--flag: checkpoint X vs given Y'. Copies the rest into args, except
+    the flags that locate or place this invocation (out_dir, device, resume, overwrite)."""
+    keep = {'resume', 'overwrite', 'out_dir', 'device'}
+    conflicts = [f"--{k}: checkpoint {saved[k]!r} vs given {getattr(args, k)!r}" for k in sorted(given)
+                 if k in saved and k not in keep and k not in may_change and saved[k] != getattr(args, k)]
+    if conflicts:
+        raise ValueError(f"--resume conflicts with the checkpoint: {'; '.join(conflicts)}. Drop those flags to "
+                         f"continue the run as it was, or start a new run in another --out_dir")
+    for k, v in saved.items():
+        if k not in keep and not (k in may_change and k in given):
+            setattr(args, k, v)
+
+
+def pick_device(name):
+    """--device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'; ValueError otherwise."""
+    if name == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    if not re.fullmatch(r'cpu|cuda(:\d+)?', name):
+        raise ValueError(f"--device {name!r}: valid are auto, cpu, cuda, cuda:N")
+    if name.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r} but CUDA is not available here; use --device cpu")
+    return name
+
+
+def atomic_write(path, write):
+    """write(tmp), then rename tmp over path: a reader never sees half a file, and a write that fails (disk
+    full, Ctrl-C) leaves path as it was and no tmp file. Only a kill -9 can leave <path>.tmp<pid>, which
+    prepare_out_dir removes at the next start."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path, obj, **kw):
+    """json.dump(obj) to path, atomically."""
+    def write(tmp):
+        with open(tmp, 'w') as f:
+            json.dump(obj, f, indent=1, **kw)
+    atomic_write(path, write)
+
+
+def remove_orphan_tmp(folder):
+    """Delete the tmp files that a writer killed mid-write left in folder: '<name>.tmp<pid>' whose process is
+    gone (a live writer's are kept), and '<name>.tmp[.npy|.npz]' of the older pid-less scheme."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        m = re.fullmatch(r'.+\.tmp(\d*)(\.npy|\.npz)?', name)
+        if m and not (m.group(1) and _alive(int(m.group(1)))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid < 2 ** 31
+    return True
+
+
+def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='--out_dir'):
+    """Start-up checks of a training run's output folder, before any work: it can be written (a folder that
+    cannot fails now, not after training); tmp files of a killed writer are removed; and it does not hold an
+    earlier run's files (run_files) unless --resume continues that run or --overwrite, which deletes them here."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {out_dir!r} cannot be written: {e.strerror or e}") from None
+    remove_orphan_tmp(out_dir)
+    existing = [p for p in run_files if os.path.exists(p)]
+    if existing and not resume and not overwrite:
+        raise ValueError(f"{existing[0]} exists: --out_dir {out_dir!r} holds an earlier run. Use --resume to "
+                         f"continue it, another --out_dir, or --overwrite to replace it")
+    if overwrite and not resume:
+        for p in existing:
+            with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
+                os.remove(p)
+
+
+def save_checkpoint(path, ckpt):
+    """torch.save the checkpoint dict atomically, after checking that its 'model' weights are finite: a
+    diverged model never replaces the last good checkpoint (Diverged instead)."""
+    bad = [k for k, v in ckpt['model'].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise Diverged(f"weights {', '.join(bad[:3])} are not finite at step {ckpt.get('step')}: not writing "
+                       f"{path}; the last checkpoint on disk is untouched. Try a lower --lr")
+    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+
+
+def load_checkpoint(path, script, required=('model', 'optimizer', 'config', 'step')):
+    """torch.load(weights_only=True) with one-line errors (ValueError) for a missing, truncated, random-bytes
+    or foreign file. Checkpoints carry 'script', the name of the train script that wrote them."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path!r} (train first, or point --out_dir at a run folder)")
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path!r} is unreadable (truncated or corrupt, or not a checkpoint): "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:160]}. Delete it or train again") from None
+    missing = sorted(set(required) - set(ckpt if isinstance(ckpt, dict) else ()))
+    writer = ckpt.get('script', script) if isinstance(ckpt, dict) else None
+    if missing or writer != script:
+        why = f"it was written by {writer}" if writer and writer != script else f"it lacks {missing}"
+        raise ValueError(f"{path!r} is not a {script} checkpoint: {why}")
+    return ckpt
+
+
+def rng_state():
+    """The global torch (CPU and CUDA), numpy and python RNG states, as a checkpoint can hold them."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return dict(torch=torch.get_rng_state(), python=random.getstate(),
+                numpy=[kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+
+
+def set_rng_state(state):
+    """Restore what rng_state() returned: a resumed run draws what the uninterrupted one would have."""
+    torch.set_rng_state(state['torch'])
+    kind, keys, pos, has_gauss, gauss = state['numpy']
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(state['python'])
+    if state['cuda'] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+LOSS_LIMIT = 1e12  # a larger training loss is divergence: the scripts' losses are cross-entropies (ln(vocab) at
+                   # init) and MSEs of normalized or unit-variance targets, nowhere near it in a sound run
+
+
+def check_loss(loss, step, hint='try a lower --lr'):
+    """The training loss as a float, or Diverged at the first NaN, inf or loss above LOSS_LIMIT: the run stops at
+    that step, before the optimizer step and any checkpoint (one device sync per step, the price of stopping
+    at once)."""
+    value = float(loss.detach() if torch.is_tensor(loss) else loss)
+    if not math.isfinite(value) or abs(value) > LOSS_LIMIT:
+        raise Diverged(f"training loss is {value} at step {step}: stopped before updating the weights; the last "
+                       f"checkpoint on disk is untouched. {hint}")
+    return value
+
+
+def guarded_update(loss, step, model, opt, grad_clip, lr, warmup):
+    """One optimizer update behind the divergence guard: check_loss (Diverged before anything changes), then
+    zero_grad, backward, gradient-norm clip (grad_clip > 0) and step. lr, warmup: for the hint. -> the loss."""
+    value = check_loss(loss, step, f"Try a lower --lr than {lr:g}, or a longer --warmup_iters than {warmup}")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return value
+
+
+@contextlib.contextmanager
+def ctrl_c_finishes_step():
+    """While active, a first Ctrl-C only sets flag.stop: the loop ends its step, saves a checkpoint and raises
+    Interrupted. A second Ctrl-C stops at once (KeyboardInterrupt). No-op outside the main thread."""
+    flag = argparse.Namespace(stop=False)
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        flag.stop = True
+        signal.signal(signal.SIGINT, previous)
+        print("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again to quit at once)", file=sys.stderr)
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# Seeded sweeps (train_lm.py --sweep compare, train_lra.py --sweep listops): runs in their own processes,
+# one thread each, then mean ± std over seeds and paired differences between variants.
+
+T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
+
+
+def positive_int(s):
+    """argparse type: an integer > 0."""
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run folders, sweep.json, table.md, plot'):
+    """The flags of a seeded sweep, the same in every script that has one: --sweep NAME, --variants, --seeds,
+    --workers, --reuse, --sweep_dir, --estimate. Returns the group, for a script's own sweep flags."""
+    g = p.add_argument_group(title)
+    g.add_argument('--sweep', choices=[name], help=about)
+    g.add_argument('--variants', default=','.join(variants), help='--sweep: comma list of variants')
+    g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
+    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
+                   '(0 = one after another in this process)')
+    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
+                   'runs and resume cut-off ones (--no-reuse trains every run again)')
+    g.add_argument('--sweep_dir', default=sweep_dir, help=f'--sweep: {dir_help}')
+    g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
+                   "sweep's wall-time estimate and stop")
+    return g
+
+
+def one_thread_seconds(step, repeats=2):
+    """Wall seconds of step() (one training step) on 1 thread, the best of `repeats` after a warm-up call: what a
+    sweep run pays per step on this machine now (a busy machine reads slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times[1:])
+
+
+def mean_std(xs):
+    """(mean, sample standard deviation); the std is NaN for a single value."""
+    xs = np.asarray(xs, dtype=np.float64)
+    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
+
+
+def paired_difference(diffs):
+    """Mean and std of per-seed differences, with a paired t-test at 5 % (exceeds_spread: |t| > critical)."""
+    m, sd = mean_std(diffs)
+    t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
+    crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
+    return dict(diffs=list(diffs), mean=m, std=sd, t=t, t_crit=crit,
+                exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+
+
+def pm(ms, digits=4, scale=1.0):
+    """'mean ± std' of a (mean, std) pair, times scale; the mean alone when the std is NaN (one seed)."""
+    m, s = ms
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}" if math.isfinite(s) else f"{scale * m:.{digits}f}"
+
+
+def paired_rows(paired, a, header, digits=4, scale=1.0):
+    """Markdown table of paired differences {b: paired_difference(...)}: 'a − b', per seed, mean ± std, the t
+    statistic against its 5 % critical value, and whether the difference exceeds the seed spread."""
+    if not paired:
+        return []
+    rows = [f'| {header} | per seed | mean ± std | paired t (5 % critical) | exceeds the seed spread |',
+            '| --- | --- | --- | --- | --- |']
+    for b, p in paired.items():
+        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
+        rows.append(f"| {a} − {b} | {', '.join(f'{scale * d:+.{digits}f}' for d in p['diffs'])} | "
+                    f"{pm((p['mean'], p['std']), digits, scale)} | {p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+    return rows
+
+
+def run_processes(jobs, workers, script, main, tag='sweep'):
+    """Run the jobs [(name, argv, run_dir)] as `python script argv` processes, `workers` at a time and one
+    thread each, each logging to <run_dir>/train.log (workers 0: main(argv) one after another in this process).
+    -> {name: exit code}. On Ctrl-C or SIGTERM the running ones get SIGINT, so that they save a checkpoint
+    after their current step and a rerun resumes them."""
+    import subprocess
+    codes, running, pending = {}, {}, list(jobs)
+    if workers == 0:
+        for name, argv, _ in pending:
+            try:
+                main(argv)
+                codes[name] = 0
+            except (ValueError, SystemExit, Diverged) as e:
+                print(f"{tag}: {name} failed: {e}")
+                codes[name] = 1
+        return codes
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                name, argv, run_dir = pending.pop(0)
+                os.makedirs(run_dir, exist_ok=True)
+                log = open(os.path.join(run_dir, 'train.log'), 'a')
+                # a session of its own: a Ctrl-C at the terminal reaches only this process, which passes one
+                # SIGINT on (a second one, straight from the terminal, would stop a run mid-step without saving)
+                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(script), *argv], stdout=log,
+                                                  stderr=subprocess.STDOUT, env=env, start_new_session=True), log)
+                print(f"{tag}: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
+            time.sleep(0.1)
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is not None:
+                    log.close()
+                    codes[name] = proc.returncode
+                    del running[name]
+                    failed = f"FAILED (exit {proc.returncode}), see {log.name}"
+                    print(f"{tag}: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, _ in running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, log in running.values():
+            proc.wait()
+            log.close()
+    return codes
+
+
+def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=1.0, hline=None):
+    """Two panels, y against xkeys[0] and against xkeys[1]: per variant (histories: {variant: [one history per
+    seed, a list of dicts]}) the mean over seeds with a ± 1 std band; hline = (y, label) draws a reference."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for v, hs in histories.items():
+        n = min(len(h) for h in hs)                                             # seeds of a variant share steps
+        y = scale * np.array([[p[ykey] for p in h[:n]] for h in hs])            # (seeds, evals)
+        m, s = y.mean(0), y.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
+        for ax, key in zip(axes, xkeys):
+            x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
+            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
+            ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
+    for ax, xlabel in zip(axes, xlabels):
+        if hline:
+            ax.axhline(hline[0], color='gray', ls=':', lw=1, label=hline[1])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_outputs(**where):
+    """The last line of every run: where its checkpoint, JSON and plots went (None entries are left out)."""
+    print('outputs: ' + ' | '.join(f"{k.replace('_', ' ')} {v}" for k, v in where.items() if v), flush=True)
+
+
+def run_main(main, argv=None):
+    """A train script's __main__: main(argv), with one line on stderr instead of a traceback. Exit codes:
+    0 done; 2 a bad flag value (argparse); 1 a bad file or checkpoint, a refused --resume or --out_dir, or a
+    diverged loss (ValueError, OSError, Diverged, or a SystemExit carrying a message); 130 Ctrl-C."""
+    prog = os.path.basename(sys.modules[main.__module__].__file__)
+    try:
+        return main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        what, message, code = 'error', e.code, 1
+    except (ValueError, OSError, Diverged) as e:
+        what, message, code = 'error', str(e), 1
+    except Interrupted as e:
+        what, message, code = 'interrupted', str(e), 130
+    except KeyboardInterrupt:
+        what, message, code = 'interrupted', ('Ctrl-C outside a training loop: no checkpoint written now (those '
+                                              'already on disk are kept)'), 130
+    message = ' '.join(message.split())
+    message = message[len('error: '):] if message.startswith('error: ') else message
+    print(f"{prog}: {what}: {message}", file=sys.stderr)
+    raise SystemExit(code)
