@@ -1,41 +1,42 @@
 """
 The run plumbing the four train scripts share, so that each of them holds only its experiment.
 
-    model flags     every attention.ModelConfig field is a flag of every train script (add_model_args)
-    errors          run_main: one line on stderr, never a traceback; exit 2 for a bad flag value, 1 for a bad
-                    file, a conflict or an I/O failure, 130 for Ctrl-C (after saving a checkpoint)
-    run folders     prepare_out_dir: writable, no earlier run overwritten by accident
-    checkpoints     written atomically, never with non-finite weights; RNG states saved and restored
-    divergence      check_loss / guarded_update stop at the first non-finite loss, before any update
-    sweeps          runs in their own processes, one thread each; mean ± std over seeds, paired t-tests, plots
+    flags        every attention.ModelConfig field is a flag of every train script (add_model_args)
+    errors       run_main: one line on stderr, never a traceback. Exit 2: a bad flag value. Exit 1: a bad file,
+                 a conflict (a refused --resume, a folder in use or holding another run) or an I/O failure.
+                 Exit 130: Ctrl-C, after the current step and a checkpoint
+    run folders  prepare_out_dir: writable, owned by one process at a time, no earlier run replaced by accident
+    checkpoints  one dict, written atomically, never with non-finite weights, stamped with FORMAT
+    divergence   check_loss / guarded_update stop at the first non-finite loss, before any update
+    data caches  keyed on the bytes of the data (content_digest), never on file times
+    sweeps       sweep(): seeded runs in their own processes, one thread each, finished ones reused, cut-off ones
+                 resumed, longest first; mean ± std over seeds, paired t-tests, seed-band plots
 """
 
 import argparse
 import contextlib
+import fcntl
+import functools
+import hashlib
 import json
 import math
 import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from attention import ModelConfig, check_config
 
-# -----------------------------------------------------------------------------
-# run safety shared by the train scripts: errors, checkpoints, resume, divergence, Ctrl-C, outputs
-#
-# The one standard of train_lm.py, train_icl.py, train_lra.py and train_ts.py. Their __main__ is
-# run_main(main): a bad flag value ends in one line 'train_x.py: error: ...' and exit code 2; a bad file or
-# checkpoint, a --resume that conflicts with its checkpoint, an earlier run in --out_dir or a diverged loss
-# end in one such line and exit code 1; Ctrl-C saves a checkpoint after the current step and exits 130.
+FORMAT = 2  # the layout of checkpoints and run configs; a run written under another FORMAT is refused, not guessed at
 
 
 class Diverged(RuntimeError):
@@ -45,6 +46,9 @@ class Diverged(RuntimeError):
 class Interrupted(Exception):
     """Ctrl-C: the run saved a checkpoint after its current step and stopped."""
 
+
+# -----------------------------------------------------------------------------
+# flags: one-line errors, the model flags of every script, ranges, --resume
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the docstring's layout and shows every flag's default."""
@@ -62,14 +66,12 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# The model flags: every ModelConfig field is a flag of every train script, with the field's help, declared
-# once here. block_size and causal are not flags: each task sets them from its data.
-TASK_FIELDS = ('block_size', 'causal')
+TASK_FIELDS = ('block_size', 'causal')   # ModelConfig fields that each task sets from its data: not flags
 FLAG_TYPES = {'int': int, 'float': float, 'str': str}
 
 
 def add_model_args(parser, **task_defaults):
-    """The 'model' group of a train script: --<field> for each ModelConfig field but TASK_FIELDS, defaulting
+    """The 'model' group: --<field> for each ModelConfig field but TASK_FIELDS, with the field's help, defaulting
     to ModelConfig's value or, where the script's task has its own, to task_defaults[field]."""
     flags = {f.name for f in fields(ModelConfig)} - set(TASK_FIELDS)
     unknown = sorted(set(task_defaults) - flags)
@@ -88,19 +90,6 @@ def add_model_args(parser, **task_defaults):
     return g
 
 
-def upgrade_flags(saved, renamed, inverted=None):
-    """A run's saved flags in today's names, so that runs saved before a rename are resumed and reused: the
-    renamed keys ({old: new}), an old negative switch as today's positive one ({old: new}, new = not old), and
-    every model flag the run lacks at ModelConfig's default (the value its model was built with then)."""
-    inverted = inverted or {}
-    new = {renamed.get(k, k): v for k, v in saved.items() if k not in inverted}
-    new.update({inverted[k]: not v for k, v in saved.items() if k in inverted})
-    for f in fields(ModelConfig):
-        if f.name not in TASK_FIELDS:
-            new.setdefault(f.name, f.default)
-    return new
-
-
 def model_config(args, block_size, causal, **task):
     """ModelConfig from the parsed model flags; the task gives block_size, causal and any field the script sets
     itself (e.g. ranks resolved from 'auto'). Checked: a bad value is one ValueError line."""
@@ -108,31 +97,6 @@ def model_config(args, block_size, causal, **task):
     cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task}, **task})
     check_config(cfg)
     return cfg
-
-
-class Deprecated(argparse.Action):
-    """An old spelling of a flag, kept for one release: it sets the new flag and prints a one-line note."""
-    noted = set()
-
-    def __init__(self, option_strings, dest, new, **kw):
-        self.new = new
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string not in Deprecated.noted:
-            Deprecated.noted.add(option_string)
-            print(f"note: {option_string} is deprecated and will be removed; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def add_deprecated(parser, old, new, const=None):
-    """Keep `old` working as `new` (already declared); `const` for a switch (e.g. --no_diff = --no-brl_gamma)."""
-    action = parser._option_string_actions[new]
-    if const is None:
-        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, type=action.type,
-                            choices=action.choices)
-    else:
-        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, nargs=0, const=const)
 
 
 def check_ranges(parser, args, positive=(), non_negative=()):
@@ -188,17 +152,22 @@ def pick_device(name):
     return name
 
 
+# -----------------------------------------------------------------------------
+# files: atomic writes, run folders owned by one process, checkpoints, content digests
+
 def atomic_write(path, write):
     """write(tmp), then rename tmp over path: a reader never sees half a file, and a write that fails (disk
     full, Ctrl-C) leaves path as it was and no tmp file. Only a kill -9 can leave <path>.tmp<pid>, which
-    prepare_out_dir removes at the next start."""
+    prepare_out_dir removes at the next start. Any failure of the write is one OSError naming path."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(e, RuntimeError) and not isinstance(e, Diverged):   # torch.save's writer on a full disk
+            raise OSError(f"cannot write {path}: {' '.join(str(e).split())[:160]}") from None
         raise
 
 
@@ -211,11 +180,10 @@ def write_json(path, obj, **kw):
 
 
 def remove_orphan_tmp(folder):
-    """Delete the tmp files that a writer killed mid-write left in folder: '<name>.tmp<pid>' whose process is
-    gone (a live writer's are kept), and '<name>.tmp[.npy|.npz]' of the older pid-less scheme."""
+    """Delete the tmp files '<name>.tmp<pid>' that a writer killed mid-write left in folder (a live writer's stay)."""
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        m = re.fullmatch(r'.+\.tmp(\d*)(\.npy|\.npz)?', name)
-        if m and not (m.group(1) and _alive(int(m.group(1)))):
+        m = re.fullmatch(r'.+\.tmp(\d+)(\.npy|\.npz)?', name)
+        if m and not _alive(int(m.group(1))):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
 
@@ -230,21 +198,64 @@ def _alive(pid):
     return True
 
 
-def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='--out_dir'):
-    """Start-up checks of a training run's output folder, before any work: it can be written (a folder that
-    cannot fails now, not after training); tmp files of a killed writer are removed; and it does not hold an
-    earlier run's files (run_files) unless --resume continues that run or --overwrite, which deletes them here."""
+_LOCKS = {}   # folder's lock file -> the open file that holds its flock
+
+
+def lock_folder(folder, flag='--out_dir'):
+    """Own `folder`: an exclusive flock on <folder>/.lock, which the kernel drops when this process ends, however
+    it ends (kill -9 too: no stale lock to clean up), or when the script's main returns (owns_run_folders). A
+    second process is refused in one line naming the holder's pid."""
+    path = os.path.join(os.path.realpath(folder), '.lock')
+    if path in _LOCKS:
+        return
+    f = open(path, 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or 'unknown'
+        f.close()
+        raise ValueError(f"{flag} {folder!r} is in use by another run (pid {holder}): wait for it to end, "
+                         f"or use another {flag}") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS[path] = f
+
+
+def owns_run_folders(main):
+    """Decorates a script's main: the folders it locked are released when it returns or raises, so that a sweep
+    or a test may call main again in the same process."""
+    @functools.wraps(main)
+    def wrapper(*args, **kw):
+        held = set(_LOCKS)
+        try:
+            return main(*args, **kw)
+        finally:
+            for path in set(_LOCKS) - held:
+                _LOCKS.pop(path).close()
+    return wrapper
+
+
+def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='--out_dir', lock=True):
+    """Start-up checks of a run's output folder, before any work: it can be written (a folder that cannot fails
+    now, not after training); this process owns it (lock_folder); tmp files of a killed writer are removed; and
+    it holds no earlier run's files (run_files) unless --resume continues that run or --overwrite, which deletes
+    them here."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
             pass
     except OSError as e:
         raise ValueError(f"{flag} {out_dir!r} cannot be written: {e.strerror or e}") from None
+    if lock:
+        lock_folder(out_dir, flag)
     remove_orphan_tmp(out_dir)
     existing = [p for p in run_files if os.path.exists(p)]
     if existing and not resume and not overwrite:
-        raise ValueError(f"{existing[0]} exists: --out_dir {out_dir!r} holds an earlier run. Use --resume to "
-                         f"continue it, another --out_dir, or --overwrite to replace it")
+        raise ValueError(f"{existing[0]} exists: {flag} {out_dir!r} holds an earlier run. Use --resume to "
+                         f"continue it, another {flag}, or --overwrite to replace it")
     if overwrite and not resume:
         for p in existing:
             with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
@@ -252,18 +263,26 @@ def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='
 
 
 def save_checkpoint(path, ckpt):
-    """torch.save the checkpoint dict atomically, after checking that its 'model' weights are finite: a
-    diverged model never replaces the last good checkpoint (Diverged instead)."""
+    """torch.save the checkpoint dict, stamped with FORMAT, atomically, after checking that its 'model' weights are
+    finite: a diverged model never replaces the last good checkpoint (Diverged instead)."""
     bad = [k for k, v in ckpt['model'].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise Diverged(f"weights {', '.join(bad[:3])} are not finite at step {ckpt.get('step')}: not writing "
                        f"{path}; the last checkpoint on disk is untouched. Try a lower --lr")
-    atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+    atomic_write(path, lambda tmp: torch.save({**ckpt, 'format': FORMAT}, tmp))
+
+
+def check_format(saved, where):
+    """ValueError unless `saved` (a checkpoint or a saved run config) was written under this FORMAT."""
+    if not isinstance(saved, dict) or saved.get('format') != FORMAT:
+        raise ValueError(f"{where} was written by another version of this code (format "
+                         f"{saved.get('format') if isinstance(saved, dict) else None}, this is {FORMAT}): "
+                         f"train it again in another --out_dir, or with --overwrite")
 
 
 def load_checkpoint(path, script, required=('model', 'optimizer', 'config', 'step')):
     """torch.load(weights_only=True) with one-line errors (ValueError) for a missing, truncated, random-bytes
-    or foreign file. Checkpoints carry 'script', the name of the train script that wrote them."""
+    or foreign file, or one of another FORMAT. Checkpoints carry 'script', the train script that wrote them."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path!r} (train first, or point --out_dir at a run folder)")
     try:
@@ -276,7 +295,20 @@ def load_checkpoint(path, script, required=('model', 'optimizer', 'config', 'ste
     if missing or writer != script:
         why = f"it was written by {writer}" if writer and writer != script else f"it lacks {missing}"
         raise ValueError(f"{path!r} is not a {script} checkpoint: {why}")
+    check_format(ckpt, f"checkpoint {path!r}")
     return ckpt
+
+
+def content_digest(paths, chunk=1 << 20):
+    """sha256 over the names and bytes of the files, read a chunk at a time: what a data cache is keyed on, so
+    that an edit is noticed whatever the file's size and mtime say (cp -p, tar and rsync -t restore mtimes)."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(os.path.basename(path).encode() + b'\0')
+        with open(path, 'rb') as f:
+            while block := f.read(chunk):
+                h.update(block)
+    return h.hexdigest()
 
 
 def rng_state():
@@ -296,6 +328,9 @@ def set_rng_state(state):
     if state['cuda'] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
 
+
+# -----------------------------------------------------------------------------
+# the training loop's guards: divergence, Ctrl-C; the last line; __main__
 
 LOSS_LIMIT = 1e12  # a larger training loss is divergence: the scripts' losses are cross-entropies (ln(vocab) at
                    # init) and MSEs of normalized or unit-variance targets, nowhere near it in a sound run
@@ -344,11 +379,37 @@ def ctrl_c_finishes_step():
         signal.signal(signal.SIGINT, previous)
 
 
-# Seeded sweeps (train_lm.py --sweep compare, train_lra.py --sweep listops): runs in their own processes,
-# one thread each, then mean ± std over seeds and paired differences between variants.
+def report_outputs(**where):
+    """The last line of every run: where its checkpoint, JSON and plots went (None entries are left out)."""
+    print('outputs: ' + ' | '.join(f"{k.replace('_', ' ')} {v}" for k, v in where.items() if v), flush=True)
 
-T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
 
+def run_main(main, argv=None):
+    """A train script's __main__: main(argv), with one line on stderr instead of a traceback, and the exit code
+    of the module docstring's rule."""
+    prog = os.path.basename(sys.modules[main.__module__].__file__)
+    try:
+        return main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        what, message, code = 'error', e.code, 1
+    except (ValueError, OSError, Diverged) as e:
+        what, message, code = 'error', str(e), 1
+    except Interrupted as e:
+        what, message, code = 'interrupted', str(e), 130
+    except KeyboardInterrupt:
+        what, message, code = 'interrupted', ('Ctrl-C outside a training loop: no checkpoint written now (those '
+                                              'already on disk are kept)'), 130
+    message = ' '.join(message.split())
+    message = message[len('error: '):] if message.startswith('error: ') else message
+    print(f"{prog}: {what}: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+# -----------------------------------------------------------------------------
+# sweeps: one engine. A script's sweep is its list of Runs and its table; each Run is `python script argv` in
+# its own folder, one thread, so runs are reused, resumed and timed alike in every script.
 
 def positive_int(s):
     """argparse type: an integer > 0."""
@@ -359,10 +420,10 @@ def positive_int(s):
 
 
 def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run folders, sweep.json, table.md, plot'):
-    """The flags of a seeded sweep, the same in every script that has one: --sweep NAME, --variants, --seeds,
-    --workers, --reuse, --sweep_dir, --estimate. Returns the group, for a script's own sweep flags."""
+    """The flags of a seeded sweep, the same in every script: --sweep NAME, --variants, --seeds, --workers, --reuse,
+    --sweep_dir, --estimate. Returns the group, for a script's own sweep flags."""
     g = p.add_argument_group(title)
-    g.add_argument('--sweep', choices=[name], help=about)
+    g.add_argument('--sweep', choices=[name] if isinstance(name, str) else list(name), help=about)
     g.add_argument('--variants', default=','.join(variants), help='--sweep: comma list of variants')
     g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
     g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
@@ -373,6 +434,32 @@ def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run fol
     g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
                    "sweep's wall-time estimate and stop")
     return g
+
+
+@dataclass
+class Run:
+    """One run of a sweep: `python <script> <argv>`, writing into out_dir (argv names it)."""
+    name: str              # e.g. 'mlr_seed0'
+    group: str             # what the seeds average over: a variant, a model at a width, ...
+    seed: int
+    argv: list
+    out_dir: str
+    seconds: float = 0.0   # estimated training time: the printed estimate, and runs start longest first
+
+
+def run_state(saved, want, free, where, finished):
+    """Whether a sweep reuses a run folder: 'new' (nothing saved), 'done' (finished) or 'partial' (--resume it).
+    saved: the config the folder holds (None: none); want: the sweep's settings for it; free: keys that may
+    differ. A folder holding a run of other settings or another FORMAT is refused (ValueError)."""
+    if saved is None:
+        return 'new'
+    check_format(saved, where)
+    diff = [k for k in sorted(want) if k in saved and k not in free and saved[k] != want[k]]
+    if diff:
+        k = diff[0]
+        raise ValueError(f"{where} holds a run with --{k} {saved[k]!r}, this sweep asks {want[k]!r}: use another "
+                         f"--sweep_dir, or --no-reuse to train every run again")
+    return 'done' if finished else 'partial'
 
 
 def one_thread_seconds(step, repeats=2):
@@ -391,39 +478,26 @@ def one_thread_seconds(step, repeats=2):
     return min(times[1:])
 
 
-def mean_std(xs):
-    """(mean, sample standard deviation); the std is NaN for a single value."""
-    xs = np.asarray(xs, dtype=np.float64)
-    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
+def longest_first_wall(seconds, workers):
+    """Wall time of jobs of these seconds on `workers` processes, each taking the next job when it is free, the
+    longest first (as sweep() starts them)."""
+    free = [0.0] * max(1, workers)
+    for s in sorted(seconds, reverse=True):
+        free[free.index(min(free))] += s
+    return max(free)
 
 
-def paired_difference(diffs):
-    """Mean and std of per-seed differences, with a paired t-test at 5 % (exceeds_spread: |t| > critical)."""
-    m, sd = mean_std(diffs)
-    t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
-    crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
-    return dict(diffs=list(diffs), mean=m, std=sd, t=t, t_crit=crit,
-                exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
-
-
-def pm(ms, digits=4, scale=1.0):
-    """'mean ± std' of a (mean, std) pair, times scale; the mean alone when the std is NaN (one seed)."""
-    m, s = ms
-    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}" if math.isfinite(s) else f"{scale * m:.{digits}f}"
-
-
-def paired_rows(paired, a, header, digits=4, scale=1.0):
-    """Markdown table of paired differences {b: paired_difference(...)}: 'a − b', per seed, mean ± std, the t
-    statistic against its 5 % critical value, and whether the difference exceeds the seed spread."""
-    if not paired:
-        return []
-    rows = [f'| {header} | per seed | mean ± std | paired t (5 % critical) | exceeds the seed spread |',
-            '| --- | --- | --- | --- | --- |']
-    for b, p in paired.items():
-        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
-        rows.append(f"| {a} − {b} | {', '.join(f'{scale * d:+.{digits}f}' for d in p['diffs'])} | "
-                    f"{pm((p['mean'], p['std']), digits, scale)} | {p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
-    return rows
+def sweep(runs, states, script, main, workers, tag='sweep'):
+    """Train the runs whose state (states: {name: run_state(...)}) is not 'done': 'partial' ones with --resume, the
+    others with --overwrite, longest first, `workers` processes at a time (0: main(argv) one after another in this
+    process). Prints the estimate first. -> {name: exit code} of the runs it trained."""
+    todo = sorted((r for r in runs if states[r.name] != 'done'), key=lambda r: -r.seconds)
+    wall = longest_first_wall([r.seconds for r in todo], workers)
+    print(f"{tag}: {len(runs) - len(todo)} finished run(s) reused, {len(todo)} to train: "
+          f"{sum(r.seconds for r in todo) / 60:.1f} min of 1-thread training, about {wall / 60:.1f} min wall with "
+          f"{max(1, workers)} worker(s) on an idle machine", flush=True)
+    jobs = [(r.name, r.argv + ['--resume' if states[r.name] == 'partial' else '--overwrite'], r.out_dir) for r in todo]
+    return run_processes(jobs, workers, script, main, tag)
 
 
 def run_processes(jobs, workers, script, main, tag='sweep'):
@@ -431,7 +505,6 @@ def run_processes(jobs, workers, script, main, tag='sweep'):
     thread each, each logging to <run_dir>/train.log (workers 0: main(argv) one after another in this process).
     -> {name: exit code}. On Ctrl-C or SIGTERM the running ones get SIGINT, so that they save a checkpoint
     after their current step and a rerun resumes them."""
-    import subprocess
     codes, running, pending = {}, {}, list(jobs)
     if workers == 0:
         for name, argv, _ in pending:
@@ -473,6 +546,47 @@ def run_processes(jobs, workers, script, main, tag='sweep'):
     return codes
 
 
+# -----------------------------------------------------------------------------
+# statistics over seeds, and the seed-band plot
+
+T_CRIT_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student t, two-sided 5 %, df 1..9
+
+
+def mean_std(xs):
+    """(mean, sample standard deviation); the std is NaN for a single value."""
+    xs = np.asarray(xs, dtype=np.float64)
+    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float('nan')
+
+
+def paired_difference(diffs):
+    """Mean and std of per-seed differences, with a paired t-test at 5 % (exceeds_spread: |t| > critical)."""
+    m, sd = mean_std(diffs)
+    t = m / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float('nan')
+    crit = T_CRIT_95[len(diffs) - 2] if 1 < len(diffs) <= 10 else 1.96
+    return dict(diffs=list(diffs), mean=m, std=sd, t=t, t_crit=crit,
+                exceeds_spread=bool(abs(t) > crit) if math.isfinite(t) else None)
+
+
+def pm(ms, digits=4, scale=1.0):
+    """'mean ± std' of a (mean, std) pair, times scale; the mean alone when the std is NaN (one seed)."""
+    m, s = ms
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}" if math.isfinite(s) else f"{scale * m:.{digits}f}"
+
+
+def paired_rows(paired, a, header, digits=4, scale=1.0):
+    """Markdown table of paired differences {b: paired_difference(...)}: 'a − b', per seed, mean ± std, the t
+    statistic against its 5 % critical value, and whether the difference exceeds the seed spread."""
+    if not paired:
+        return []
+    rows = [f'| {header} | per seed | mean ± std | paired t (5 % critical) | exceeds the seed spread |',
+            '| --- | --- | --- | --- | --- |']
+    for b, p in paired.items():
+        verdict = 'n/a (1 seed)' if p['exceeds_spread'] is None else ('yes' if p['exceeds_spread'] else 'no')
+        rows.append(f"| {a} − {b} | {', '.join(f'{scale * d:+.{digits}f}' for d in p['diffs'])} | "
+                    f"{pm((p['mean'], p['std']), digits, scale)} | {p['t']:.2f} ({p['t_crit']:.2f}) | {verdict} |")
+    return rows
+
+
 def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=1.0, hline=None):
     """Two panels, y against xkeys[0] and against xkeys[1]: per variant (histories: {variant: [one history per
     seed, a list of dicts]}) the mean over seeds with a ± 1 std band; hline = (y, label) draws a reference."""
@@ -501,30 +615,37 @@ def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=
     plt.close(fig)
 
 
-def report_outputs(**where):
-    """The last line of every run: where its checkpoint, JSON and plots went (None entries are left out)."""
-    print('outputs: ' + ' | '.join(f"{k.replace('_', ' ')} {v}" for k, v in where.items() if v), flush=True)
+# -----------------------------------------------------------------------------
+# TO BE REMOVED once no script uses them (backward compatibility for runs of earlier versions)
+
+def upgrade_flags(saved, renamed, inverted=None):
+    inverted = inverted or {}
+    new = {renamed.get(k, k): v for k, v in saved.items() if k not in inverted}
+    new.update({inverted[k]: not v for k, v in saved.items() if k in inverted})
+    for f in fields(ModelConfig):
+        if f.name not in TASK_FIELDS:
+            new.setdefault(f.name, f.default)
+    return new
 
 
-def run_main(main, argv=None):
-    """A train script's __main__: main(argv), with one line on stderr instead of a traceback. Exit codes:
-    0 done; 2 a bad flag value (argparse); 1 a bad file or checkpoint, a refused --resume or --out_dir, or a
-    diverged loss (ValueError, OSError, Diverged, or a SystemExit carrying a message); 130 Ctrl-C."""
-    prog = os.path.basename(sys.modules[main.__module__].__file__)
-    try:
-        return main(argv)
-    except SystemExit as e:
-        if not isinstance(e.code, str):
-            raise
-        what, message, code = 'error', e.code, 1
-    except (ValueError, OSError, Diverged) as e:
-        what, message, code = 'error', str(e), 1
-    except Interrupted as e:
-        what, message, code = 'interrupted', str(e), 130
-    except KeyboardInterrupt:
-        what, message, code = 'interrupted', ('Ctrl-C outside a training loop: no checkpoint written now (those '
-                                              'already on disk are kept)'), 130
-    message = ' '.join(message.split())
-    message = message[len('error: '):] if message.startswith('error: ') else message
-    print(f"{prog}: {what}: {message}", file=sys.stderr)
-    raise SystemExit(code)
+class Deprecated(argparse.Action):
+    noted = set()
+
+    def __init__(self, option_strings, dest, new, **kw):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string not in Deprecated.noted:
+            Deprecated.noted.add(option_string)
+            print(f"note: {option_string} is deprecated and will be removed; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def add_deprecated(parser, old, new, const=None):
+    action = parser._option_string_actions[new]
+    if const is None:
+        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, type=action.type,
+                            choices=action.choices)
+    else:
+        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, nargs=0, const=const)

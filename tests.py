@@ -4008,9 +4008,8 @@ def test_orphan_tmp_of_dead_writer_removed_live_kept(tmp_path, orphan):
     dead = plant_orphan(orphan, tmp_path, 'ckpt.pt')
     live = tmp_path / f'ckpt.pt.tmp{os.getpid()}'     # a writer that is still running: left alone
     live.write_bytes(b'x')
-    (tmp_path / 'old.npz.tmp.npz').write_bytes(b'x')  # the older pid-less scheme
     R.remove_orphan_tmp(str(tmp_path))
-    assert not os.path.exists(dead) and live.exists() and not (tmp_path / 'old.npz.tmp.npz').exists()
+    assert not os.path.exists(dead) and live.exists()
 
 
 def test_save_checkpoint_refuses_nan_weights(tmp_path):

@@ -54,7 +54,7 @@ import attention  # noqa: E402
 import runs  # noqa: E402
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
 # the run plumbing the four train scripts share (runs.py)
-from runs import (add_deprecated, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
+from runs import (owns_run_folders, add_deprecated, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
                  given_flags, guarded_update, Interrupted, load_checkpoint, pick_device,
                  prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
                  save_checkpoint, set_rng_state, upgrade_flags, write_json)  # noqa: E402
@@ -602,7 +602,8 @@ def train(args, run_name='run'):
     model = ICLModel(model_config(args), args.d, args.pos_std, args.read_in_std).to(device)   # model
     opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
-    prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
+    prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite,
+                    lock=run_name == 'run')   # a sweep's runs share the folder that the sweep's process owns
     resuming = args.resume and os.path.exists(ckpt_path)        # resume, or a fresh run state
     st = resume_run(ckpt_path, model, opt, gen, args, run_name) if resuming else new_state()
 
@@ -1370,6 +1371,7 @@ def check_args(parser, args):
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
 
 
+@owns_run_folders
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)

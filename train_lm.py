@@ -51,7 +51,7 @@ from tqdm import tqdm
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups)
 # the run plumbing the four train scripts share (runs.py)
-from runs import (add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
+from runs import (owns_run_folders, add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
                  check_loss, check_ranges, ctrl_c_finishes_step, given_flags, Interrupted,
                  load_checkpoint, mean_std, model_config, one_thread_seconds, paired_difference,
                  paired_rows, pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir,
@@ -553,7 +553,8 @@ def start_run(args):
     """The run folder (writable, no earlier run lost) and on --resume its checkpoint, whose settings win: a
     conflicting flag is refused, run length and logging may change. -> (run config dict, checkpoint or None)."""
     ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
-    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite)
+    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite,
+                    lock=int(os.environ.get('RANK', 0)) == 0)   # DDP: rank 0 owns the folder for all ranks
     ckpt = None
     if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
@@ -1180,6 +1181,7 @@ def bench(args):
     return rows
 
 
+@owns_run_folders
 def main(argv=None):
     args = parse_args(argv)
     if args.threads > 0:

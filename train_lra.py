@@ -60,7 +60,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
 # the run plumbing the four train scripts share (runs.py)
-from runs import (add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
+from runs import (owns_run_folders, add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
                  check_ranges, ctrl_c_finishes_step, given_flags, guarded_update, Interrupted,
                  load_checkpoint, mean_std, model_config, one_thread_seconds, paired_difference,
                  paired_rows, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
@@ -1394,6 +1394,7 @@ def parse_args(argv=None):
     return args
 
 
+@owns_run_folders
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:

@@ -62,7 +62,7 @@ from tqdm import tqdm
 
 from attention import Transformer, MupLinear, optimizer_groups, ATTENTION
 # the run plumbing the four train scripts share (runs.py)
-from runs import (add_deprecated, add_model_args, ArgParser, atomic_write, check_ranges,
+from runs import (owns_run_folders, add_deprecated, add_model_args, ArgParser, atomic_write, check_ranges,
                  ctrl_c_finishes_step, Diverged, given_flags, guarded_update, Interrupted,
                  load_checkpoint, model_config, paired_difference, pick_device, plot_seed_bands,
                  prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state,
@@ -1288,6 +1288,7 @@ RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval
                     'seeds'}
 
 
+@owns_run_folders
 def main(argv=None):
     parser = build_parser()
     args = parse_args(argv, parser)
