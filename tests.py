@@ -4012,6 +4012,103 @@ def test_orphan_tmp_of_dead_writer_removed_live_kept(tmp_path, orphan):
     assert not os.path.exists(dead) and live.exists()
 
 
+def test_torch_write_failure_is_one_oserror_and_the_old_file_stays(tmp_path, monkeypatch):
+    """A full disk in torch.save raises RuntimeError from torch's writer: it becomes one OSError naming the path."""
+    path = tmp_path / 'ckpt.pt'
+    R.save_checkpoint(str(path), dict(model={'w': torch.ones(2)}, step=1))
+
+    def full_disk(obj, f, *a, **kw):
+        open(f, 'wb').write(b'half')
+        raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    monkeypatch.setattr(torch, 'save', full_disk)
+    with pytest.raises(OSError, match=f'cannot write {re.escape(str(path))}: .*PytorchStreamWriter'):
+        R.save_checkpoint(str(path), dict(model={'w': torch.zeros(2)}, step=2))
+    assert torch.load(path, weights_only=True)['step'] == 1 and not tmp_files(tmp_path)
+
+
+def test_checkpoints_carry_the_format_and_another_one_is_refused(tmp_path):
+    path = str(tmp_path / 'ckpt.pt')
+    R.save_checkpoint(path, dict(script='x.py', model={'w': torch.ones(1)}, optimizer={}, config={}, step=3))
+    assert R.load_checkpoint(path, 'x.py')['format'] == R.FORMAT
+    for old in (dict(script='x.py', model={}, optimizer={}, config={}, step=3),             # before FORMAT
+                dict(script='x.py', model={}, optimizer={}, config={}, step=3, format=R.FORMAT - 1)):
+        torch.save(old, path)
+        with pytest.raises(ValueError, match='written by another version of this code'):
+            R.load_checkpoint(path, 'x.py')
+
+
+def test_run_state_new_partial_done_and_refusals():
+    want = dict(attn='mlr', lr=1e-3, max_iters=10)
+    saved = dict(want, format=R.FORMAT)
+    assert R.run_state(None, want, (), 'f', finished=False) == 'new'
+    assert R.run_state(saved, want, (), 'f', finished=False) == 'partial'
+    assert R.run_state(saved, want, (), 'f', finished=True) == 'done'
+    assert R.run_state(dict(saved, max_iters=5), want, {'max_iters'}, 'f', finished=True) == 'done'
+    with pytest.raises(ValueError, match="f holds a run with --lr 0.01, this sweep asks 0.001"):
+        R.run_state(dict(saved, lr=1e-2), want, (), 'f', finished=True)
+    with pytest.raises(ValueError, match='another version'):
+        R.run_state(want, want, (), 'f', finished=True)
+
+
+def test_content_digest_sees_a_same_size_edit_with_its_mtime_restored(tmp_path):
+    """cp -p, tar and rsync -t restore mtimes: a cache keyed on size and mtime would miss this edit."""
+    f = tmp_path / 'data.txt'
+    f.write_text('abcdef')
+    before, stat = R.content_digest([str(f)]), os.stat(f)
+    f.write_text('abcxef')
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(f).st_size == stat.st_size and os.stat(f).st_mtime_ns == stat.st_mtime_ns
+    assert R.content_digest([str(f)]) != before
+    assert R.content_digest([str(f)], chunk=2) == R.content_digest([str(f)])    # read in chunks, same digest
+
+
+HOLD_FOLDER = ("import sys, time; sys.path.insert(0, {here!r}); import runs as R\n"
+               "R.prepare_out_dir({folder!r}); open({folder!r} + '/first.txt', 'w').write('first run')\n"
+               "print('locked', flush=True); time.sleep(120)\n")
+
+
+def test_a_second_run_on_one_folder_is_refused_and_a_killed_owner_leaves_no_lock(tmp_path, capsys):
+    folder = str(tmp_path / 'run')
+    holder = subprocess.Popen([sys.executable, '-c', HOLD_FOLDER.format(here=HERE, folder=folder)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'locked'
+        code, err = run_cli(icl.main, ['--max_iters', '1', '--out_dir', folder], capsys)
+        assert_one_line_error(code, err, 1, [f"--out_dir {folder!r} is in use by another run (pid {holder.pid})"],
+                              'train_icl.py')
+        assert sorted(os.listdir(folder)) == ['.lock', 'first.txt'] and open(f'{folder}/first.txt').read() == 'first run'
+    finally:
+        holder.kill()                                            # kill -9: the kernel drops its flock
+        holder.wait()
+    R.prepare_out_dir(folder)                                    # no stale lock: this process owns it now
+    R.prepare_out_dir(folder)                                    # and may take it again
+
+
+def test_owns_run_folders_releases_what_main_locked(tmp_path):
+    folder = str(tmp_path / 'run')
+    main = R.owns_run_folders(lambda: R.prepare_out_dir(folder))
+    main()
+    held = [p for p in R._LOCKS if p.startswith(os.path.realpath(folder))]
+    assert not held, held
+    r = subprocess.run([sys.executable, '-c', HOLD_FOLDER.format(here=HERE, folder=folder).replace(
+        'time.sleep(120)', 'pass')], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and 'locked' in r.stdout, r.stderr
+
+
+def test_sweep_trains_longest_first_resumes_partial_and_skips_done(tmp_path):
+    """The engine: done runs are not started, partial ones get --resume, new ones --overwrite, longest first."""
+    script = tmp_path / 'child.py'
+    script.write_text("import sys, time\nprint(' '.join(sys.argv[1:]), time.monotonic_ns(), flush=True)\n")
+    runs = [R.Run(name, 'v', i, [name], str(tmp_path / name), seconds=s)
+            for i, (name, s) in enumerate([('short', 1.0), ('done', 9.0), ('long', 5.0)])]
+    codes = R.sweep(runs, {'short': 'new', 'done': 'done', 'long': 'partial'}, str(script), None, workers=1)
+    assert codes == {'long': 0, 'short': 0}
+    logs = {n: (tmp_path / n / 'train.log').read_text().split() for n in codes}
+    assert logs['long'][:2] == ['long', '--resume'] and logs['short'][:2] == ['short', '--overwrite']
+    assert int(logs['long'][2]) < int(logs['short'][2]) and not (tmp_path / 'done').exists()
+    assert R.longest_first_wall([1, 3, 2, 2], 2) == 4 and R.longest_first_wall([1, 2], 0) == 3
+
+
 def test_save_checkpoint_refuses_nan_weights(tmp_path):
     path = tmp_path / 'ckpt.pt'
     with pytest.raises(R.Diverged, match='not finite at step 7'):

@@ -588,7 +588,7 @@ def curve_point(model, xs, ys, args, device, step, st):
             'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']}
 
 
-def train(args, run_name='run'):
+def train(args, run_name='run', lock=True):
     """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json). In nanoGPT's
     order: config, data, model, optimizer, (resume), the loop with its evaluations and checkpoints, the final
     evaluation."""
@@ -603,7 +603,7 @@ def train(args, run_name='run'):
     opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
     prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite,
-                    lock=run_name == 'run')   # a sweep's runs share the folder that the sweep's process owns
+                    lock=lock)
     resuming = args.resume and os.path.exists(ckpt_path)        # resume, or a fresh run state
     st = resume_run(ckpt_path, model, opt, gen, args, run_name) if resuming else new_state()
 
@@ -863,7 +863,7 @@ def finished_run(args):
 
 def _train_job(job):
     args, name = job
-    r = train(args, run_name=name)
+    r = train(args, run_name=name, lock=False)   # a sweep's runs share the folder its process owns
     r.pop('_model')          # results only: they cross a process boundary
     return r
 
