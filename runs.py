@@ -55,7 +55,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse with the defaults in --help and one-line errors: 'prog: error: message (see --help)', exit 2."""
+    """argparse with one-line errors: 'prog: error: message (see --help)', exit 2."""
 
     def __init__(self, *args, **kw):
         kw.setdefault('formatter_class', HelpFormatter)
@@ -91,8 +91,7 @@ def add_model_args(parser, **task_defaults):
 
 
 def model_config(args, block_size, causal, **task):
-    """ModelConfig from the parsed model flags; the task gives block_size, causal and any field the script sets
-    itself (e.g. ranks resolved from 'auto'). Checked: a bad value is one ValueError line."""
+    """ModelConfig from the model flags, the task's fields (**task) winning; a bad value is one ValueError line."""
     task.update(block_size=block_size, causal=causal)
     cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task}, **task})
     check_config(cfg)
@@ -100,8 +99,7 @@ def model_config(args, block_size, causal, **task):
 
 
 def check_ranges(parser, args, positive=(), non_negative=()):
-    """parser.error (one line, exit 2) at the first flag outside its range: `positive` ones must be > 0,
-    `non_negative` ones >= 0, and all finite (NaN and inf are refused)."""
+    """parser.error (exit 2) at the first flag not finite and > 0 (positive) or >= 0 (non_negative)."""
     for names, ok, valid in ((positive, lambda v: v > 0, '> 0'), (non_negative, lambda v: v >= 0, '>= 0')):
         for name in names:
             v = getattr(args, name)
@@ -110,8 +108,7 @@ def check_ranges(parser, args, positive=(), non_negative=()):
 
 
 def given_flags(parser, argv=None):
-    """The dests of the flags written on the command line, whatever their values (a flag given with its
-    default value counts too, which comparing values with the defaults would miss)."""
+    """The dests of the flags written on the command line, a flag given with its default value too."""
     actions, defaults = [(a, a.default) for a in parser._actions], parser._defaults
     try:
         parser._defaults = {}
@@ -126,10 +123,8 @@ def given_flags(parser, argv=None):
 
 
 def resume_settings(saved, args, given, may_change=()):
-    """--resume: the checkpoint's settings (saved, a dict of flag values) win. A flag given on the command line
-    must equal the checkpoint's value unless it is in may_change (run length, logging, device, ...), else
-    ValueError naming every conflict as '--flag: checkpoint X vs given Y'. Copies the rest into args, except
-    the flags that locate or place this invocation (out_dir, device, resume, overwrite)."""
+    """--resume: the checkpoint's settings (saved) win, copied into args. A given flag must equal the saved value
+    unless it is in may_change (run length, logging, ...), else one ValueError naming every conflict."""
     keep = {'resume', 'overwrite', 'out_dir', 'device'}
     conflicts = [f"--{k}: checkpoint {saved[k]!r} vs given {getattr(args, k)!r}" for k in sorted(given)
                  if k in saved and k not in keep and k not in may_change and saved[k] != getattr(args, k)]
@@ -156,9 +151,9 @@ def pick_device(name):
 # files: atomic writes, run folders owned by one process, checkpoints, content digests
 
 def atomic_write(path, write):
-    """write(tmp), then rename tmp over path: a reader never sees half a file, and a write that fails (disk
-    full, Ctrl-C) leaves path as it was and no tmp file. Only a kill -9 can leave <path>.tmp<pid>, which
-    prepare_out_dir removes at the next start. Any failure of the write is one OSError naming path."""
+    """write(tmp), then rename tmp over path: a reader never sees half a file; a failed write (disk full, Ctrl-C)
+    leaves path as it was, no tmp file, and one OSError naming path. A kill -9 leaves <path>.tmp<pid>, which
+    prepare_out_dir removes at the next start."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
