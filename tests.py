@@ -1626,23 +1626,17 @@ def test_lm_smoke_every_attention(lm_corpus, attn, tmp_path):
 
 
 def test_lm_resume_is_exact(lm_corpus, tmp_path):
+    """--resume takes the settings from the checkpoint (--attn is not given; a flag given equal is accepted) and
+    continues as if never stopped."""
     a = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'a', '--attn', 'mlr', '--max_iters', '6', '--eval_interval', '3'))
     train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--attn', 'mlr', '--max_iters', '3', '--eval_interval', '3'))
-    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '6', '--resume'))  # attn from the ckpt
+    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '6', '--n_embd', '32', '--resume'))
     assert [s for s, _ in b['losses']] == [4, 5, 6]
     assert a['losses'][3:] == b['losses'], f"resumed {b['losses']} vs uninterrupted {a['losses'][3:]}"
     strip = lambda h: [{k: v for k, v in r.items() if k != 'time'} for r in h]  # wall time differs, of course
     assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
-
-
-def test_lm_resume_keeps_checkpoint_shapes(lm_corpus, tmp_path):
-    """Shape-defining flags come from the checkpoint; a conflicting one is refused, naming both values."""
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--eval_interval', '2'))
-    with pytest.raises(ValueError, match='--n_embd: checkpoint 32 vs given 64'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '64', '--max_iters', '3', '--resume'))
-    res = train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '32', '--max_iters', '3', '--resume'))
-    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
-    assert ckpt['config']['n_embd'] == 32 and ckpt['step'] == 3 and res['losses'][0][0] == 3
+    config = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['config']
+    assert config['attn'] == 'mlr' and config['format'] == R.FORMAT
 
 
 def test_lm_ddp_two_processes_gloo(lm_corpus, tmp_path):
@@ -1663,6 +1657,42 @@ def test_lm_ddp_two_processes_gloo(lm_corpus, tmp_path):
     lm_close([l for _, l in ddp['losses']], [l for _, l in single['losses']], atol=1e-4, rtol=1e-4,
                  what='DDP vs single-process losses')
     lm_close(ddp['val_loss'], single['val_loss'], atol=1e-4, rtol=1e-4, what='val loss')
+
+
+def test_lm_get_batch_targets_are_the_next_characters():
+    """y is x shifted by one: at every position the target is the corpus's next character; the ranks' slices
+    of one draw make up the single-process batch."""
+    data = np.arange(3000, dtype=np.uint16)                        # character i of the corpus is i
+    x, y = train_lm.get_batch(data, 8, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (8, 16) and torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y, x + 1)                                   # the next character, position by position
+    assert torch.equal(x, x[:, :1] + torch.arange(16))             # a contiguous window of the corpus
+    ranks = [train_lm.get_batch(data, 4, 16, torch.Generator().manual_seed(0), r, 2)[0] for r in (0, 1)]
+    assert torch.equal(torch.cat(ranks), x)
+
+
+def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path):
+    """The logged val loss is the model's mean loss over the fixed batches of the val split (file 9 of 10,
+    text unlike the training files'), not over the train split's."""
+    d = tmp_path / 'src'
+    d.mkdir()
+    for i in range(10):
+        (d / f'f{i}.txt').write_text(('0123456789 <>[]{}\n' if i == 9 else 'def f(x): return x + 1\n') * 60)
+    argv = ['--data', str(d), '--cache_dir', str(tmp_path / 'cache'), '--out_dir', str(tmp_path / 'run'),
+            '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--batch_size', '4',
+            '--max_iters', '3', '--eval_interval', '3', '--eval_iters', '3', '--lr', '1e-2', '--no-progress']
+    res = train_lm.main(argv)
+    ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    model = train_lm.GPT(train_lm.build_config(ckpt['config']), len(ckpt['itos']))
+    model.load_state_dict(ckpt['model'])
+    splits, _ = train_lm.load_data(train_lm.prepare_data(str(d), str(tmp_path / 'cache')))
+
+    def mean_loss(split):
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            return np.mean([model(*train_lm.get_batch(splits[split], 4, 32, g))[1].item() for _ in range(3)])
+    assert res['val_loss'] == pytest.approx(mean_loss('val'), rel=1e-5)
+    assert abs(mean_loss('train') - res['val_loss']) > 0.01
 
 # -----------------------------------------------------------------------------
 # sampling with the decoding caches
@@ -1740,6 +1770,24 @@ def test_lm_data_split_by_file(tmp_path):
     assert train_lm.prepare_data(str(d), str(tmp_path / 'cache')) == cache  # second call reuses the cache
 
 
+def test_lm_cache_is_rebuilt_after_a_same_size_edit_with_its_mtime_restored(tmp_path):
+    """cp -p, tar and rsync -t restore mtimes: the cache is keyed on the bytes, so the edit is noticed."""
+    f, cache_dir = tmp_path / 'corpus.txt', str(tmp_path / 'cache')
+    f.write_text('abcdef\n' * 200)
+    first = train_lm.prepare_data(str(f), cache_dir)
+    st = os.stat(f)
+    f.write_text('abcxef\n' * 200)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(f).st_size == st.st_size and os.stat(f).st_mtime_ns == st.st_mtime_ns
+    second = train_lm.prepare_data(str(f), cache_dir)
+    assert second != first and train_lm.prepare_data(str(f), cache_dir) == second
+    texts = {}
+    for cache in (first, second):
+        splits, meta = train_lm.load_data(cache)
+        texts[cache] = ''.join(meta['itos'][i] for i in splits['train'])
+    assert texts[first].startswith('abcdef\n') and texts[second].startswith('abcxef\n')
+
+
 def test_lm_stdlib_corpus_file_list():
     root, files = train_lm.stdlib_files()
     assert len(files) > 300 and files == sorted(files)
@@ -1758,7 +1806,7 @@ def test_lm_compare_plot(tmp_path):
         train_lm.main(['--compare', str(tmp_path), '--plot', str(tmp_path / 'cmp.png')])
     rows = train_lm.main(['--compare', str(tmp_path / 'standard'), str(tmp_path / 'swa'),
                           '--plot', str(tmp_path / 'cmp.png')])
-    assert len(rows) == 2 and os.path.getsize(tmp_path / 'cmp.png') > 1000
+    assert [r['val_loss'] for r in rows.values()] == [3.6, 3.6] and os.path.getsize(tmp_path / 'cmp.png') > 1000
 
 
 def test_lm_bench_runs():
@@ -1768,89 +1816,53 @@ def test_lm_bench_runs():
     assert all(r['tokens_per_s'] > 0 for r in rows.values())
 
 # -----------------------------------------------------------------------------
-# errors
+# the model flags reach the model; --preset compare and --sweep compare: equal-FLOP budgets, seeds, paired
+# statistics, reuse
 
 
-@pytest.mark.parametrize('argv', [['--attn', 'nope'], ['--n_layer', '0'], ['--preset', 'huge'], ['--lr', 'fast']])
-def test_lm_bad_flags_exit_with_usage(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        train_lm.main(argv)
-    assert e.value.code == 2 and argv[1] in capsys.readouterr().err
+def lm_model(*flags):
+    a = train_lm.parse_args(['--n_layer', '2', '--n_embd', '32', '--n_head', '4', '--block_size', '32',
+                             '--window', '8', '--n_compressed', '4', *flags])
+    torch.manual_seed(0)
+    return train_lm.GPT(train_lm.build_config(vars(a)), 20, a.emb_std)
 
 
-def test_lm_bad_inputs_give_clear_errors(lm_corpus, tmp_path):
-    with pytest.raises(ValueError, match='no such file or directory'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'missing.txt')])
-    (tmp_path / 'empty').mkdir()
-    with pytest.raises(ValueError, match='no non-empty UTF-8 text'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'empty')])
-    (tmp_path / 'short.txt').write_text('print(1)\n' * 3)
-    with pytest.raises(ValueError, match='--block_size 32 needs more than 33'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path) + ['--data', str(tmp_path / 'short.txt')])
-    with pytest.raises(ValueError, match='sum to the head width'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--attn', 'mlr', '--ranks', '8|4'))
-    with pytest.raises(ValueError, match='--n_embd 30 must be divisible by --n_head 4'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--n_embd', '30', '--n_head', '4'))
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match='CUDA is not available'):
-            train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--device', 'cuda'))
-    with pytest.raises(ValueError, match='no checkpoint'):
-        train_lm.main(['--sample', '--out_dir', str(tmp_path / 'nothing')])
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
 
 
-def test_lm_truncated_checkpoint_is_refused(lm_corpus, tmp_path):
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
-    path = tmp_path / 'ckpt.pt'
-    raw = path.read_bytes()
-    path.write_bytes(raw[:len(raw) // 2])
-    with pytest.raises(ValueError, match='truncated or corrupt'):
-        train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '2', '--resume'))
-    with pytest.raises(ValueError, match='truncated or corrupt'):
-        train_lm.main(['--sample', '--out_dir', str(tmp_path)])
+def test_lm_model_flags_reach_the_model():
+    L, D, d = 2, 32, 8
+    base = n_params(lm_model())
+    assert n_params(lm_model('--mlp_hidden', '48')) - base == 2 * L * D * (48 - 4 * D)        # up and down maps
+    gqa = lm_model('--n_kv_head', '2')
+    assert gqa.body.blocks[0].attn.n_kv == 2 and base - n_params(gqa) == 2 * L * D * (4 - 2) * d  # k and v maps
+    brl = lm_model('--attn', 'brl')
+    no_rel = lm_model('--attn', 'brl', '--brl_rel_buckets', '0')
+    assert n_params(brl) - n_params(no_rel) == L * 2 * 4 * 4 * 32          # F_comp and F_prop b_rel: (H, m, 32)
+    lam = lm_model('--attn', 'brl', '--brl_lambda_init', '0.25').body.blocks[1].attn.lam
+    assert torch.equal(lam.detach(), torch.full((4,), 0.25))
+    assert not lm_model('--attn', 'brl', '--no-brl_gamma').body.blocks[0].attn.gamma().any()
+    assert brl.body.blocks[0].attn.gamma().any()
+    x = torch.randint(20, (2, 32), generator=torch.Generator().manual_seed(0))  # 4 causal blocks of 8
+    carry = lm_model('--attn', 'brl', '--brl_beta', '0.9')
+    same = [randomize_(m)(x)[0] for m in (brl, carry, lm_model('--attn', 'brl'))]  # same weights, other beta
+    assert carry.config.brl_beta == 0.9 and torch.equal(same[0], same[2]) and not torch.allclose(same[0], same[1])
+    with pytest.raises(ValueError, match='n_kv_head'):
+        lm_model('--attn', 'mlr', '--n_kv_head', '2')                     # GQA is standard attention's only
 
 
-def test_lm_prompt_outside_vocabulary(lm_corpus, tmp_path):
-    train_lm.main(lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '1', '--eval_interval', '1'))
-    with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        train_lm.main(['--sample', '--out_dir', str(tmp_path), '--prompt', 'Zebra!'])
-
-
-# -----------------------------------------------------------------------------
-# train_lm.py --preset compare and --sweep compare: equal-FLOP budgets, seeds, paired statistics, reuse
-
-# -----------------------------------------------------------------------------
-# --preset compare: the official run's T, head width, ranks and optimizer, at a CPU width
-
-
-def test_lm_compare_preset_values():
-    a = train_lm.parse_args(['--preset', 'compare', '--attn', 'mlr'])
-    want = dict(n_layer=6, block_size=1024, mlr_divide_levels=True, qk_ln=True, logit_scale='inv', mup_alpha=8.0,
-                mup_base_width=768, emb_std=0.02, window=128, global_layers='0,3', weight_decay=0.0, adam_eps=1e-20,
-                beta2=0.95, lr_schedule='constant')
-    assert {k: getattr(a, k) for k in want} == want
-    assert a.n_embd // a.n_head == 64                                   # the official head width
-    assert train_lm.build_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'   # the official ranks at T = 1024
-    kinds = train_lm.build_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
-    assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']  # official MHA|SWA|SWA|MHA|SWA|SWA
-
-
-def test_lm_compare_preset_every_value_names_its_source():
-    from tests import preset_source_lines
-    lines = preset_source_lines('PRESETS', train_lm, start_key="'compare'")
-    for key in train_lm.PRESETS['compare']:
-        line = next((line for line in lines if f"{key}=" in line), None)
-        assert line is not None and '#' in line, f"compare preset value {key!r} has no source comment"
-
-
-def test_lm_sweep_selects_the_compare_preset_and_checks_variants(capsys):
-    assert train_lm.parse_args(['--sweep', 'compare']).block_size == 1024
+def test_lm_compare_preset_resolves_the_official_ranks_scales_and_layers():
+    """--sweep compare selects --preset compare (unless a preset is given), whose 'auto' ranks at d = 64 and
+    T = 1024 are the official 32|8|6|4|4|4|4|2, 'paper' scale MLR 1/r_l and standard 8/d, global_swa the
+    official MHA|SWA|SWA|MHA|SWA|SWA."""
+    a = train_lm.parse_args(['--sweep', 'compare', '--attn', 'mlr'])
+    assert a.preset == 'compare' and a.block_size == 1024 and a.n_embd // a.n_head == 64
     assert train_lm.parse_args(['--sweep', 'compare', '--preset', 'cpu']).block_size == 256
-    with pytest.raises(SystemExit):
-        train_lm.parse_args(['--sweep', 'compare', '--variants', 'standard,mrl'])
-    assert "--variants 'standard,mrl': 'mrl' is not an attention variant" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_lm.parse_args(['--sweep', 'compare', '--variants', 'mlr,swa,mlr'])
-    assert "a variant is named twice" in capsys.readouterr().err
+    assert train_lm.build_config(vars(a)).ranks == '32|8|6|4|4|4|4|2' and a.logit_scale == 'inv'
+    assert train_lm.parse_args(['--preset', 'compare', '--attn', 'standard']).logit_scale == 'mup'
+    kinds = train_lm.build_config(vars(train_lm.parse_args(['--preset', 'compare', '--attn', 'global_swa']))).layer_kinds()
+    assert kinds == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']
 
 
 def test_lm_sweep_stats_paired_differences():
@@ -1870,20 +1882,22 @@ def test_lm_sweep_stats_paired_differences():
     assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
 
 # -----------------------------------------------------------------------------
-# the sweep machinery end to end: 2 seeds x 2 variants x 3 steps, in 2 processes; then reuse and resume
+# the sweep end to end: 2 seeds x 2 variants x 3 steps, in 2 processes; then reuse, resume and refusals
 
 
 def lm_sweep_argv(lm_corpus, tmp_path, *extra):
-    argv = lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
+    return lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
                         '--variants', 'standard,mlr', '--seeds', '2', '--max_iters', '3', '--eval_interval', '2',
                         '--lr', '1e-2', *extra)
-    return argv
 
 
 def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
-    res = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2'))
+    argv = lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2', '--progress')
+    run = train_lm.run_argv(train_lm.parse_args(argv), 'mlr', 1338, 1e9)       # a run's own command line:
+    assert '--sweep' not in run and '--workers' not in run and run[-1] == '--no-progress'   # not the sweep's flags
+    res = train_lm.main(argv)
     names = ['standard_seed1337', 'mlr_seed1337', 'standard_seed1338', 'mlr_seed1338']
-    assert res['codes'] == {n: 0 for n in names} and res['reused'] == []
+    assert res['codes'] == {n: 0 for n in names} and set(res['states'].values()) == {'new'}
     with open(res['paths']['json']) as f:
         saved = json.load(f)
     assert saved['variants'] == ['standard', 'mlr'] and saved['seeds'] == [1337, 1338]
@@ -1908,13 +1922,12 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
     assert os.path.getsize(res['paths']['plot']) > 1000 and open(res['paths']['table']).read() == res['table']
 
     again = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0'))   # a rerun trains nothing
-    assert sorted(again['reused']) == sorted(names) and again['trained'] == []
-    assert again['table'] == res['table']
+    assert set(again['states'].values()) == {'done'} and again['codes'] == {} and again['table'] == res['table']
 
     os.rename(tmp_path / 'sweep' / 'standard_seed1338', tmp_path / 'gone')   # a missing run is trained again...
     more = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))  # ...and a larger
-    assert sorted(more['trained']) == sorted(names) and more['reused'] == []   # budget resumes the others
-    for r in more['runs']:
+    assert more['states'] == {n: 'new' if n == 'standard_seed1338' else 'partial' for n in names}  # budget resumes
+    for r in more['runs']:                                                                         # the others
         old = runs[r['variant'], r['seed']]['history']
         if r['variant'] == 'mlr' or r['seed'] == 1337:                 # resumed: the old history goes on
             assert r['history'][:len(old)] == old and r['history'][-1]['flops'] >= more['budget'] > budget
@@ -1923,143 +1936,12 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
 
     with pytest.raises(ValueError, match="holds a run with --lr 0.01, this sweep asks 0.02"):
         train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--lr', '2e-2'))
-
-
-# train_lm.py flags: shared model group, old spellings, runs saved before the renames
-
-def saved_config(argv):
-    """The run config train_lm.py saves today for argv (train(): the flags, ranks 'auto' resolved)."""
-    cfg = {k: v for k, v in vars(train_lm.parse_args(argv)).items() if not k.startswith('_') and k != 'compare'}
-    return {**cfg, 'ranks': train_lm.build_config(cfg).ranks or 'auto'}
-
-
-def as_before_issue_19(cfg):
-    """What train_lm.py before issue 19 saved for the same run: 'no_bar' instead of 'progress', and none of the
-    model flags it did not have (checked once against that code: these are the only key differences)."""
-    gone = set(train_lm.FORMER_MODEL_SETTINGS) - {'brl_history'} | {'progress'}
-    return {**{k: v for k, v in cfg.items() if k not in gone}, 'no_bar': not cfg['progress']}
-
-
-# -----------------------------------------------------------------------------
-# (a) the old spelling still works and says so once
-
-
-def test_lm_no_bar_is_a_deprecated_no_progress(capsys):
-    R.Deprecated.noted.clear()  # the note is printed once per process; another test may have printed it
-    old = train_lm.parse_args(['--attn', 'mlr', '--no_bar'])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ['note: --no_bar is deprecated and will be removed; use --no-progress'], err
-    new = train_lm.parse_args(['--attn', 'mlr', '--no-progress'])
-    assert old.progress is False and train_lm.parse_args([]).progress is True
-    assert {k: v for k, v in vars(old).items() if k != '_argv'} == {k: v for k, v in vars(new).items() if k != '_argv'}
-    with pytest.raises(SystemExit):
-        train_lm.parse_args(['--help'])
-    text = capsys.readouterr().out
-    assert '--progress, --no-progress' in text and '--no_bar' not in text
-
-
-# -----------------------------------------------------------------------------
-# (b) run configs saved before the rename: checkpoints resume, sweep runs are reused
-
-
-def test_lm_old_run_config_upgrades_to_the_new_keys():
-    new = saved_config(['--attn', 'brl', '--no-progress'])
-    old = as_before_issue_19(new)
-    assert 'no_bar' in old and 'progress' not in old and 'mlp_hidden' not in old
-    assert train_lm.upgrade_run_config(old) == new                      # every key, every value
-    assert train_lm.upgrade_run_config(new) == new                      # today's config is left as it is
-    assert train_lm.build_config(train_lm.upgrade_run_config(old)) == train_lm.build_config(new)
-    wide = saved_config(['--mlp_hidden', '96', '--no-brl_gamma'])       # a saved value is never replaced
-    up = train_lm.upgrade_run_config(wide)
-    assert up['mlp_hidden'] == 96 and up['brl_gamma'] is False and up['progress'] is True
-
-
-def test_lm_checkpoint_saved_before_the_rename_resumes(lm_corpus, tmp_path):
-    run = lambda out, *x: train_lm.main(lm_tiny_args(lm_corpus, tmp_path / out, '--eval_interval', '2', *x))
-    a = run('a', '--attn', 'mlr', '--max_iters', '4')
-    run('b', '--attn', 'mlr', '--max_iters', '2')
-    path = tmp_path / 'b' / 'ckpt.pt'
-    ckpt = torch.load(path, weights_only=True)
-    ckpt['config'] = as_before_issue_19(ckpt['config'])                # as the old code wrote it
-    torch.save(ckpt, path)
-    b = train_lm.main(lm_tiny_args(lm_corpus, tmp_path / 'b', '--max_iters', '4', '--resume'))
-    assert b['losses'] == a['losses'][2:] and b['val_loss'] == a['val_loss']
-    config = torch.load(path, weights_only=True)['config']
-    assert 'no_bar' not in config and config['progress'] is False and config['mlp_hidden'] == 0
-
-
-def write_finished_run(run_dir, config, flops):
-    os.makedirs(run_dir)
-    (run_dir / 'ckpt.pt').write_bytes(b'')  # run_state only asks whether there is one
-    with open(run_dir / 'log.json', 'w') as f:
-        json.dump(dict(config=config, history=[dict(step=0, flops=0.0, time=0.0, val_loss=3.0),
-                                               dict(step=9, flops=flops, time=1.0, val_loss=2.0)]), f)
-
-
-def test_lm_sweep_reuses_runs_finished_before_the_rename(tmp_path):
-    sweep = ['--sweep', 'compare', '--sweep_dir', str(tmp_path), '--n_embd', '64', '--seeds', '2']
-    args, budget = train_lm.parse_args(sweep), 1e12
-    argv = train_lm.run_argv(args, 'mlr', 1338, budget)
-    assert '--no-progress' in argv and '--no_bar' not in argv
-    run_dir = tmp_path / 'mlr_seed1338'
-    write_finished_run(run_dir, as_before_issue_19(saved_config(argv)), budget)
-    assert train_lm.run_state(args, str(run_dir), argv, budget) == 'done'
-    assert train_lm.run_state(args, str(run_dir), argv, 2 * budget) == 'partial'      # short of a larger budget
-    wide = train_lm.parse_args(sweep + ['--mlp_hidden', '96'])      # its MLP was 4 D: not this sweep's run
-    with pytest.raises(ValueError, match=r"--mlp_hidden 0, this sweep asks 96"):
-        train_lm.run_state(wide, str(run_dir), train_lm.run_argv(wide, 'mlr', 1338, budget), budget)
-    # the sweep's own progress flags, old or new, are not passed on: every run gets --no-progress
-    for flag in ('--no_bar', '--progress', '--no-progress'):
-        assert train_lm.inherited_argv(sweep + [flag, '--lr', '0.01']) == ['--n_embd', '64', '--lr', '0.01']
-
-
-# -----------------------------------------------------------------------------
-# (c) model flags train_lm.py did not have before the shared group reach the model
-
-
-def lm_model(*flags):
-    a = train_lm.parse_args(['--n_layer', '2', '--n_embd', '32', '--n_head', '4', '--block_size', '32',
-                             '--window', '8', '--n_compressed', '4', *flags])
-    torch.manual_seed(0)
-    return train_lm.GPT(train_lm.build_config(vars(a)), 20, a.emb_std)
-
-
-def n_params(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-def test_lm_new_model_flags_reach_the_model():
-    L, D, d = 2, 32, 8
-    base = n_params(lm_model())
-    assert n_params(lm_model('--mlp_hidden', '48')) - base == 2 * L * D * (48 - 4 * D)        # up and down maps
-    gqa = lm_model('--n_kv_head', '2')
-    assert gqa.body.blocks[0].attn.n_kv == 2 and base - n_params(gqa) == 2 * L * D * (4 - 2) * d  # k and v maps
-    brl = lm_model('--attn', 'brl')
-    no_rel = lm_model('--attn', 'brl', '--brl_rel_buckets', '0')
-    assert n_params(brl) - n_params(no_rel) == L * 2 * 4 * 4 * 32          # F_comp and F_prop b_rel: (H, m, 32)
-    lam = lm_model('--attn', 'brl', '--brl_lambda_init', '0.25').body.blocks[1].attn.lam
-    assert torch.equal(lam.detach(), torch.full((4,), 0.25))
-    assert not lm_model('--attn', 'brl', '--no-brl_gamma').body.blocks[0].attn.gamma().any()
-    assert brl.body.blocks[0].attn.gamma().any()
-    x = torch.randint(20, (2, 32), generator=torch.Generator().manual_seed(0))  # 4 causal blocks of 8
-    carry = lm_model('--attn', 'brl', '--brl_beta', '0.9')
-    same = [randomize_(m)(x)[0] for m in (brl, carry, lm_model('--attn', 'brl'))]  # same weights, other beta
-    assert carry.config.brl_beta == 0.9 and torch.equal(same[0], same[2]) and not torch.allclose(same[0], same[1])
-
-
-def test_lm_model_flag_values_are_checked_in_one_line(capsys):
-    for flags, words in ((['--mlp_hidden', '-1'], '--mlp_hidden -1'), (['--n_kv_head', '-2'], '--n_kv_head -2'),
-                         (['--n_layer', '0'], '--n_layer 0'), (['--attn', 'nope'], "--attn 'nope'"),
-                         (['--logit_scale', 'pap'], "--logit_scale 'pap'"),
-                         (['--brl_history', 'x'], 'valid are global, block')):
-        with pytest.raises(SystemExit) as e:
-            train_lm.parse_args(flags)
-        err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and len(err) == 1 and words in err[0], err
-    with pytest.raises(ValueError, match='n_kv_head'):
-        lm_model('--attn', 'mlr', '--n_kv_head', '2')                     # GQA is standard attention's only
-
-
+    log = tmp_path / 'sweep' / 'mlr_seed1337' / 'log.json'             # a run of another version of this code
+    saved = json.loads(log.read_text())
+    del saved['config']['format']
+    log.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match='mlr_seed1337 was written by another version'):
+        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))
 # -----------------------------------------------------------------------------
 # train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
 
@@ -4336,15 +4218,35 @@ def lm_setup(lm_corpus, out, how):
     if how == 'binary_data':
         (out.parent / 'bin').mkdir(exist_ok=True)
         (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
+    if how == 'other_format':                                      # a checkpoint of another version of this code
+        lm_run(lm_corpus, out)
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        torch.save({**ckpt, 'format': R.FORMAT - 1}, out / 'ckpt.pt')
+        return
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lm_run(lm_corpus, out), 'train_lra.py')
 
 
-LM_BAD = range_cases(warmup_iters='-5', threads='-1', temperature='-1', top_k='-3', lr='nan', beta2='1.5') + [
+LM_BAD = range_cases(
+    warmup_iters='-5', threads='-1', temperature='-1', top_k='-3', lr='nan', beta2='1.5', adam_eps='0', emb_std='-1',
+    weight_decay='inf', grad_clip='nan', max_flops='-1', mup_alpha='0', brl_beta='2', brl_lambda_init='inf',
+    mlp_hidden='-1', n_kv_head='-2', n_layer='0', window='0', workers='-1', seed='-1') + [
     # (case, extra flags, setup, exit code, words the one line must hold)
+    ('lr_overflows_adam', ['--lr', '1e300'], None, 2, ['--lr 1e+300', '(0, 10]']),
+    ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1}]']),
+    ('threads_too_many', ['--threads', '100000'], None, 2, ['--threads 100000']),
+    ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['--n_embd 65536', 'GiB of memory']),
     ('batch_size', ['--batch_size', '0'], None, 2, ['--batch_size', '0']),      # argparse type: its own words
     ('max_iters', ['--max_iters', '-1'], None, 2, ['--max_iters', '-1']),
-    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
-    ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
+    ('lr_text', ['--lr', 'fast'], None, 2, ['--lr', "'fast'"]),
+    ('preset', ['--preset', 'huge'], None, 2, ["'huge'"]),
+    ('attn', ['--attn', 'nope'], None, 2, ["--attn 'nope'"]),
+    ('logit_scale', ['--logit_scale', 'pap'], None, 2, ["--logit_scale 'pap'"]),
+    ('brl_history', ['--brl_history', 'x'], None, 2, ['valid are global, block']),
+    ('variants_unknown', ['--sweep', 'compare', '--variants', 'standard,mrl'], None, 2,
+     ["'mrl' is not an attention variant"]),
+    ('variants_twice', ['--sweep', 'compare', '--variants', 'mlr,swa,mlr'], None, 2, ["'mlr' is named twice"]),
+    ('global_layers_twice', ['--global_layers', '1,1'], None, 2, ["--global_layers '1,1'", 'named twice']),
+    ('compare_twice', ['--compare', 'a', 'a'], None, 2, ["--compare ['a', 'a']", 'named twice']),
     ('no_data', ['--data', '/nonexistent/corpus.txt'], None, 1, ['/nonexistent/corpus.txt']),
     ('binary_data', ['--data', 'BIN'], 'binary_data', 1, ['no non-empty UTF-8']),
     ('block_size', ['--block_size', '4096'], None, 1, ['--block_size 4096']),
@@ -4354,7 +4256,15 @@ LM_BAD = range_cases(warmup_iters='-5', threads='-1', temperature='-1', top_k='-
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
     ('resume_shape', ['--resume', '--n_layer', '3', '--window', '4'], 'run', 1,
      ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 8 vs given 4']),
+    ('resume_other_format', ['--resume'], 'other_format', 1, ['written by another version of this code']),
+    ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
     ('sample_random', ['--sample'], 'random', 1, ['truncated or corrupt']),
+    ('sample_truncated', ['--sample'], 'truncated', 1, ['truncated or corrupt']),
+    ('sample_prompt', ['--sample', '--prompt', 'Zebra!'], 'run', 1, ["outside the model's vocabulary"]),
+    ('cache_dir_unwritable', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'UNWRITABLE']),
+    ('plot_unwritable', ['--compare', 'RUN', '--plot', 'UNWRITABLE/p.png'], 'unwritable', 1, ['--plot', 'UNWRITABLE']),
+    ('sweep_dir_unwritable', ['--sweep', 'compare', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,
+     ['--sweep_dir', 'UNWRITABLE', 'cannot be written']),
 ] + shared_cases('train_lm.py', 'ckpt.pt', 'train_lra.py')
 
 
@@ -4362,9 +4272,30 @@ LM_BAD = range_cases(warmup_iters='-5', threads='-1', temperature='-1', top_k='-
 def test_lm_bad_input_one_line(lm_corpus, tmp_path, capsys, case, extra, setup, code, words):
     out = tmp_path / 'run'
     lm_setup(lm_corpus, out, setup)
-    extra = [{'BIN': str(tmp_path / 'bin'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'out')}.get(a, a) for a in extra]
-    got, err = run_cli(train_lm.main, lm_args(lm_corpus, out, *extra), capsys)
-    assert_one_line_error(got, err, code, words, 'train_lm.py')
+    paths = {'BIN': str(tmp_path / 'bin'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'out'), 'RUN': str(out)}
+    sub = lambda a: re.sub('|'.join(paths), lambda m: paths[m.group(0)], a)
+    got, err = run_cli(train_lm.main, lm_args(lm_corpus, out, *map(sub, extra)), capsys)
+    assert_one_line_error(got, err, code, list(map(sub, words)), 'train_lm.py')
+    assert not tmp_files(out)
+
+
+def test_lm_failed_checkpoint_write_is_one_line_and_keeps_the_last(lm_corpus, tmp_path, monkeypatch, capsys):
+    """A full disk at the step-2 checkpoint: one line naming --out_dir and the file, exit 1, the step-0 one intact."""
+    real, calls = torch.save, []
+
+    def full_disk(obj, f, *args, **kw):
+        calls.append(f)
+        if len(calls) == 1:
+            return real(obj, f, *args, **kw)
+        open(f, 'wb').write(b'half')
+        raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    monkeypatch.setattr(torch, 'save', full_disk)
+    code, err = run_cli(train_lm.main, lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '4', '--eval_interval', '2'),
+                        capsys)
+    assert_one_line_error(code, err, 1, [f"--out_dir {str(tmp_path)!r}", f"cannot write {tmp_path / 'ckpt.pt'}",
+                                         'PytorchStreamWriter'], 'train_lm.py')
+    monkeypatch.undo()
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['step'] == 0 and not tmp_files(tmp_path)
 
 
 def test_lm_overwrite_replaces_the_run(lm_corpus, tmp_path):

@@ -6,25 +6,27 @@ AdamW in the nanoGPT manner. The default corpus needs no download: the source co
 library of the interpreter running this script (~11 MB of .py files, tests excluded), split into train/val
 by file, so the validation code is never seen in training.
 
-    python train_lm.py --attn mlr                       # MLR attention: val ~1.53 nats/char, ~7-13 min on 2 cores
-    python train_lm.py                                  # standard attention (~4 min on an idle 2-core CPU)
+    python train_lm.py --attn mlr                       # MLR attention: val ~1.53 nats/char after 1000 steps,
+                                                        # about 4 min on an idle 2-core CPU
+    python train_lm.py                                  # standard attention
     python train_lm.py --attn swa --window 32           # sliding-window attention
     python train_lm.py --attn global_swa --global_layers 1,3
     python train_lm.py --attn mlr --resume              # continue out/lm_mlr exactly where it stopped
     python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
-    python train_lm.py --compare out/lm_standard out/lm_mlr --plot assets/lm_compare.png
-    python train_lm.py --sweep compare --seeds 3        # 5 variants x 3 seeds at equal FLOPs, T = 1024 (~2 h on
-                                                        # 2 idle cores; rerun the same command to resume a cut-off one)
+    python train_lm.py --compare out/lm_standard out/lm_mlr --plot out/lm_compare.png
+    python train_lm.py --sweep compare --seeds 3        # 5 variants x 3 seeds at equal FLOPs, T = 1024, in
+                                                        # out/lm_sweep (rerun the same command to resume it)
     python train_lm.py --sweep compare --estimate       # time a few steps per variant and print the sweep's minutes
     python train_lm.py --bench                          # tokens/s: ours vs a nanoGPT-equivalent model
     python train_lm.py --data input.txt                 # any text file, or a directory of text files
     torchrun --standalone --nproc_per_node=2 train_lm.py --device cpu   # DDP (gloo on CPU, nccl on GPU)
     python train_lm.py --preset paper --attn mlr --data owt.txt         # the official MLR run (PRESETS), for a GPU
     python train_lm.py --preset paper --attn mlr --max_iters 2 --batch_size 1 --grad_accum 1 --eval_iters 1 \
-        --device cpu                                                    # its CPU smoke run (~25 s)
+        --device cpu                                                    # its CPU smoke run
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -32,6 +34,7 @@ import os
 import re
 import sys
 import sysconfig
+import tempfile
 import time
 from contextlib import nullcontext
 
@@ -50,21 +53,39 @@ from tqdm import tqdm
 
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups)
-# the run plumbing the four train scripts share (runs.py)
-from runs import (owns_run_folders, add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
-                 check_loss, check_ranges, ctrl_c_finishes_step, given_flags, Interrupted,
-                 load_checkpoint, mean_std, model_config, one_thread_seconds, paired_difference,
-                 paired_rows, pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir,
-                 remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main,
-                 run_processes, save_checkpoint, set_rng_state, write_json)  # noqa: E402
-# the model flags, declared once for the four train scripts (attention.ModelConfig's fields)
+from runs import (FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
+                  content_digest, ctrl_c_finishes_step, given_flags, load_checkpoint, longest_first_wall, mean_std,
+                  model_config, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, pick_device,
+                  plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
+                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep,
+                  write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_lm.py'
 
 
+@contextlib.contextmanager
+def io_errors(flag, path):
+    """An OS or torch I/O failure inside (disk full, a file in the way, no permission) becomes one OSError
+    naming the flag and its path (runs.run_main prints it as one line, exit 1)."""
+    try:
+        yield
+    except OSError as e:
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else e.strerror or str(e)
+        raise OSError(f"{flag} {path!r}: {what}") from None
+
+
+def check_writable(path, flag):
+    """The folder of output file `path` can be created and written: before the work, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with io_errors(flag, path):
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+
+
 # -----------------------------------------------------------------------------
-# data: corpus -> character vocabulary -> uint8/uint16 memmap cache
+# data: corpus -> character vocabulary -> uint8/uint16 memmap cache, keyed on the corpus's bytes
 
 STDLIB_SKIP_DIRS = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
 CACHE_FORMAT = 1  # bump when the cache layout changes
@@ -96,8 +117,9 @@ def read_text(path):
 
 def prepare_data(data, cache_dir):
     """Build (once) and return the cache dir holding train.bin, val.bin and meta.json for `data`
-    ('' = the standard library corpus). Validation text comes from files never used for training: every
-    10th file (the last one if there are fewer than 10); a single file is split 90/10 at a line break."""
+    ('' = the standard library corpus). The cache is keyed on the files' bytes (runs.content_digest), so any
+    edit builds a new one. Validation text comes from files never used for training: every 10th file (the
+    last one if there are fewer than 10); a single file is split 90/10 at a line break."""
     if data:  # a text file, or every non-hidden file under a directory
         if not os.path.exists(data):
             raise ValueError(f"--data {data!r}: no such file or directory")
@@ -107,15 +129,15 @@ def prepare_data(data, cache_dir):
     else:
         root, files = stdlib_files()
         name = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
-    stats = [(os.path.relpath(f, root) if f != root else '', os.path.getsize(f), os.stat(f).st_mtime_ns)
-             for f in files]
-    fingerprint = hashlib.sha1(json.dumps([CACHE_FORMAT, root, stats]).encode()).hexdigest()
-    out = os.path.join(cache_dir, f"{name}-{fingerprint[:10]}")
+    with io_errors('--data', data or root):
+        key = hashlib.sha256(f"{CACHE_FORMAT} {bool(data)} {content_digest(files)}".encode()).hexdigest()
+    out = os.path.join(cache_dir, f"{name}-{key[:10]}")
     meta_path = os.path.join(out, 'meta.json')
     if os.path.exists(meta_path):
         return out  # meta.json is written last, so its presence means the cache is complete
 
-    texts = [read_text(f) for f in files]
+    with io_errors('--data', data or root):
+        texts = [read_text(f) for f in files]
     skipped = [os.path.relpath(f, root) if f != root else f for f, t in zip(files, texts) if t is None] if data else []
     if not data:  # printable ASCII and newline only
         texts = [re.sub(r'[^\x20-\x7e\n]', '', t) for t in texts if t]
@@ -136,43 +158,45 @@ def prepare_data(data, cache_dir):
     lut = np.zeros(ord(itos[-1]) + 1, dtype=dtype)  # code point -> token id
     lut[[ord(c) for c in itos]] = np.arange(len(itos))
 
-    os.makedirs(out, exist_ok=True)
-    remove_orphan_tmp(out)  # of an earlier build that was killed
-    counts = np.zeros(len(itos))
-    for split, text in (('train', train_text), ('val', val_text)):
-        ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
-        if split == 'train':
-            counts = np.bincount(ids, minlength=len(itos)).astype(np.float64)
-        atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
-    p = counts[counts > 0] / counts.sum()
-    meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
-                n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()),
-                skipped=skipped)
-    write_json(meta_path, meta)
+    with io_errors('--cache_dir', cache_dir):
+        os.makedirs(out, exist_ok=True)
+        remove_orphan_tmp(out)  # of an earlier build that was killed
+        counts = np.zeros(len(itos))
+        for split, text in (('train', train_text), ('val', val_text)):
+            ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
+            if split == 'train':
+                counts = np.bincount(ids, minlength=len(itos)).astype(np.float64)
+            atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
+        p = counts[counts > 0] / counts.sum()
+        meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
+                    n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()),
+                    skipped=skipped)
+        write_json(meta_path, meta)
     return out
 
 
 def load_data(cache):
-    with open(os.path.join(cache, 'meta.json')) as f:
-        meta = json.load(f)
+    with io_errors('--cache_dir', cache):
+        with open(os.path.join(cache, 'meta.json')) as f:
+            meta = json.load(f)
+        splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r')
+                  for s in ('train', 'val')}
     if meta.get('skipped'):  # said on every run that uses this cache, not only when it was built
         names = ', '.join(meta['skipped'][:5]) + (', ...' if len(meta['skipped']) > 5 else '')
         print(f"note: --data {meta['source']!r}: skipped {len(meta['skipped'])} file(s) that are not UTF-8 text "
               f"({names})")
-    splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r') for s in ('train', 'val')}
     return splits, meta
 
 
 def get_batch(data, batch_size, block_size, gen, rank=0, world_size=1):
-    """Random windows of block_size + 1 characters. One generator is shared by all ranks (each takes its
-    slice of the draw), so the data order is a function of (seed, step) only: resume and DDP stay exact."""
+    """Random windows of block_size + 1 characters: inputs x and targets y = x shifted by one, each (B, T).
+    One generator is shared by all ranks (each takes its slice of the draw), so the data order is a function
+    of (seed, step) only: resume and DDP stay exact."""
     ix = torch.randint(len(data) - block_size, (world_size * batch_size,), generator=gen)
     ix = ix[rank * batch_size:(rank + 1) * batch_size].tolist()
     xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))  # (B, T+1)
     return xy[:, :-1], xy[:, 1:]
 
-# -----------------------------------------------------------------------------
-# model: embeddings -> attention.py Transformer -> muP LM head
 
 
 class GPT(nn.Module):
@@ -254,26 +278,6 @@ def build_config(cfg):
                         ranks=resolved_ranks(cfg))
 
 
-# Model flags that train_lm.py did not have before the shared model group (issue 19), with the values its
-# models were built with then (ModelConfig's defaults): a run config saved before them builds the same model.
-FORMER_MODEL_SETTINGS = dict(mlp_hidden=0, n_kv_head=0, brl_beta=0.5, brl_lambda_init=0.5, brl_gamma=True,
-                             brl_rel_buckets=32, brl_history='global')
-
-
-def upgrade_run_config(cfg):
-    """A saved run config (checkpoint, log.json) in today's terms, so it builds the same model and a sweep
-    compares like with like. Before the official settings (no 'emb_std' key): its MLR layers used 1/r_l under
-    'sqrt' (today's 'auto'), its window w meant w keys (today's look-back w - 1; BRL keeps its block of w
-    tokens), and the new options had their old values. Before issue 19: --no_bar is --no-progress, and the
-    model flags it lacked had FORMER_MODEL_SETTINGS."""
-    if 'emb_std' not in cfg:
-        w = cfg['window']
-        cfg = {**cfg, 'logit_scale': 'auto' if cfg['logit_scale'] == 'sqrt' else cfg['logit_scale'],
-               'window': max(1, w - 1), 'brl_block': cfg['brl_block'] or w, 'emb_std': 1.0, 'adam_eps': 1e-8,
-               'mlr_divide_levels': False, 'btt_factors': 'sqrt', 'bilinear_rms_cap': False, 'gswa_ranks': ''}
-    if 'no_bar' in cfg:
-        cfg = {**{k: v for k, v in cfg.items() if k != 'no_bar'}, 'progress': not cfg['no_bar']}
-    return {**FORMER_MODEL_SETTINGS, **cfg}
 
 # -----------------------------------------------------------------------------
 # flags and presets
@@ -375,20 +379,14 @@ def paper_logit_scale(attn, layer_pattern, n_layer, global_layers):
     return next(iter(rules.values()))
 
 
+SWEEP_VARIANTS = ('standard', 'mlr', 'swa', 'global_swa', 'brl')
+# train_lm.py's defaults that differ from ModelConfig's (the presets set the rest; PRESETS['cpu'] is the default)
+LM_MODEL_DEFAULTS = dict(ranks='auto')
+
+
 def build_parser():
-    """The flags, one group per function, in --help order; the defaults shown are preset cpu's."""
+    """The flags, one group per stage, in --help order; the defaults shown are preset cpu's."""
     p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
-    add_mode_args(p)
-    add_data_args(p)
-    add_lm_model_args(p)
-    add_train_args(p)
-    add_system_args(p)
-    add_sample_args(p)
-    p.set_defaults(**PRESETS['cpu'])  # so --help shows the default preset's values
-    return p
-
-
-def add_mode_args(p):
     g = p.add_argument_group('mode (default: train)')
     g.add_argument('--sample', action='store_true', help='generate text from <out_dir>/ckpt.pt instead of training')
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
@@ -399,24 +397,13 @@ def add_mode_args(p):
                    'train --variants (--attn values) x --seeds at the FLOPs of the standard run of --max_iters steps '
                    '(default preset: compare), then table + plot in --sweep_dir')
 
-
-def add_data_args(p):
     g = p.add_argument_group('data')
     g.add_argument('--data', default='', help='text file or directory of text files (default: the Python stdlib source)')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
 
-
-# train_lm.py's defaults that differ from ModelConfig's (the presets set the rest; PRESETS['cpu'] is the default)
-LM_MODEL_DEFAULTS = dict(ranks='auto')
-
-
-def add_lm_model_args(p):
-    """The preset and the LM's own model settings, then the model group of every train script (ModelConfig's
-    fields, runs.add_model_args), with the two values only train_lm.py resolves: --ranks auto and
-    --logit_scale paper."""
     g = p.add_argument_group('LM model (besides the shared model group below)')
-    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~10 min), paper, '
-                   'or compare (T = 1024, --sweep compare)')
+    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~4 min for mlr), '
+                   'paper, or compare (T = 1024, --sweep compare)')
     g.add_argument('--block_size', type=positive_int, help='context length T')
     g.add_argument('--emb_std', type=float, help='init std of the token and position embeddings')
     add_model_args(p, **LM_MODEL_DEFAULTS)
@@ -424,8 +411,6 @@ def add_lm_model_args(p):
     flag['--ranks'].help += "; auto: the paper's 32|8|6|4|4|4|4|2 scaled to d and T (default_ranks)"
     flag['--logit_scale'].help += "; paper: the official LM run's scale for --attn (PAPER_LOGIT_SCALE)"
 
-
-def add_train_args(p):
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=positive_int, help='sequences per micro-step per process')
     g.add_argument('--grad_accum', type=positive_int, help='micro-steps per optimizer step')
@@ -438,6 +423,7 @@ def add_train_args(p):
     g.add_argument('--beta2', type=float, default=0.95, help='AdamW beta2 (beta1 0.9)')
     g.add_argument('--adam_eps', type=float, help='AdamW eps')
     g.add_argument('--grad_clip', type=float, default=1.0, help='clip the gradient norm (0 = off)')
+
     g = p.add_argument_group('eval, logging, checkpoints')
     g.add_argument('--out_dir', default='', help="run directory ('' = out/lm_<attn>)")
     g.add_argument('--eval_interval', type=positive_int, help='steps between val evaluations + checkpoints')
@@ -447,10 +433,7 @@ def add_train_args(p):
     g.add_argument('--overwrite', action='store_true', help='replace the run in <out_dir> (without it, or --resume, '
                    'an out_dir that holds a checkpoint is refused)')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
-    add_deprecated(p, '--no_bar', '--no-progress', const=False)  # the one release that keeps the old spelling
 
-
-def add_system_args(p):
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
     g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='autocast dtype (auto: bf16 on GPU)')
@@ -459,8 +442,6 @@ def add_system_args(p):
                    'threads that are out of work sleep after ~0.1 ms, so the default also suits a shared machine)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
 
-
-def add_sample_args(p):
     g = p.add_argument_group('sampling (--sample)')
     g.add_argument('--prompt', default='def ', help='text to continue')
     g.add_argument('--max_new_tokens', type=positive_int, default=300, help='characters to generate')
@@ -471,6 +452,8 @@ def add_sample_args(p):
     g = p.add_argument_group('benchmark (--bench)')
     g.add_argument('--bench_steps', type=positive_int, default=3, help='timed steps per repeat')
     g.add_argument('--bench_reps', type=positive_int, default=6, help='repeats, in rotating order (the best counts)')
+    p.set_defaults(**PRESETS['cpu'])  # so --help shows the default preset's values
+    return p
 
 
 def parse_args(argv=None):
@@ -488,14 +471,44 @@ def parse_args(argv=None):
     return args
 
 
+# The values every numeric flag may take, as intervals: always a finite number, and one the code can use
+# (--lr 1e300 overflows AdamW, a seed must fit torch's generator). Sizes are also held to the memory there is.
+CPUS = os.cpu_count() or 1
+RANGES = {**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
+          'window': '(0, inf)', 'mlp_hidden': '[0, inf)', 'mup_alpha': '(0, 1000]', 'brl_beta': '[0, 1]',
+          'brl_lambda_init': '(-inf, inf)', 'emb_std': '[0, 100]',
+          'lr': '(0, 10]', 'weight_decay': '[0, 10]', 'beta2': '[0, 1)', 'adam_eps': '(0, 1]', 'grad_clip': '[0, inf)',
+          'warmup_iters': '[0, inf)', 'max_flops': '[0, inf)', 'temperature': '[0, inf)', 'top_k': '[0, inf)',
+          'seed': f'[0, {2 ** 63 - 1}]', 'threads': f'[0, {4 * CPUS}]', 'workers': f'[0, {4 * CPUS}]'}
+
+
+def in_interval(v, interval):
+    """Whether the finite number v lies in an interval written as '(0, 10]' ('inf' for no bound)."""
+    lo, hi = (int(s) if s.lstrip('-').isdigit() else float(s) for s in interval[1:-1].split(', '))
+    return (math.isfinite(v) and (lo < v if interval[0] == '(' else lo <= v)
+            and (v < hi if interval[-1] == ')' else v <= hi))
+
+
+def memory_needed(a):
+    """A lower bound of the bytes one training step holds, fp32: weights, gradients and AdamW's two moments of
+    the MLPs and position embeddings (16 bytes a parameter), and the residual stream and MLP activations that
+    every layer keeps for the backward pass."""
+    hidden = a.mlp_hidden or 4 * a.n_embd
+    params = a.n_layer * 2 * a.n_embd * hidden + a.block_size * a.n_embd
+    return 16 * params + 4 * a.n_layer * a.batch_size * a.block_size * (a.n_embd + hidden)
+
+
 def check_args(parser, args):
     """parser.error (one line, exit 2) at the first flag value train_lm.py cannot run; the model's own
     consistency (ranks summing to d, ...) is checked when it is built (attention.check_config)."""
-    check_ranges(parser, args, positive=['lr', 'window', *POSITIVE_FIELDS], non_negative=[
-        'warmup_iters', 'max_flops', 'weight_decay', 'grad_clip', 'threads', 'temperature', 'top_k', 'mlp_hidden',
-        *NON_NEGATIVE_FIELDS])
-    if not 0 <= args.beta2 < 1:
-        parser.error(f"--beta2 {args.beta2}: must be in [0, 1)")
+    for name, interval in RANGES.items():
+        if not in_interval(getattr(args, name), interval):
+            parser.error(f"--{name} {getattr(args, name)}: must be a finite number in {interval}")
+    ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    if memory_needed(args) > ram:
+        parser.error(f"--batch_size {args.batch_size} --block_size {args.block_size} --n_embd {args.n_embd} "
+                     f"--n_layer {args.n_layer} --mlp_hidden {args.mlp_hidden}: a training step needs at least "
+                     f"{memory_needed(args) / 2 ** 30:.0f} GiB of memory, this machine has {ram / 2 ** 30:.0f} GiB")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     valid = list(ATTENTION) + ['global_swa']
@@ -508,10 +521,13 @@ def check_args(parser, args):
     if bad:
         parser.error(f"--variants {args.variants!r}: {bad[0]!r} is not an attention variant; valid (comma "
                      f"list): {', '.join(valid)}")
-    if len(set(args.variants.split(','))) < len(args.variants.split(',')):
-        parser.error(f"--variants {args.variants!r}: a variant is named twice")
-    if args.workers < 0:
-        parser.error(f"--workers {args.workers}: must be >= 0 (0 = one run after another in this process)")
+    lists = dict(variants=args.variants.split(','), global_layers=[s.strip() for s in args.global_layers.split(',')],
+                 compare=args.compare or [])
+    for name, items in lists.items():
+        twice = [x for x in items if items.count(x) > 1]
+        if twice:
+            parser.error(f"--{name} {getattr(args, name)!r}: {twice[0]!r} is named twice")
+
 
 # -----------------------------------------------------------------------------
 # checkpoints: one dict {model, optimizer, config, step, ...}, written atomically (runs.save_checkpoint),
@@ -526,6 +542,7 @@ RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'eval_iters', 'lo
 # -----------------------------------------------------------------------------
 # training, in the order of nanoGPT's train.py: processes (DDP) -> run config and --resume -> data -> model and
 # optimizer -> eval and lr schedule -> one step -> checkpoint; train() at the end holds the loop
+
 
 
 def setup_processes(device_name):
@@ -558,10 +575,9 @@ def start_run(args):
     ckpt = None
     if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
-        ckpt['config'] = upgrade_run_config(ckpt['config'])
         resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
     cfg = {k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare',)}
-    return cfg, ckpt
+    return {**cfg, 'format': FORMAT}, ckpt
 
 
 def load_splits(args, proc, ckpt):
@@ -605,7 +621,7 @@ def restore(ckpt, model, optimizer, gen):
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
     gen.set_state(ckpt['data_rng'])
-    set_rng_state(ckpt['rng']) if 'rng' in ckpt else torch.set_rng_state(ckpt['torch_rng'])
+    set_rng_state(ckpt['rng'])
     return ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
 
 
@@ -686,11 +702,13 @@ def train_step(model, optimizer, data, gen, args, proc, autocast, lr, step):
 
 def save_run(out_dir, cfg, model, optimizer, gen, itos, progress):
     """All that an exact resume needs, in <out_dir>/ckpt.pt (atomic); and log.json (config and val history, for
-    --compare and the sweep). progress: dict(step, flops, train_time, history)."""
-    save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), dict(
-        script=SCRIPT, model=model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, **progress,
-        itos=itos, data_rng=gen.get_state(), rng=rng_state()))
-    write_json(os.path.join(out_dir, 'log.json'), dict(config=cfg, history=progress['history']))
+    --compare and the sweep). progress: dict(step, flops, train_time, history). A failed write leaves the
+    previous checkpoint as it was, and is one line naming --out_dir."""
+    with io_errors('--out_dir', out_dir):
+        save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), dict(
+            script=SCRIPT, model=model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, **progress,
+            itos=itos, data_rng=gen.get_state(), rng=rng_state()))
+        write_json(os.path.join(out_dir, 'log.json'), dict(config=cfg, history=progress['history']))
 
 
 def finish_run(model, proc, result, out_dir):
@@ -703,7 +721,8 @@ def finish_run(model, proc, result, out_dir):
         dist.all_gather(checks, check)
         result['param_checksums'] = [c.item() for c in checks]
         if proc.master:
-            write_json(os.path.join(out_dir, 'ddp.json'), result)
+            with io_errors('--out_dir', out_dir):
+                write_json(os.path.join(out_dir, 'ddp.json'), result)
         dist.barrier()     # no rank tears gloo down while another still uses it (seen once: SIGABRT at exit)
         dist.destroy_process_group()
     if proc.master:
@@ -777,6 +796,7 @@ def train(args):
 # sampling with the incremental-decoding caches of attention.py
 
 
+
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_cache=True, generator=None):
     """Continue prompt_ids (list of ints). The model sees at most block_size tokens; when the context is full
@@ -816,7 +836,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
 def sample(args):
     device = pick_device(args.device)
     ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
-    cfg, itos = upgrade_run_config(ckpt['config']), ckpt['itos']
+    cfg, itos = ckpt['config'], ckpt['itos']
     model = GPT(build_config(cfg), len(itos)).to(device)
     model.load_state_dict(ckpt['model'])
     model.eval()
@@ -853,47 +873,34 @@ def sample(args):
 
 
 def compare(args):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    rows = []
+    """--compare RUN_DIR...: val loss vs training FLOPs and vs training time of finished or running runs, from
+    their log.json (step 0, ln(vocab) for all, left out)."""
+    check_writable(args.plot, '--plot')
+    histories = {}
     for run in args.compare:
         path = os.path.join(run, 'log.json')
         if not os.path.exists(path):
             raise ValueError(f"--compare {run!r}: no log.json there (not a train_lm.py run directory?)")
-        with open(path) as f:
-            logd = json.load(f)
-        c, h = logd['config'], [r for r in logd['history'] if r['step'] > 0]  # step 0 is ln(vocab) for all
+        with io_errors('--compare', path), open(path) as f:
+            saved = json.load(f)
+        c, h = saved['config'], [r for r in saved['history'] if r['step'] > 0]
         if not h:
             raise ValueError(f"--compare {run!r}: no evaluation after step 0 yet")
-        label = (f"{c['attn']}" + (f" w={c['window']}" if 'swa' in c['attn'] else '') +
+        label = (f"{run}: {c['attn']}" + (f" w={c['window']}" if 'swa' in c['attn'] else '') +
                  (f" {c['ranks']}" if 'mlr' in c['attn'] else '') + f" D={c['n_embd']}")
-        ax1.plot([r['flops'] for r in h], [r['val_loss'] for r in h], 'o-', ms=3, label=label)
-        ax2.plot([r['time'] for r in h], [r['val_loss'] for r in h], 'o-', ms=3, label=label)
-        rows.append((label, h[-1]))
-    ax1.set_xlabel('training FLOPs')
-    ax2.set_xlabel('training wall time (s)')
-    for ax in (ax1, ax2):
-        ax.set_ylabel('val loss (nats/char)')
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle('character-level LM: val loss vs training FLOPs and wall time')
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-    fig.savefig(args.plot, dpi=110)
-    for label, r in rows:
-        print(f"{label:34s} step {r['step']:6d} | val {r['val_loss']:.4f} | {r['flops']:.3g} FLOPs | {r['time']:.0f}s")
-    print(f"wrote {args.plot}")
-    return rows
+        histories[label] = [h]
+        r = h[-1]
+        print(f"{label:40s} step {r['step']:6d} | val {r['val_loss']:.4f} | {r['flops']:.3g} FLOPs | {r['time']:.0f}s")
+    with io_errors('--plot', args.plot):
+        plot_seed_bands(args.plot, histories, ('flops', 'time'), ('training FLOPs', 'training wall time (s)'),
+                        'val_loss', 'val loss (nats/char)', 'character-level LM: val loss vs training FLOPs and time')
+    report_outputs(plot=args.plot)
+    return {label: hs[0][-1] for label, hs in histories.items()}
 
 
 # -----------------------------------------------------------------------------
-# seeded sweep (issue 16): every variant trained to the same FLOPs, several seeds, in parallel processes; a cut-off
-# sweep resumes (finished runs are kept, cut-off ones --resume from their checkpoint)
-
-SWEEP_VARIANTS = ('standard', 'mlr', 'swa', 'global_swa', 'brl')
-
+# --sweep compare: every variant trained to the same FLOPs, several seeds, each run `python train_lm.py ...` in
+# its own folder, by runs.sweep (finished runs reused, cut-off ones resumed); then the table and the plot
 
 def inherited_argv(argv):
     """The sweep's command line less the flags that the sweep sets per run or uses itself: what every run keeps."""
@@ -901,8 +908,7 @@ def inherited_argv(argv):
     for flag in ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--preset', '--attn', '--seed',
                  '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
         p.add_argument(flag)
-    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress',
-                 '--no_bar'):
+    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress'):
         p.add_argument(flag, action='store_true')
     return p.parse_known_args(argv)[1]
 
@@ -921,59 +927,27 @@ def run_model(args, variant, vocab_size):
     return a, model, 3 * model.forward_flops(a.block_size) * a.batch_size * a.grad_accum
 
 
-def seconds_per_step(a, model, vocab_size, repeats=2):
-    """Wall seconds of one training step (forward, backward, AdamW) on random tokens with 1 thread, the best of
-    `repeats` after a warm-up step: what a run of the sweep pays per step on this machine now."""
-    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
-    x = torch.randint(vocab_size, (a.batch_size, a.block_size))                 # (B, T)
-
-    def step():
-        for _ in range(a.grad_accum):
-            model(x, x)[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return one_thread_seconds(step, repeats)
-
-
-def sweep_estimate(args, plan, budget, variants, vocab_size):
-    """Print (and return) per variant: FLOPs/step, steps to the budget, s/step timed here, minutes per run
-    (steps + evaluations, a forward ~1/3 of a step); and the sweep's wall time on --workers processes."""
+def minutes_per_run(args, budget, variants, vocab_size):
+    """Print (and return) per variant: FLOPs/step, steps to the budget, s/step timed here on 1 thread, minutes
+    per run (steps + evaluations, a forward ~1/3 of a step)."""
     minutes = {}
     print(f"sweep estimate: budget {budget:.3g} FLOPs = {args.max_iters} steps of standard; s/step timed now, "
           f"1 thread, one process (a busy machine reads slower; parallel runs share memory bandwidth)")
     for v in variants:
         a, model, step_flops = run_model(args, v, vocab_size)
-        steps, s = math.ceil(budget / step_flops), seconds_per_step(a, model, vocab_size)
+        opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
+        x = torch.randint(vocab_size, (a.batch_size, a.block_size))                 # (B, T)
+
+        def step():
+            for _ in range(a.grad_accum):
+                model(x, x)[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps, s = math.ceil(budget / step_flops), one_thread_seconds(step)
         minutes[v] = (steps + (steps // a.eval_interval + 1) * a.eval_iters / 3) * s / 60
         print(f"  {v:12s} {step_flops / 1e9:8.3f} GFLOP/step | {steps:6d} steps | {s:6.3f} s/step | "
               f"{minutes[v]:6.1f} min/run")
-    free = [0.0] * max(1, args.workers)  # the sweep's own order: the next run starts on the first free worker
-    for variant, _, _ in plan:
-        free[free.index(min(free))] += minutes[variant]
-    print(f"  whole sweep: {len(plan)} runs on {max(1, args.workers)} worker(s): ~{max(free):.0f} min "
-          f"(~{sum(minutes[v] for v, _, _ in plan):.0f} run-minutes)")
-    return dict(minutes_per_run=minutes, sweep_minutes=max(free))
-
-
-def run_state(args, run_dir, argv, budget):
-    """'done' (its log reaches the budget), 'partial' (a checkpoint to --resume) or 'new'. A folder that holds a
-    run of other settings is refused (ValueError), so a sweep never mixes runs of two configurations. A run saved
-    by an older train_lm.py is compared in today's terms (upgrade_run_config)."""
-    if not os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
-        return 'new'
-    try:
-        with open(os.path.join(run_dir, 'log.json')) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return 'partial'
-    have, want = upgrade_run_config(saved['config']), vars(parse_args(argv))
-    skip = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
-    diff = [k for k in sorted(have) if k in want and k not in skip and have[k] != want[k]]
-    if diff:
-        k = diff[0]
-        raise ValueError(f"{run_dir} holds a run with --{k} {have[k]!r}, this sweep asks {want[k]!r}: "
-                         f"use another --sweep_dir, or --no-reuse to train every run again")
-    return 'done' if reached(saved['history'], budget) else 'partial'
+    return minutes
 
 
 def reached(history, budget):
@@ -981,31 +955,13 @@ def reached(history, budget):
     return bool(history) and history[-1]['flops'] >= budget * (1 - 1e-9)
 
 
-def sweep_runs(args, plan, budget):
-    """Train what the plan still needs (reusing finished runs), then read every run's history back."""
-    jobs, reused = [], []
-    for variant, seed, run_dir in plan:
-        argv = run_argv(args, variant, seed, budget)
-        state = run_state(args, run_dir, argv, budget) if args.reuse else 'new'
-        if state == 'done':
-            reused.append(f"{variant}_seed{seed}")
-            continue
-        os.makedirs(run_dir, exist_ok=True)
-        resume_or_not = ['--resume'] if state == 'partial' else ['--overwrite']
-        jobs.append((f"{variant}_seed{seed}", argv + resume_or_not, run_dir))
-    print(f"sweep: {len(reused)} finished run(s) reused, {len(jobs)} to train", flush=True)
-    codes = run_processes(jobs, args.workers, __file__, main, tag='sweep')
-    runs = []
-    for variant, seed, run_dir in plan:
-        h = []
-        if os.path.exists(os.path.join(run_dir, 'log.json')):
-            with open(os.path.join(run_dir, 'log.json')) as f:
-                h = json.load(f)['history']
-        done = reached(h, budget)
-        runs.append(dict(variant=variant, seed=seed, out_dir=run_dir, done=done, history=h,
-                         steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
-                         flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
-    return runs, reused, [name for name, _, _ in jobs], codes
+def saved_run(run_dir):
+    """(run config, val history) of the run in run_dir; (None, []) if it holds none to resume."""
+    if not all(os.path.exists(os.path.join(run_dir, f)) for f in ('ckpt.pt', 'log.json')):
+        return None, []
+    with io_errors('--sweep_dir', run_dir), open(os.path.join(run_dir, 'log.json')) as f:
+        saved = json.load(f)
+    return saved.get('config', {}), saved.get('history', [])
 
 
 def sweep_stats(runs, variants):
@@ -1049,44 +1005,57 @@ def sweep_table(stats, budget):
     return '\n'.join(lines) + '\n'
 
 
-def sweep_plot(runs, variants, path):
-    """Val loss vs training FLOPs and vs training wall time: per variant the mean over seeds, band = ± 1 std."""
-    histories = {v: hs for v in variants                     # step 0 is ln(vocab) for all: left out
-                 if (hs := [r['history'][1:] for r in runs if r['variant'] == v and r['done']])}
-    plot_seed_bands(path, histories, ('flops', 'time'), ('training FLOPs', 'training wall time (s), 1 thread per run'),
-                    'val_loss', 'val loss (nats/char)',
-                    'character-level LM at equal training FLOPs: mean over seeds, band = ± 1 std')
-
-
-def sweep(args):
-    """--sweep compare: the plan (variants x seeds, seed-major, so a cut-off sweep has whole seeds), the estimate,
-    the runs, then <sweep_dir>/sweep.json, table.md and sweep.png."""
-    variants = args.variants.split(',')
-    seeds = [args.seed + i for i in range(args.seeds)]
-    plan = [(v, s, os.path.join(args.sweep_dir, f"{v}_seed{s}")) for s in seeds for v in variants]
+def compare_sweep(args):
+    """--sweep compare: the runs (variants x seeds, seed-major, so a cut-off sweep has whole seeds), each with its
+    estimated time; runs.sweep trains those not finished; then <sweep_dir>/sweep.json, table.md and sweep.png."""
+    prepare_out_dir(args.sweep_dir, flag='--sweep_dir')   # writable, and this sweep's alone
+    variants, seeds = args.variants.split(','), [args.seed + i for i in range(args.seeds)]
     vocab_size = len(load_data(prepare_data(args.data, args.cache_dir))[1]['itos'])  # builds the cache once
     budget = args.max_iters * run_model(args, 'standard', vocab_size)[2]           # the standard run's FLOPs
-    os.makedirs(args.sweep_dir, exist_ok=True)
-    estimate = sweep_estimate(args, plan, budget, variants, vocab_size)
+    minutes = minutes_per_run(args, budget, variants, vocab_size)
+    runs = [Run(f"{v}_seed{s}", v, s, run_argv(args, v, s, budget), os.path.join(args.sweep_dir, f"{v}_seed{s}"),
+                seconds=60 * minutes[v]) for s in seeds for v in variants]
+    wall = longest_first_wall([r.seconds for r in runs], args.workers) / 60
     if args.estimate:
-        return estimate
-    runs, reused, trained, codes = sweep_runs(args, plan, budget)
-    if not any(r['done'] for r in runs):
+        print(f"  whole sweep: {len(runs)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min "
+              f"(~{sum(r.seconds for r in runs) / 60:.0f} run-minutes)")
+        return dict(minutes_per_run=minutes, sweep_minutes=wall)
+    states = {}
+    for r in runs:   # 'done' (at the budget), 'partial' (--resume it) or 'new'; a run of other settings is refused
+        saved, history = saved_run(r.out_dir)
+        want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
+        free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
+        states[r.name] = run_state(saved, want, free, r.out_dir, reached(history, budget)) if args.reuse else 'new'
+    codes = sweep(runs, states, __file__, main, args.workers)
+
+    results = []
+    for r in runs:
+        h = saved_run(r.out_dir)[1]
+        done = reached(h, budget)
+        results.append(dict(variant=r.group, seed=r.seed, out_dir=r.out_dir, done=done, history=h,
+                            steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
+                            flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
+    if not any(r['done'] for r in results):
         raise ValueError(f"no run of the sweep finished; see the train.log files in {args.sweep_dir}")
-    stats = sweep_stats(runs, variants)
+    stats = sweep_stats(results, variants)
     table = sweep_table(stats, budget)
     paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'),
                                                             ('plot', 'sweep.png'))}
-    write_json(paths['json'], dict(sweep=args.sweep, budget_flops=budget, variants=variants, seeds=seeds,
-                                   command=args._argv, estimate=estimate, runs=runs, stats=stats))
-    atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
-    sweep_plot(runs, variants, paths['plot'])
-    missing = [f"{r['variant']}_seed{r['seed']}" for r in runs if not r['done']]
+    histories = {v: hs for v in variants                     # step 0 is ln(vocab) for all: left out
+                 if (hs := [r['history'][1:] for r in results if r['variant'] == v and r['done']])}
+    with io_errors('--sweep_dir', args.sweep_dir):
+        write_json(paths['json'], dict(format=FORMAT, sweep=args.sweep, budget_flops=budget, variants=variants,
+                                       seeds=seeds, command=args._argv, minutes_per_run=minutes, runs=results,
+                                       stats=stats))
+        atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
+        plot_seed_bands(paths['plot'], histories, ('flops', 'time'),
+                        ('training FLOPs', 'training wall time (s), 1 thread per run'), 'val_loss',
+                        'val loss (nats/char)', 'character-level LM at equal training FLOPs: mean over seeds, '
+                        'band = ± 1 std')
+    missing = [f"{r['variant']}_seed{r['seed']}" for r in results if not r['done']]
     print(table + (f"not finished (left out): {', '.join(missing)}\n" if missing else ''))
     report_outputs(json=paths['json'], table=paths['table'], plot=paths['plot'])
-    return dict(runs=runs, stats=stats, table=table, budget=budget, reused=reused, trained=trained, codes=codes,
-                paths=paths)
-
+    return dict(runs=results, stats=stats, table=table, budget=budget, states=states, codes=codes, paths=paths)
 
 # -----------------------------------------------------------------------------
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
@@ -1193,7 +1162,7 @@ def main(argv=None):
     if args.bench:
         return bench(args)
     if args.sweep:
-        return sweep(args)
+        return compare_sweep(args)
     return train(args)
 
 
