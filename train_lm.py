@@ -85,209 +85,14 @@ def check_writable(path, flag):
 
 
 # -----------------------------------------------------------------------------
-# data: corpus -> character vocabulary -> uint8/uint16 memmap cache, keyed on the corpus's bytes
-
-STDLIB_SKIP_DIRS = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
-CACHE_FORMAT = 1  # bump when the cache layout changes
-
-
-def list_files(root, keep_dir, keep_file):
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if keep_dir(d)]  # prunes the walk
-        files += [os.path.join(dirpath, f) for f in filenames if keep_file(f)]
-    return sorted(files)
-
-
-def stdlib_files():
-    """The .py files of the running interpreter's standard library, tests and site-packages excluded, sorted."""
-    root = sysconfig.get_paths()['stdlib']
-    return root, list_files(root, lambda d: d not in STDLIB_SKIP_DIRS, lambda f: f.endswith('.py'))
-
-
-def read_text(path):
-    """File contents as str, or None for a binary / non-UTF-8 file."""
-    with open(path, 'rb') as f:
-        raw = f.read()
-    try:
-        return None if b'\0' in raw[:8192] else raw.decode('utf-8').replace('\r\n', '\n')
-    except UnicodeDecodeError:
-        return None
-
-
-def prepare_data(data, cache_dir):
-    """Build (once) and return the cache dir holding train.bin, val.bin and meta.json for `data`
-    ('' = the standard library corpus). The cache is keyed on the files' bytes (runs.content_digest), so any
-    edit builds a new one. Validation text comes from files never used for training: every 10th file (the
-    last one if there are fewer than 10); a single file is split 90/10 at a line break."""
-    if data:  # a text file, or every non-hidden file under a directory
-        if not os.path.exists(data):
-            raise ValueError(f"--data {data!r}: no such file or directory")
-        root = os.path.abspath(data)
-        files = [root] if os.path.isfile(root) else list_files(root, lambda d: d[0] != '.', lambda f: f[0] != '.')
-        name = re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(root.rstrip('/')) or 'data')
-    else:
-        root, files = stdlib_files()
-        name = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
-    with io_errors('--data', data or root):
-        key = hashlib.sha256(f"{CACHE_FORMAT} {bool(data)} {content_digest(files)}".encode()).hexdigest()
-    out = os.path.join(cache_dir, f"{name}-{key[:10]}")
-    meta_path = os.path.join(out, 'meta.json')
-    if os.path.exists(meta_path):
-        return out  # meta.json is written last, so its presence means the cache is complete
-
-    with io_errors('--data', data or root):
-        texts = [read_text(f) for f in files]
-    skipped = [os.path.relpath(f, root) if f != root else f for f, t in zip(files, texts) if t is None] if data else []
-    if not data:  # printable ASCII and newline only
-        texts = [re.sub(r'[^\x20-\x7e\n]', '', t) for t in texts if t]
-    texts = [t for t in texts if t]
-    if not texts:
-        raise ValueError(f"--data {data or root!r}: found no non-empty UTF-8 text in {len(files)} file(s)")
-    if len(texts) == 1:
-        cut = texts[0].rfind('\n', 0, int(0.9 * len(texts[0]))) + 1 or int(0.9 * len(texts[0]))
-        train_text, val_text = texts[0][:cut], texts[0][cut:]
-    else:
-        val_idx = set(range(9, len(texts), 10)) or {len(texts) - 1}
-        train_text = '\n'.join(t for i, t in enumerate(texts) if i not in val_idx)
-        val_text = '\n'.join(t for i, t in enumerate(texts) if i in val_idx)
-    itos = sorted(set(train_text) | set(val_text))
-    if len(itos) > 65535:
-        raise ValueError(f"--data {data!r} has {len(itos)} distinct characters; a uint16 cache holds at most 65535")
-    dtype = np.uint8 if len(itos) <= 256 else np.uint16
-    lut = np.zeros(ord(itos[-1]) + 1, dtype=dtype)  # code point -> token id
-    lut[[ord(c) for c in itos]] = np.arange(len(itos))
-
-    with io_errors('--cache_dir', cache_dir):
-        os.makedirs(out, exist_ok=True)
-        remove_orphan_tmp(out)  # of an earlier build that was killed
-        counts = np.zeros(len(itos))
-        for split, text in (('train', train_text), ('val', val_text)):
-            ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
-            if split == 'train':
-                counts = np.bincount(ids, minlength=len(itos)).astype(np.float64)
-            atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
-        p = counts[counts > 0] / counts.sum()
-        meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
-                    n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()),
-                    skipped=skipped)
-        write_json(meta_path, meta)
-    return out
-
-
-def load_data(cache):
-    with io_errors('--cache_dir', cache):
-        with open(os.path.join(cache, 'meta.json')) as f:
-            meta = json.load(f)
-        splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r')
-                  for s in ('train', 'val')}
-    if meta.get('skipped'):  # said on every run that uses this cache, not only when it was built
-        names = ', '.join(meta['skipped'][:5]) + (', ...' if len(meta['skipped']) > 5 else '')
-        print(f"note: --data {meta['source']!r}: skipped {len(meta['skipped'])} file(s) that are not UTF-8 text "
-              f"({names})")
-    return splits, meta
-
-
-def get_batch(data, batch_size, block_size, gen, rank=0, world_size=1):
-    """Random windows of block_size + 1 characters: inputs x and targets y = x shifted by one, each (B, T).
-    One generator is shared by all ranks (each takes its slice of the draw), so the data order is a function
-    of (seed, step) only: resume and DDP stay exact."""
-    ix = torch.randint(len(data) - block_size, (world_size * batch_size,), generator=gen)
-    ix = ix[rank * batch_size:(rank + 1) * batch_size].tolist()
-    xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))  # (B, T+1)
-    return xy[:, :-1], xy[:, 1:]
-
-
-
-class GPT(nn.Module):
-
-    def __init__(self, config: ModelConfig, vocab_size, emb_std=1.0):
-        super().__init__()
-        self.config, self.vocab_size, self.emb_std = config, vocab_size, emb_std
-        self.wte = nn.Embedding(vocab_size, config.n_embd)
-        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)  # rope: in attention
-        self.body = Transformer(config)
-        self.lm_head = MupLinear(config.n_embd, vocab_size, base_width=config.mup_base_width, zero_init=True)
-        self.init_weights()
-
-    def init_weights(self):
-        """wte, wpe ~ N(0, emb_std^2) with lr x1 (muP input layer; --emb_std: ours 1, the official 0.02); the
-        body initializes itself (hidden weights N(0, 1/fan_in), output projections zero); lm_head zero with
-        lr x base_width/D (muP output layer), so the initial loss is exactly ln(vocab_size)."""
-        nn.init.normal_(self.wte.weight, std=self.emb_std)
-        if self.wpe is not None:
-            nn.init.normal_(self.wpe.weight, std=self.emb_std)
-
-    def forward(self, idx, targets=None, cache=None, pos=0):
-        B, T = idx.shape
-        x = self.wte(idx)                                                         # (B, T, D)
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
-        x = self.body(x) if cache is None else self.body(x, cache=cache)         # (B, T, D)
-        logits = self.lm_head(x)                                                  # (B, T, V)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.reshape(-1))
-
-    def forward_flops(self, T):
-        """Forward FLOPs of one sequence of length T: the body's count + the LM head (embeddings are lookups)."""
-        return self.body.forward_flops(T) + 2 * T * self.config.n_embd * self.vocab_size
-
-
-PAPER_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]  # paper §5.1: d = 64, 8 levels, T = 1024
-
-
-def default_ranks(d, T=None, n_levels_ok=lambda L: True):
-    """The paper's rank allocation 32|8|6|4|4|4|4|2 scaled to head width d (leftover rank to level 0).
-    For MLR attention (T given) the paper's level blocks 1024/2^l (finest 8) are kept: levels whose block
-    would cover the whole sequence of length T < 1024 are global and merge into level 0, so every distance
-    gets the number of features it gets in the paper. Levels the model cannot have (n_levels_ok(L) False)
-    merge into the level above."""
-    r = [max(1, x * d // 64) for x in PAPER_RANKS]
-    while sum(r) > d:
-        r.pop()
-    r[0] += d - sum(r)
-    if T is not None:
-        n_global = sum(1 for l in range(len(r)) if (1024 >> l) >= T)
-        if n_global > 1:
-            r = [sum(r[:n_global])] + r[n_global:]
-    while len(r) > 1 and not n_levels_ok(len(r)):
-        last = r.pop()
-        r[-1] += last
-    return '|'.join(map(str, r))
-
-
-def resolved_ranks(cfg):
-    """--ranks of a run config, with 'auto' resolved to default_ranks for this model ('' if it has no MLR)."""
-    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
-    if ranks != 'auto':
-        return ranks
-    mlr_ok = lambda L: T % 2 ** (L - 1) == 0                                  # MLR: T must halve L-1 times
-    bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8  # bilinear MLR: 2^(L-1) chunks >= 8
-    uses = cfg['layer_pattern'] or cfg['attn']
-    return (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
-            default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
-
-
-def build_config(cfg):
-    """The ModelConfig of a run config (a plain dict, as stored in checkpoints): every model flag as given, the
-    task's context length T and causal attention, and ranks 'auto' resolved (runs.model_config checks it)."""
-    if cfg['n_embd'] % cfg['n_head']:
-        raise ValueError(f"--n_embd {cfg['n_embd']} must be divisible by --n_head {cfg['n_head']}")
-    return model_config(argparse.Namespace(**cfg), block_size=cfg['block_size'], causal=True,
-                        ranks=resolved_ranks(cfg))
-
-
-
-# -----------------------------------------------------------------------------
-# flags and presets
+# config: presets and flags, checked before any work
 
 # Every value of a preset, with where it comes from. "official" = the paper's public code (the MLR run of
 # scripts/language_modeling/submit_language_modeling_greene.sh over config/struct_configs/train_struct_gpt2.py
 # and train.py's defaults; src/model.py, src/muP.py, src/lr_schedule.py). Flags given on the command line
 # override a preset.
 PRESETS = {
-    # Project's CPU scale (~10 min for --attn mlr on an idle 2-core CPU, standard ~5); the README's numbers.
+    # Project's CPU scale (--attn mlr: ~4 min on an idle 2-core CPU); the README's numbers.
     'cpu': dict(
         n_layer=4, n_head=4, n_embd=128, block_size=256,   # CPU scale (official: 6 layers, 12 x 64, T = 1024)
         ranks='auto',                 # official 32|8|6|4|4|4|4|2 scaled to d = 32 (default_ranks)
@@ -330,34 +135,20 @@ PRESETS = {
         max_iters=100_000,            # config: max_iters = 100_000
         eval_interval=200,            # config: eval_interval = 200
         eval_iters=200),              # train.py: eval_iters = 200; bf16 on GPU is --dtype auto, as train.py
-    # The seeded comparison of `--sweep compare` (issue 16): the official run's T, head width, ranks and settings,
-    # at a width, depth and length that fit 5 variants x 3 seeds into ~150 min on an idle 2-core CPU (README).
-    'compare': dict(
-        n_layer=6,                    # official n_layer = 6 (so global_swa is MHA|SWA|SWA|MHA|SWA|SWA as official)
-        n_embd=128, n_head=2,         # official head width 64 (d_head); width 128 instead of 768: CPU budget
-        block_size=1024,              # official block_size=1024, where MLR's savings show (paper Fig. 4)
-        ranks='auto',                 # = the official 32|8|6|4|4|4|4|2 at d = 64, T = 1024 (default_ranks)
-        mlr_divide_levels=True,       # official mlr_block_divide_by_num_levels=True
-        qk_ln=True,                   # official do_qk_ln = True
-        logit_scale='paper',          # official per variant (PAPER_LOGIT_SCALE): MLR 1/r_l, standard / SWA 8/d
-        mup_alpha=8.0,                # official k * 8 / sqrt(d)
-        mup_base_width=768,           # official base_width_factor = 768: muP scales the lr to our width
-        emb_std=0.02,                 # official wte / wpe N(0, 0.02^2)
-        window=128,                   # official look-back (paper caption T' = 128)
-        global_layers='0,3',          # official sequential_GSWA_layer_list (paper's layers 1 and 4)
-        gswa_ranks='32|32',           # official gswa_rank_list (only global_swa_split uses it)
-        bilinear_rms_cap=True, btt_factors='official',   # official (not in the default sweep)
-        n_compressed=16,              # BRL m: project default (seed 004 has no LM run at this scale)
-        batch_size=4, grad_accum=1,   # 4096 chars / step: CPU budget (official 4 x 8 x 1024)
-        lr=3e-3,                      # official lr of every structure at the smallest width (D = 256, plotting
+}
+# The seeded comparison of `--sweep compare`: the official run (every other value as 'paper') at a width, batch and
+# length that fit 5 variants x 3 seeds into a few hours on an idle 2-core CPU (--sweep compare --estimate).
+PRESETS['compare'] = {
+    **PRESETS['paper'],
+    'n_embd': 128, 'n_head': 2,       # the official head width 64; width 128 instead of 768: CPU budget
+    'ranks': 'auto',                  # = the official 32|8|6|4|4|4|4|2 at d = 64, T = 1024 (default_ranks)
+    'batch_size': 4, 'grad_accum': 1,  # 4096 chars / step: CPU budget (official 4 x 8 x 1024)
+    'lr': 3e-3,                       # official lr of every structure at the smallest width (D = 256, plotting
                                       # notebook), shared by all variants; not tuned here (MLR at 768: 1.65e-2)
-        weight_decay=0.0,             # official weight_decay = 0.0
-        adam_eps=1e-20,               # official AdamW eps=1e-20; betas 0.9, 0.95 as official (our defaults)
-        warmup_iters=100,             # official 2000 of 100k steps; longer in proportion for a short run
-        lr_schedule='constant',       # official decay_lr = False
-        max_iters=1000,               # the standard run's steps: the sweep's equal FLOPs (CPU budget; official 100k)
-        eval_interval=50,             # official 200 of 100k; more often for a short run's curves
-        eval_iters=20),               # official 200 x 32 sequences; 20 x 4 here, the same batches every time
+    'warmup_iters': 100,              # official 2000 of 100k steps; longer in proportion for a short run
+    'max_iters': 1000,                # the standard run's steps: the sweep's equal FLOPs (official 100k)
+    'eval_interval': 50,              # official 200 of 100k; more often for a short run's curves
+    'eval_iters': 20,                 # official 200 x 32 sequences; 20 x 4 here, the same batches every time
 }
 
 # logit_scale 'paper': the scale each variant had in the official LM code (attention.logit_scales).
@@ -530,19 +321,210 @@ def check_args(parser, args):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: one dict {model, optimizer, config, step, ...}, written atomically (runs.save_checkpoint),
-# read with weights_only=True and one-line errors (runs.load_checkpoint)
+# data: corpus -> character vocabulary -> uint8/uint16 memmap cache, keyed on the corpus's bytes
+
+STDLIB_SKIP_DIRS = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
+CACHE_FORMAT = 1  # bump when the cache layout changes
+
+
+def list_files(root, keep_dir, keep_file):
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if keep_dir(d)]  # prunes the walk
+        files += [os.path.join(dirpath, f) for f in filenames if keep_file(f)]
+    return sorted(files)
+
+
+def stdlib_files():
+    """The .py files of the running interpreter's standard library, tests and site-packages excluded, sorted."""
+    root = sysconfig.get_paths()['stdlib']
+    return root, list_files(root, lambda d: d not in STDLIB_SKIP_DIRS, lambda f: f.endswith('.py'))
+
+
+def read_text(path):
+    """File contents as str, or None for a binary / non-UTF-8 file."""
+    with open(path, 'rb') as f:
+        raw = f.read()
+    try:
+        return None if b'\0' in raw[:8192] else raw.decode('utf-8').replace('\r\n', '\n')
+    except UnicodeDecodeError:
+        return None
+
+
+def prepare_data(data, cache_dir):
+    """Build (once) and return the cache dir holding train.bin, val.bin and meta.json for `data`
+    ('' = the standard library corpus). The cache is keyed on the files' bytes (runs.content_digest), so any
+    edit builds a new one. Validation text comes from files never used for training: every 10th file (the
+    last one if there are fewer than 10); a single file is split 90/10 at a line break."""
+    if data:  # a text file, or every non-hidden file under a directory
+        if not os.path.exists(data):
+            raise ValueError(f"--data {data!r}: no such file or directory")
+        root = os.path.abspath(data)
+        files = [root] if os.path.isfile(root) else list_files(root, lambda d: d[0] != '.', lambda f: f[0] != '.')
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(root.rstrip('/')) or 'data')
+    else:
+        root, files = stdlib_files()
+        name = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
+    with io_errors('--data', data or root):
+        key = hashlib.sha256(f"{CACHE_FORMAT} {bool(data)} {content_digest(files)}".encode()).hexdigest()
+    out = os.path.join(cache_dir, f"{name}-{key[:10]}")
+    meta_path = os.path.join(out, 'meta.json')
+    if os.path.exists(meta_path):
+        return out  # meta.json is written last, so its presence means the cache is complete
+
+    with io_errors('--data', data or root):
+        texts = [read_text(f) for f in files]
+    skipped = [os.path.relpath(f, root) if f != root else f for f, t in zip(files, texts) if t is None] if data else []
+    if not data:  # printable ASCII and newline only
+        texts = [re.sub(r'[^\x20-\x7e\n]', '', t) for t in texts if t]
+    texts = [t for t in texts if t]
+    if not texts:
+        raise ValueError(f"--data {data or root!r}: found no non-empty UTF-8 text in {len(files)} file(s)")
+    if len(texts) == 1:
+        cut = texts[0].rfind('\n', 0, int(0.9 * len(texts[0]))) + 1 or int(0.9 * len(texts[0]))
+        train_text, val_text = texts[0][:cut], texts[0][cut:]
+    else:
+        val_idx = set(range(9, len(texts), 10)) or {len(texts) - 1}
+        train_text = '\n'.join(t for i, t in enumerate(texts) if i not in val_idx)
+        val_text = '\n'.join(t for i, t in enumerate(texts) if i in val_idx)
+    itos = sorted(set(train_text) | set(val_text))
+    if len(itos) > 65535:
+        raise ValueError(f"--data {data!r} has {len(itos)} distinct characters; a uint16 cache holds at most 65535")
+    dtype = np.uint8 if len(itos) <= 256 else np.uint16
+    lut = np.zeros(ord(itos[-1]) + 1, dtype=dtype)  # code point -> token id
+    lut[[ord(c) for c in itos]] = np.arange(len(itos))
+
+    with io_errors('--cache_dir', cache_dir):
+        os.makedirs(out, exist_ok=True)
+        remove_orphan_tmp(out)  # of an earlier build that was killed
+        counts = np.zeros(len(itos))
+        for split, text in (('train', train_text), ('val', val_text)):
+            ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
+            if split == 'train':
+                counts = np.bincount(ids, minlength=len(itos)).astype(np.float64)
+            atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
+        p = counts[counts > 0] / counts.sum()
+        meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
+                    n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()),
+                    skipped=skipped)
+        write_json(meta_path, meta)
+    return out
+
+
+def load_data(cache):
+    with io_errors('--cache_dir', cache):
+        with open(os.path.join(cache, 'meta.json')) as f:
+            meta = json.load(f)
+        splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r')
+                  for s in ('train', 'val')}
+    if meta.get('skipped'):  # said on every run that uses this cache, not only when it was built
+        names = ', '.join(meta['skipped'][:5]) + (', ...' if len(meta['skipped']) > 5 else '')
+        print(f"note: --data {meta['source']!r}: skipped {len(meta['skipped'])} file(s) that are not UTF-8 text "
+              f"({names})")
+    return splits, meta
+
+
+def get_batch(data, batch_size, block_size, gen, rank=0, world_size=1):
+    """Random windows of block_size + 1 characters: inputs x and targets y = x shifted by one, each (B, T).
+    One generator is shared by all ranks (each takes its slice of the draw), so the data order is a function
+    of (seed, step) only: resume and DDP stay exact."""
+    ix = torch.randint(len(data) - block_size, (world_size * batch_size,), generator=gen)
+    ix = ix[rank * batch_size:(rank + 1) * batch_size].tolist()
+    xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))  # (B, T+1)
+    return xy[:, :-1], xy[:, 1:]
+
+
+# -----------------------------------------------------------------------------
+# model: embeddings -> attention.py Transformer -> muP LM head
+
+class GPT(nn.Module):
+
+    def __init__(self, config: ModelConfig, vocab_size, emb_std=1.0):
+        super().__init__()
+        self.config, self.vocab_size, self.emb_std = config, vocab_size, emb_std
+        self.wte = nn.Embedding(vocab_size, config.n_embd)
+        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)  # rope: in attention
+        self.body = Transformer(config)
+        self.lm_head = MupLinear(config.n_embd, vocab_size, base_width=config.mup_base_width, zero_init=True)
+        self.init_weights()
+
+    def init_weights(self):
+        """wte, wpe ~ N(0, emb_std^2) with lr x1 (muP input layer; --emb_std: ours 1, the official 0.02); the
+        body initializes itself (hidden weights N(0, 1/fan_in), output projections zero); lm_head zero with
+        lr x base_width/D (muP output layer), so the initial loss is exactly ln(vocab_size)."""
+        nn.init.normal_(self.wte.weight, std=self.emb_std)
+        if self.wpe is not None:
+            nn.init.normal_(self.wpe.weight, std=self.emb_std)
+
+    def forward(self, idx, targets=None, cache=None, pos=0):
+        B, T = idx.shape
+        x = self.wte(idx)                                                         # (B, T, D)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
+        x = self.body(x) if cache is None else self.body(x, cache=cache)         # (B, T, D)
+        logits = self.lm_head(x)                                                  # (B, T, V)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.reshape(-1))
+
+    def forward_flops(self, T):
+        """Forward FLOPs of one sequence of length T: the body's count + the LM head (embeddings are lookups)."""
+        return self.body.forward_flops(T) + 2 * T * self.config.n_embd * self.vocab_size
+
+
+PAPER_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]  # paper §5.1: d = 64, 8 levels, T = 1024
+
+
+def default_ranks(d, T=None, n_levels_ok=lambda L: True):
+    """The paper's rank allocation 32|8|6|4|4|4|4|2 scaled to head width d (leftover rank to level 0).
+    For MLR attention (T given) the paper's level blocks 1024/2^l (finest 8) are kept: levels whose block
+    would cover the whole sequence of length T < 1024 are global and merge into level 0, so every distance
+    gets the number of features it gets in the paper. Levels the model cannot have (n_levels_ok(L) False)
+    merge into the level above."""
+    r = [max(1, x * d // 64) for x in PAPER_RANKS]
+    while sum(r) > d:
+        r.pop()
+    r[0] += d - sum(r)
+    if T is not None:
+        n_global = sum(1 for l in range(len(r)) if (1024 >> l) >= T)
+        if n_global > 1:
+            r = [sum(r[:n_global])] + r[n_global:]
+    while len(r) > 1 and not n_levels_ok(len(r)):
+        last = r.pop()
+        r[-1] += last
+    return '|'.join(map(str, r))
+
+
+def resolved_ranks(cfg):
+    """--ranks of a run config, with 'auto' resolved to default_ranks for this model ('' if it has no MLR)."""
+    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
+    if ranks != 'auto':
+        return ranks
+    mlr_ok = lambda L: T % 2 ** (L - 1) == 0                                  # MLR: T must halve L-1 times
+    bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8  # bilinear MLR: 2^(L-1) chunks >= 8
+    uses = cfg['layer_pattern'] or cfg['attn']
+    return (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
+            default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
+
+
+def build_config(cfg):
+    """The ModelConfig of a run config (a plain dict, as stored in checkpoints): every model flag as given, the
+    task's context length T and causal attention, and ranks 'auto' resolved (runs.model_config checks it)."""
+    if cfg['n_embd'] % cfg['n_head']:
+        raise ValueError(f"--n_embd {cfg['n_embd']} must be divisible by --n_head {cfg['n_head']}")
+    return model_config(argparse.Namespace(**cfg), block_size=cfg['block_size'], causal=True,
+                        ranks=resolved_ranks(cfg))
+
+
+# -----------------------------------------------------------------------------
+# training, in the order of nanoGPT's train.py: processes (DDP) -> run folder and --resume -> data -> model and
+# optimizer -> eval and lr schedule -> one step -> checkpoint; train() at the end holds the loop
 
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'itos')
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
 RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'eval_iters', 'log_interval', 'out_dir',
                     'device', 'dtype', 'compile', 'threads', 'progress', 'cache_dir', 'prompt', 'max_new_tokens',
                     'num_samples', 'temperature', 'top_k', 'no_cache', 'bench_steps', 'bench_reps', 'plot'}
-
-# -----------------------------------------------------------------------------
-# training, in the order of nanoGPT's train.py: processes (DDP) -> run config and --resume -> data -> model and
-# optimizer -> eval and lr schedule -> one step -> checkpoint; train() at the end holds the loop
-
 
 
 def setup_processes(device_name):
@@ -613,42 +595,9 @@ def build_model(cfg, vocab_size, device):
     return model, optimizer
 
 
-def restore(ckpt, model, optimizer, gen):
-    """--resume: weights, AdamW moments, data order and RNG streams as the checkpoint left them.
-    -> (step, training FLOPs, training seconds, val history) to continue from."""
-    if ckpt is None:
-        return 0, 0.0, 0.0, []
-    model.load_state_dict(ckpt['model'])
-    optimizer.load_state_dict(ckpt['optimizer'])
-    gen.set_state(ckpt['data_rng'])
-    set_rng_state(ckpt['rng'])
-    return ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
-
-
-def wrap_model(model, args, proc):
-    """The model the loop calls (torch.compile, DDP) and the autocast of --dtype. -> (model, autocast, dtype)."""
-    if args.compile:
-        model = torch.compile(model)
-    if proc.ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])] if proc.device.startswith('cuda') else None)
-    dtype = args.dtype if args.dtype != 'auto' else ('bfloat16' if proc.device.startswith('cuda') else 'float32')
-    autocast = (torch.autocast(device_type=proc.device.split(':')[0], dtype=torch.bfloat16)
-                if dtype == 'bfloat16' else nullcontext())
-    return model, autocast, dtype
-
-
-def run_length(args, model, world):
-    """(tokens per step, training FLOPs per step = 3 forwards, steps: --max_iters, fewer if --max_flops ends first)."""
-    tokens = args.batch_size * args.grad_accum * world * args.block_size
-    flops = 3 * model.forward_flops(args.block_size) * args.batch_size * args.grad_accum * world
-    steps = min(args.max_iters, math.ceil(args.max_flops / flops)) if args.max_flops > 0 else args.max_iters
-    return tokens, flops, steps
-
-
 @torch.no_grad()
 def evaluate(model, val, args, proc, autocast):
-    """Mean val loss over the same eval_iters batches every time (fixed seed), averaged over the ranks."""
+    """Mean loss over the same eval_iters batches of the val split every time (fixed seed), averaged over ranks."""
     model.eval()
     g = torch.Generator().manual_seed(0)
     losses = torch.zeros((), device=proc.device)
@@ -738,9 +687,24 @@ def train(args):
     splits, meta = load_splits(args, proc, ckpt)
     raw_model, optimizer = build_model(cfg, len(meta['itos']), proc.device)
     gen = torch.Generator().manual_seed(args.seed)  # the data order
-    step, flops, train_time, history = restore(ckpt, raw_model, optimizer, gen)
-    model, autocast, dtype = wrap_model(raw_model, args, proc)
-    tokens_per_iter, flops_per_iter, max_iters = run_length(args, raw_model, proc.world)
+    step, flops, train_time, history = 0, 0.0, 0.0, []
+    if ckpt is not None:  # --resume: weights, AdamW moments, data order and RNG streams as the checkpoint left them
+        raw_model.load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(ckpt['optimizer'])
+        gen.set_state(ckpt['data_rng'])
+        set_rng_state(ckpt['rng'])
+        step, flops, train_time, history = ckpt['step'], ckpt['flops'], ckpt['train_time'], ckpt['history']
+    model = torch.compile(raw_model) if args.compile else raw_model
+    if proc.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])] if proc.device.startswith('cuda') else None)
+    dtype = args.dtype if args.dtype != 'auto' else ('bfloat16' if proc.device.startswith('cuda') else 'float32')
+    autocast = (torch.autocast(device_type=proc.device.split(':')[0], dtype=torch.bfloat16)
+                if dtype == 'bfloat16' else nullcontext())
+    # run length: training FLOPs per step = 3 forwards; --max_flops may end the run before --max_iters
+    tokens_per_iter = args.batch_size * args.grad_accum * proc.world * args.block_size
+    flops_per_iter = 3 * raw_model.forward_flops(args.block_size) * args.batch_size * args.grad_accum * proc.world
+    max_iters = min(args.max_iters, math.ceil(args.max_flops / flops_per_iter)) if args.max_flops > 0 else args.max_iters
     log(proc, f"attn={args.attn} ranks={raw_model.config.ranks or '-'} | "
         f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params | data {meta['source']} "
         f"({meta['n_train'] / 1e6:.2f}M train / {meta['n_val'] / 1e6:.2f}M val chars, vocab {len(meta['itos'])}, "
@@ -794,8 +758,6 @@ def train(args):
 
 # -----------------------------------------------------------------------------
 # sampling with the incremental-decoding caches of attention.py
-
-
 
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_cache=True, generator=None):
@@ -870,7 +832,6 @@ def sample(args):
 
 # -----------------------------------------------------------------------------
 # compare runs: the shape of the paper's Fig. 4
-
 
 def compare(args):
     """--compare RUN_DIR...: val loss vs training FLOPs and vs training time of finished or running runs, from
@@ -1059,7 +1020,6 @@ def compare_sweep(args):
 
 # -----------------------------------------------------------------------------
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
-
 
 class NanoBlock(nn.Module):
     """nanoGPT's Block with bias=False, dropout=0 (MLP width `hidden`: nanoGPT's 4 D unless --mlp_hidden)."""
