@@ -330,23 +330,20 @@ class StandardAttention(SelfAttention):
 class SWAAttention(SelfAttention):
     """Sliding-window attention at O(T w) cost (paper §2.3). window = w is a look-back, as the official
     sliding_block_size (its mask keeps i-w <= j <= i): query i sees the w + 1 keys i-w..i (bidirectional:
-    |i - j| <= w). kernels.sliding_window_attention counts the keys a query sees, so it gets w + 1."""
+    |i - j| <= w)."""
     uses_rope = True
     kind = 'swa'
 
-    def keys_seen(self):
-        return self.cfg.window + 1
-
     def attend(self, q, k, v, key_mask):
-        return kernels.sliding_window_attention(q, k, v, self.keys_seen(), self.cfg.causal, self.scale(), key_mask)
+        return kernels.sliding_window_attention(q, k, v, self.cfg.window, self.cfg.causal, self.scale(), key_mask)
 
     def decode(self, q, k, v, cache):
-        n = self.keys_seen()
+        n = self.cfg.window + 1                                                # the keys a query sees
         cache.k, cache.v = _append(getattr(cache, 'k', None), k, n), _append(getattr(cache, 'v', None), v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
-        return self.H * kernels.sliding_window_attention_flops(T, self.keys_seen(), self.d, self.cfg.causal)
+        return self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, self.d, self.cfg.causal)
 
 
 class GlobalSWASplitAttention(SWAAttention):
@@ -372,13 +369,13 @@ class GlobalSWASplitAttention(SWAAttention):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         glob = F.scaled_dot_product_attention(qg, kg, v, attn_mask=mask, scale=self.scales[0],
                                               is_causal=self.cfg.causal and mask is None)
-        loc = kernels.sliding_window_attention(ql.contiguous(), kl.contiguous(), v, self.keys_seen(),
+        loc = kernels.sliding_window_attention(ql.contiguous(), kl.contiguous(), v, self.cfg.window,
                                                self.cfg.causal, self.scales[1], key_mask)
         return glob + loc                                                      # (B, H, T, d)
 
     def decode(self, q, k, v, cache):
         cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
-        n = self.keys_seen()
+        n = self.cfg.window + 1
         (qg, ql), (kg, kl) = q.split(self.split, -1), cache.k.split(self.split, -1)
         return (F.scaled_dot_product_attention(qg, kg, cache.v, scale=self.scales[0]) +
                 F.scaled_dot_product_attention(ql, kl[:, :, -n:], cache.v[:, :, -n:], scale=self.scales[1]))
@@ -386,7 +383,7 @@ class GlobalSWASplitAttention(SWAAttention):
     def core_flops(self, T):
         rg, rs = self.split
         glob = 2 * self.H * T * T * (rg + self.d) * (0.5 if self.cfg.causal else 1)
-        return glob + self.H * kernels.sliding_window_attention_flops(T, self.keys_seen(), rs, self.cfg.causal,
+        return glob + self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, rs, self.cfg.causal,
                                                                        dv=self.d)
 
 
@@ -406,13 +403,13 @@ class MLRAttention(SelfAttention):
                              f"'{self.d // 2}|{self.d - self.d // 2}'")
         L = len(self.ranks)
         if cfg.mlr_block_sizes:
-            self.block_sizes = parse_ints(cfg.mlr_block_sizes, 'mlr_block_sizes')
+            self.level_sizes = parse_ints(cfg.mlr_block_sizes, 'mlr_block_sizes')
         else:
             if cfg.block_size % 2 ** (L - 1):
                 raise ValueError(f"MLR with {L} levels needs block_size divisible by {2 ** (L - 1)}, "
                                  f"got {cfg.block_size}")
-            self.block_sizes = [cfg.block_size // 2 ** l for l in range(L)]
-        kernels.mlr_block_sizes(self.block_sizes[0], L, self.block_sizes)   # validates the list
+            self.level_sizes = [cfg.block_size // 2 ** l for l in range(L)]
+        kernels.mlr_level_sizes(self.level_sizes[0], L, self.level_sizes)   # validates the list
         self.scales = logit_scales(cfg, self.kind, self.ranks)                # c_l per level
 
     def attend(self, q, k, v, key_mask):
@@ -420,32 +417,32 @@ class MLRAttention(SelfAttention):
         Tp = self.valid_length(T)
         if Tp != T:  # causal: padding on the right changes nothing before it
             q, k, v = (F.pad(t, (0, 0, 0, Tp - T)) for t in (q, k, v))
-        y = kernels.mlr_attention(q, k, v, self.ranks, self.cfg.causal, self.block_sizes, self.scales,
+        y = kernels.mlr_attention(q, k, v, self.ranks, self.cfg.causal, self.level_sizes, self.scales,
                                   self.cfg.mlr_divide_levels, key_mask)
         return y[:, :, :T]
 
     def valid_length(self, T):
         """Shortest length >= T that tiles into the level blocks (T itself when bidirectional)."""
-        for Tp in range(T, self.block_sizes[0] + 1):
-            if all(b >= Tp or Tp % b == 0 for b in self.block_sizes):
+        for Tp in range(T, self.level_sizes[0] + 1):
+            if all(b >= Tp or Tp % b == 0 for b in self.level_sizes):
                 if Tp != T and not self.cfg.causal:
                     break
                 return Tp
-        raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.block_sizes}; valid: "
-                         f"multiples of {min(self.block_sizes)} up to {self.block_sizes[0]}")
+        raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.level_sizes}; valid: "
+                         f"multiples of {min(self.level_sizes)} up to {self.level_sizes[0]}")
 
     def decode(self, q, k, v, cache):
         """Level l keeps only the r_l key features of the current level-l block (paper §3.4, key cache)."""
         t = cache.t
-        if t >= self.block_sizes[0]:
-            raise ValueError(f"MLR decoding is defined up to block_size = {self.block_sizes[0]} tokens")
+        if t >= self.level_sizes[0]:
+            raise ValueError(f"MLR decoding is defined up to block_size = {self.level_sizes[0]} tokens")
         if t == 0:
             cache.keys, cache.v = [None] * len(self.ranks), None
         cache.v = _append(cache.v, v)                                          # (B, H, t+1, d)
         s = torch.zeros(q.shape[:3] + (t + 1,), dtype=q.dtype, device=q.device)
         covering = torch.zeros(t + 1, dtype=q.dtype, device=q.device)
         for l, (q_l, k_l, b, c) in enumerate(zip(q.split(self.ranks, -1), k.split(self.ranks, -1),
-                                                  self.block_sizes, self.scales)):
+                                                  self.level_sizes, self.scales)):
             if t % b == 0:
                 cache.keys[l] = None                                           # a new level-l block begins
             cache.keys[l] = _append(cache.keys[l], k_l)                        # (B, H, t % b + 1, r_l)
@@ -461,7 +458,7 @@ class MLRAttention(SelfAttention):
 
     def core_flops(self, T):
         Tp = self.valid_length(T)   # what attend() computes: a short causal sequence is padded; blocks >= Tp are global
-        return self.H * kernels.mlr_attention_flops(Tp, self.ranks, self.cfg.causal, self.block_sizes, self.d)
+        return self.H * kernels.mlr_attention_flops(Tp, self.ranks, self.cfg.causal, self.level_sizes, self.d)
 
 
 class LinearAttention(SelfAttention):

@@ -434,14 +434,14 @@ def mlr_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize('causal', [True, False])
-@pytest.mark.parametrize('T,ranks,block_sizes', MLR_CASES)
-def test_mlr_fast_equals_reference(mlr_path, causal, T, ranks, block_sizes):
+@pytest.mark.parametrize('T,ranks,level_sizes', MLR_CASES)
+def test_mlr_fast_equals_reference(mlr_path, causal, T, ranks, level_sizes):
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 3, T, sum(ranks), generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.rand(2, T, generator=g) > 0.3
     mask[1, :T // 3] = False                       # causal: the first rows of batch 1 see no key at all
     for divide, key_mask in ((False, None), (True, None), (False, mask), (True, mask)):
-        kw = dict(ranks=ranks, causal=causal, block_sizes=block_sizes, divide_by_levels=divide, key_mask=key_mask)
+        kw = dict(ranks=ranks, causal=causal, level_sizes=level_sizes, divide_by_levels=divide, key_mask=key_mask)
         for a, b, name in zip(_grads(mlr_path, q, k, v, **kw), _grads(K.mlr_attention_reference, q, k, v, **kw),
                               ['out', 'dq', 'dk', 'dv']):
             assert_close(a, b, what=f"mlr {name} T={T} ranks={ranks} causal={causal} divide={divide} "
@@ -487,7 +487,7 @@ def test_mlr_flash_saves_no_scores():
 
 @pytest.mark.parametrize('path', ['flash', 'flash, small pieces', 'torch'])
 @pytest.mark.parametrize('causal', [True, False])
-@pytest.mark.parametrize('T,window', [(37, 1), (64, 5), (100, 33), (50, 64), (130, 40)])
+@pytest.mark.parametrize('T,window', [(37, 0), (64, 4), (100, 32), (50, 63), (130, 39)])
 def test_swa_fast_equals_reference(path, causal, T, window, monkeypatch):
     if path == 'flash, small pieces':
         monkeypatch.setattr(K, 'PIECE', 256)
@@ -509,7 +509,7 @@ def test_swa_flash_saves_no_scores():
     q, k, v = (torch.randn(1, 1, 512, 16, requires_grad=True) for _ in range(3))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        K.sliding_window_attention_flash(q, k, v, 64)
+        K.sliding_window_attention_flash(q, k, v, 63)
     assert sum(saved) <= 6 * 512 * 16
 
 
@@ -533,7 +533,7 @@ def test_mlr_measured_flops_equal_formula(monkeypatch):
             for fn, count in ((K.mlr_attention_torch, K.mlr_attention_flops),
                               (K.mlr_attention_flash, K.mlr_attention_flash_flops)):
                 with FlopCounterMode(display=False) as fc:
-                    fn(q, k, v, ranks, causal=causal, block_sizes=sizes)
+                    fn(q, k, v, ranks, causal=causal, level_sizes=sizes)
                 assert fc.get_total_flops() == 2 * count(T, ranks, causal, sizes), (fn.__name__, T, causal)
     monkeypatch.undo()
     T, ranks = 1024, [32, 8, 6, 4, 4, 4, 4, 2]   # the dense bottom costs the flash path little at the paper's T
@@ -681,22 +681,28 @@ def test_bad_inputs_get_clear_errors():
 
 
 # -----------------------------------------------------------------------------
-# kernels.py reads top to bottom (issue 19, point 2)
+# kernels.py reads top to bottom: the references first, then every definition after what it uses
 
 def test_kernels_reads_top_to_bottom():
-    """kernels.py reads as the Triton tutorial: every module-level function or class uses only the file's
-    names defined above it (helpers before their callers), and no function is longer than 60 lines."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels.py'), encoding='utf-8') as f:
+    """kernels.py opens with the three references; after them every module-level function or class uses only
+    names defined above it (the references may call the input checks that follow them); no function is
+    longer than 60 lines."""
+    with open(os.path.join(HERE, 'kernels.py'), encoding='utf-8') as f:
         tree = ast.parse(f.read())
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert [n.name for n in defs[:4]] == ['mlr_attention_reference', 'sliding_window_attention_reference',
+                                          'linear_feature_map', 'linear_attention_reference']
     defined = {}                                 # module-level function, class or constant -> its statement
     for i, node in enumerate(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             defined[node.name] = i
         elif isinstance(node, ast.Assign):
             defined.update((t.id, i) for t in node.targets if isinstance(t, ast.Name))
+    checks = {'_check_qkv', '_check_window', '_mlr_check', 'mlr_level_scales'}
     late = [f"{node.name} uses {n.id}, defined below it"
             for i, node in enumerate(tree.body) if isinstance(node, (ast.FunctionDef, ast.ClassDef))
-            for n in ast.walk(node) if isinstance(n, ast.Name) and defined.get(n.id, -1) > i]
+            for n in ast.walk(node) if isinstance(n, ast.Name) and defined.get(n.id, -1) > i
+            and not (node.name.endswith('_reference') and n.id in checks)]
     assert not late, late
     long = [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 60]
@@ -1414,7 +1420,6 @@ def test_swa_window_is_the_official_lookback(w):
     q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
     s = (q @ k.transpose(-2, -1) / 4).masked_fill(~official_swa_mask(40, w), float('-inf'))
     assert_close(layer.attend(q, k, v, None), torch.softmax(s, -1) @ v, what=f'SWA w={w}')
-    assert layer.keys_seen() == w + 1
 
 
 def test_global_swa_split_is_the_official_two_softmax_sum():
