@@ -825,7 +825,7 @@ def test_brl_gamma_zero_is_softmax_cross_attention():
     layer = randomize_(A.BRLAttention(small_config(attn='brl', causal=False, brl_gamma=False,
                                                    brl_rel_buckets=0)).double())   # b_rel: tests_brl.py
     x_ct, hist = torch.randn(2, 1, 4, 64, dtype=torch.float64), torch.randn(2, 1, 20, 64, dtype=torch.float64)
-    got = layer.compress(x_ct, hist)
+    got = layer.compressed_token_update(x_ct, hist)
     # by hand: per head softmax(Q K1^T / (m sqrt(d_ct))) V, group norm, then the beta update
     H, dh = 4, 16
     q = layer.f_q(x_ct).view(2, 1, 4, H, dh).transpose(2, 3)
@@ -959,7 +959,7 @@ def brl_layer(seed=0, **kw):
 def test_causal_layer_equals_reference(kw):
     layer = brl_layer(**kw)
     T = 29                                   # not a multiple of the block: a short last block
-    nb = layer.block_size(T)
+    nb = layer.chunk_len(T)
     N = -(-T // nb)
     x = torch.randn(2, T, 64, dtype=torch.float64)
     c = torch.randn(2, N, 4, 64, dtype=torch.float64)
@@ -1070,7 +1070,7 @@ def test_gamma_zero_is_one_softmax_cross_attention_with_b_rel(causal):
     layer = brl_layer(causal=causal, brl_gamma=False)
     c, hist = torch.randn(2, 1, 4, 64, dtype=torch.float64), torch.randn(2, 1, 12, 64, dtype=torch.float64)
     dist = torch.arange(12) if not causal else torch.arange(12).flip(0) + 1     # 12 .. 1, as block b-1 would
-    got = layer.compress(c, hist, dist)
+    got = layer.compressed_token_update(c, hist, dist)
     q = layer.f_q(c).view(2, 1, 4, 4, 16).transpose(2, 3)
     k = layer.f_k1(hist).view(2, 1, 12, 4, 16).transpose(2, 3)
     v = layer.f_v(hist).view(2, 1, 12, 4, 16).transpose(2, 3)
@@ -1079,7 +1079,7 @@ def test_gamma_zero_is_one_softmax_cross_attention_with_b_rel(causal):
     assert_close(got, 0.5 * layer.ct_ln(comp) + 0.5 * layer.f_m(c), what=f'gamma = 0, causal={causal}')
     with torch.no_grad():
         layer.f_k2.weight.add_(1.0)
-    assert_close(layer.compress(c, hist, dist), got, what='gamma = 0 should not read K2')
+    assert_close(layer.compressed_token_update(c, hist, dist), got, what='gamma = 0 should not read K2')
 
 
 def test_gamma_is_per_head_with_the_papers_init():
@@ -1125,7 +1125,7 @@ def saved_bytes(layer, T):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     x = torch.randn(1, T, 32, requires_grad=True)
-    c = torch.randn(1, -(-T // layer.block_size(T)), 4, 32, requires_grad=True)
+    c = torch.randn(1, -(-T // layer.chunk_len(T)), 4, 32, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(x, c)
     del out
