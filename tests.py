@@ -766,6 +766,63 @@ def test_gqa_and_rope_run_and_stay_causal():
     assert_close(model(x)[:, :30], model(x2)[:, :30], what='gqa+rope causality')
 
 
+def measured_core_flops(fn, T, d, dv, *args, **kw):
+    """FLOPs the flop counter measures for one (batch, head) of a kernels.py torch path."""
+    q, k, v = torch.randn(1, 1, T, d), torch.randn(1, 1, T, d), torch.randn(1, 1, T, dv)
+    with FlopCounterMode(display=False) as fc:
+        fn(q, k, v, *args, **kw)
+    return fc.get_total_flops()
+
+
+def written_forward_flops(model, T):
+    """The Transformer's forward FLOPs (2 per multiply-add) written out from the definitions: what "equal FLOPs"
+    means in every comparison. Attention cores that have a blocked torch path are measured on it."""
+    cfg = model.cfg
+    D, H, causal = cfg.n_embd, cfg.n_head, cfg.causal
+    d, hidden, w = D // H, cfg.mlp_hidden or 4 * D, cfg.window
+    pairs = T * T * (0.5 if causal else 1)           # (query, key) pairs: the causal half of T x T, as intended
+    qkvo, vo = 2 * T * D * D * 4, 2 * T * D * D * 2
+    swa = lambda dk: measured_core_flops(K.sliding_window_attention_torch, T, dk, d, w, causal)
+    total = 0
+    for block in model.blocks:
+        layer, kind = block.attn, type(block.attn).__name__
+        if kind == 'StandardAttention':
+            attn = qkvo + H * 2 * pairs * (d + d)                                   # QK^T and A V
+        elif kind == 'SWAAttention':
+            attn = qkvo + H * swa(d)
+        elif kind == 'GlobalSWASplitAttention':
+            rg, rs = layer.split
+            attn = qkvo + H * 2 * pairs * (rg + d) + H * swa(rs)
+        elif kind == 'MLRAttention':
+            attn = qkvo + H * measured_core_flops(K.mlr_attention_torch, T, d, d, layer.ranks, causal, layer.level_sizes)
+        elif kind == 'LinearAttention':                                  # chunks of c = 64: quadratic inside
+            c = min(64, T)
+            attn = qkvo + H * (2 * T * (c * 2 * d + 2 * d * d) if causal else 2 * T * d * (2 * d + 1))
+        elif kind == 'BilinearMLRAttention':       # q and k maps: level l maps D -> p_l H r_l in p_l blocks
+            e = sum(p * r for p, r in zip(layer.blocks, layer.ranks))
+            attn = vo + 2 * 2 * T * sum(D * H * r for r in layer.ranks) + H * 2 * pairs * (e + d)
+        elif kind == 'BilinearBTTAttention':       # one D x D BTT per head on the keys; scores of width D
+            attn = vo + 2 * T * sum(b.num_params for b in layer.btts) + H * 2 * pairs * (D + d)
+        else:                                      # BRL: local SWA + F_comp + the updates + F_prop + the ct MLP
+            m, nc = cfg.n_compressed, (cfg.brl_block or w) if causal else T
+            N = -(-T // nc)
+            n_hist = T + (N - 1) * m if causal and cfg.brl_history == 'global' else T   # all T tokens are counted
+            attn = (qkvo + H * swa(d) + 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D
+                    + 2 * N * m * D * D * 4 + 2 * T * D * D + 2 * 2 * T * m * D + 2 * N * m * D * hidden * 2)
+        total += attn + 2 * T * D * hidden * 2                                      # + the MLP
+    return total
+
+
+@pytest.mark.parametrize('kind', CAUSAL_KINDS + ['global_swa_split'])
+@pytest.mark.parametrize('causal', [True, False])
+def test_forward_flops_are_the_written_formulas(kind, causal):
+    """forward_flops (the count the train scripts' equal-FLOP budgets use) equals the formula written above, for
+    every variant, causal and bidirectional, BRL with both history rules."""
+    for extra in ([dict(brl_history='global'), dict(brl_history='block', brl_block=12)] if kind == 'brl' else [{}]):
+        model = A.Transformer(small_config(attn=kind, causal=causal, gswa_ranks='10|6', **extra))
+        assert model.forward_flops(64) == written_forward_flops(model, 64), (kind, causal, extra)
+
+
 def test_flops_reported_and_structured_variants_cheaper():
     T = 1024
     flops = {k: A.Transformer(A.ModelConfig(n_layer=1, n_head=16, n_embd=1024, block_size=T, attn=k,
