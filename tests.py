@@ -46,7 +46,7 @@ import train_lra as lra
 import train_ts as ts
 from attention import ATTENTION, ModelConfig
 from runs import TASK_FIELDS
-from structured import (BTT, MLBTC, MLR, STRUCTURED, BlockDiagonal, Dense, Level, LowRank,
+from structured import (BTT, MLBTC, MLR, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
 
 # -----------------------------------------------------------------------------
@@ -356,11 +356,6 @@ def test_wrong_input_width_raises(family):
         m(torch.randn(3, 12, dtype=torch.float64))
 
 
-def test_registry():
-    assert set(STRUCTURED) >= {'dense', 'low_rank', 'block_diagonal', 'low_rank_block_diagonal', 'mlr', 'btt', 'mlbtc'}
-    assert STRUCTURED['mlr'] is MLR and STRUCTURED['btt'] is BTT
-
-
 # -----------------------------------------------------------------------------
 # muP init: each core N(0, 1/fan_in) with its own fan_in, p.lr_mult = base_width / fan_in
 
@@ -468,21 +463,20 @@ def test_mlr_flash_float32_and_scales(causal, monkeypatch):
         assert_close(a.double(), b, atol=2e-5, rtol=2e-4, what=f"float32 flash mlr {name}")
 
 
-def test_mlr_flash_saves_no_scores():
-    """The flash path keeps O(T·d) for its backward: its autograd graph holds q, k, v, o, lse (and the scaled
-    copy of q), nothing of size T×T; the torch path keeps every tile's scores."""
+@pytest.mark.parametrize('flash,torch_path,arg', [(K.mlr_attention_flash, K.mlr_attention_torch, [8, 4, 2, 2]),
+                                                   (K.sliding_window_attention_flash, None, 63)])
+def test_flash_paths_save_no_scores(flash, torch_path, arg):
+    """The flash paths keep O(T·d) for their backward: the autograd graph holds q, k, v, o, lse (and a scaled
+    copy of q; SWA the key validity), nothing of size T×T; MLR's torch path keeps every tile's scores."""
     def saved_numel(fn):
         q, k, v = (torch.randn(1, 1, 512, 16, requires_grad=True) for _ in range(3))
-        total = 0
-        def pack(t):
-            nonlocal total
-            total += t.numel()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(q, k, v, [8, 4, 2, 2])
-        return total
-    assert saved_numel(K.mlr_attention_flash) <= 8 * 512 * 16
-    assert saved_numel(K.mlr_attention_torch) > 512 * 512 / 2
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            fn(q, k, v, arg)
+        return sum(saved)
+    assert saved_numel(flash) <= (8 if torch_path else 6) * 512 * 16
+    if torch_path:
+        assert saved_numel(torch_path) > 512 * 512 / 2
 
 
 @pytest.mark.parametrize('path', ['flash', 'flash, small pieces', 'torch'])
@@ -502,15 +496,6 @@ def test_swa_fast_equals_reference(path, causal, T, window, monkeypatch):
                               ['out', 'dq', 'dk', 'dv']):
             assert_close(a, b, what=f"swa {path} {name} T={T} w={window} causal={causal} "
                                     f"key_mask={key_mask is not None}")
-
-
-def test_swa_flash_saves_no_scores():
-    """Like the MLR flash path: the backward keeps O(T·d) (q, k, v, o, lse, the key validity), no scores."""
-    q, k, v = (torch.randn(1, 1, 512, 16, requires_grad=True) for _ in range(3))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        K.sliding_window_attention_flash(q, k, v, 63)
-    assert sum(saved) <= 6 * 512 * 16
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -542,17 +527,6 @@ def test_mlr_measured_flops_equal_formula(monkeypatch):
     # attention (full T x T scores and A.V), against the 50% that causal tile skipping alone would give
     T, ranks = 1024, [32, 8, 6, 4, 4, 4, 4, 2]
     assert K.mlr_attention_flops(T, ranks) < 0.45 * 2 * 2 * T * T * 64
-
-
-def test_mlr_one_level_is_standard_attention():
-    """MLR with one level and c = 1/d is softmax attention with the muP scale alpha/d at alpha = 1."""
-    torch.manual_seed(0)
-    for causal in (True, False):
-        std = randomize_(A.StandardAttention(small_config(logit_scale='mup', mup_alpha=1.0, causal=causal)).double())
-        mlr = A.MLRAttention(small_config(ranks='16', causal=causal)).double()
-        mlr.load_state_dict(std.state_dict())
-        x = torch.randn(2, 64, 64, dtype=torch.float64)
-        assert_close(mlr(x), std(x), what=f'one-level MLR vs standard, causal={causal}')
 
 
 # -----------------------------------------------------------------------------
@@ -844,6 +818,12 @@ def test_flops_reported_and_structured_variants_cheaper():
     (dict(attn='brl', n_compressed=0), 'n_compressed'),
     (dict(attn='brl', brl_block=-1), 'brl_block'),
     (dict(attn='linear', rope=True), 'rope'),
+    (dict(attn='bilinear_mlr', rope=True), 'rope'),
+    (dict(attn='bilinear_btt', rope=True), 'rope'),
+    (dict(attn='bilinear_mlr', n_kv_head=2), 'n_kv_head'),
+    (dict(attn='bilinear_btt', n_kv_head=2), 'n_kv_head'),
+    (dict(attn='brl', brl_history='all'), "brl_history must be 'global' or 'block', got 'all'"),
+    (dict(attn='brl', brl_rel_buckets=1), 'brl_rel_buckets must be 0'),
 ])
 def test_bad_config_raises_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -866,42 +846,6 @@ def test_bad_sequence_lengths_raise():
 
 # -----------------------------------------------------------------------------
 # BRL attention (seed 004 §2.3-2.5, Alg. 1)
-
-def test_brl_lambda_zero_is_local_attention():
-    for causal in (True, False):
-        layer = randomize_(A.BRLAttention(small_config(attn='brl', causal=causal, brl_lambda_init=0.0)).double())
-        with torch.no_grad():
-            layer.lam.zero_()
-        x = torch.randn(2, 64, 64, dtype=torch.float64)
-        N = 8 if causal else 1
-        y, _ = layer(x, torch.randn(2, N, 4, 64, dtype=torch.float64))
-        assert_close(y, layer.local(x), what=f'BRL with lambda = 0 vs its local attention, causal={causal}')
-
-
-def test_brl_gamma_zero_is_softmax_cross_attention():
-    layer = randomize_(A.BRLAttention(small_config(attn='brl', causal=False, brl_gamma=False,
-                                                   brl_rel_buckets=0)).double())   # b_rel: tests_brl.py
-    x_ct, hist = torch.randn(2, 1, 4, 64, dtype=torch.float64), torch.randn(2, 1, 20, 64, dtype=torch.float64)
-    got = layer.compressed_token_update(x_ct, hist)
-    # by hand: per head softmax(Q K1^T / (m sqrt(d_ct))) V, group norm, then the beta update
-    H, dh = 4, 16
-    q = layer.f_q(x_ct).view(2, 1, 4, H, dh).transpose(2, 3)
-    k = layer.f_k1(hist).view(2, 1, 20, H, dh).transpose(2, 3)
-    v = layer.f_v(hist).view(2, 1, 20, H, dh).transpose(2, 3)
-    att = torch.softmax(q @ k.transpose(-2, -1) / (4 * math.sqrt(64)), dim=-1) @ v
-    comp = layer.comp_norm(att.transpose(2, 3).reshape(8, 64)).view(2, 1, 4, 64)
-    want = 0.5 * layer.ct_ln(comp) + 0.5 * layer.f_m(x_ct)
-    assert_close(got, want, what='F_comp with gamma = 0')
-    assert layer.gamma().shape == (4,) and (layer.gamma() == 0).all()
-
-
-def test_brl_gradients_reach_compressed_tokens_gamma_lambda():
-    model = randomize_(A.Transformer(small_config(attn='brl')))
-    model(torch.randn(2, 64, 64)).square().sum().backward()
-    att = model.blocks[0].attn
-    for name, p in [('x_ct', model.compressed_tokens), ('gamma_q', att.gamma_q), ('gamma_k1', att.gamma_k1),
-                    ('lambda', att.lam)]:
-        assert p.grad is not None and p.grad.abs().sum() > 0, f'no gradient reaches {name}'
 
 
 def test_brl_first_block_does_not_compress_and_blocks_use_history():
@@ -1120,23 +1064,27 @@ def test_lambda_zero_is_local_attention(kw):
     assert_close(y, layer.local(x), what=f'{kw}: lambda = 0 vs local attention')
 
 
-@pytest.mark.parametrize('causal', [False, True])
-def test_gamma_zero_is_one_softmax_cross_attention_with_b_rel(causal):
-    """gamma = 0: F_comp is softmax(Q K1^T / (m sqrt(D)) + b_rel) V per head; K2 plays no part. Distances
-    below n_buckets / 2 have a bucket each, so b_rel is the table's first columns (read by hand here)."""
-    layer = brl_layer(causal=causal, brl_gamma=False)
+@pytest.mark.parametrize('causal,buckets', [(False, 0), (False, 32), (True, 32)])
+def test_gamma_zero_is_one_softmax_cross_attention_with_b_rel(causal, buckets):
+    """gamma = 0: F_comp is softmax(Q K1^T / (m sqrt(D)) + b_rel) V per head, group norm, then the beta update;
+    K2 plays no part. Distances below n_buckets / 2 have a bucket each, so b_rel is the table's first columns
+    (read by hand here). Bidirectional: the default distances 0 .. n-1."""
+    layer = brl_layer(causal=causal, brl_gamma=False, brl_rel_buckets=buckets)
+    assert layer.gamma().shape == (4,) and (layer.gamma() == 0).all()
     c, hist = torch.randn(2, 1, 4, 64, dtype=torch.float64), torch.randn(2, 1, 12, 64, dtype=torch.float64)
-    dist = torch.arange(12) if not causal else torch.arange(12).flip(0) + 1     # 12 .. 1, as block b-1 would
-    got = layer.compressed_token_update(c, hist, dist)
+    dist = torch.arange(12) if not causal else torch.arange(12).flip(0) + 1     # 12 .. 1, as chunk b-1 would
+    got = layer.compressed_token_update(c, hist, None if not causal else dist)
     q = layer.f_q(c).view(2, 1, 4, 4, 16).transpose(2, 3)
     k = layer.f_k1(hist).view(2, 1, 12, 4, 16).transpose(2, 3)
     v = layer.f_v(hist).view(2, 1, 12, 4, 16).transpose(2, 3)
-    att = torch.softmax(q @ k.transpose(-2, -1) / (4 * 8) + layer.comp_rel[:, :, dist], dim=-1) @ v
+    bias = layer.comp_rel[:, :, dist] if buckets else 0
+    att = torch.softmax(q @ k.transpose(-2, -1) / (4 * 8) + bias, dim=-1) @ v
     comp = layer.comp_norm(att.transpose(2, 3).reshape(8, 64)).view(2, 1, 4, 64)
     assert_close(got, 0.5 * layer.ct_ln(comp) + 0.5 * layer.f_m(c), what=f'gamma = 0, causal={causal}')
     with torch.no_grad():
         layer.f_k2.weight.add_(1.0)
-    assert_close(layer.compressed_token_update(c, hist, dist), got, what='gamma = 0 should not read K2')
+    assert_close(layer.compressed_token_update(c, hist, None if not causal else dist), got,
+                 what='gamma = 0 should not read K2')
 
 
 def test_gamma_is_per_head_with_the_papers_init():
@@ -1163,8 +1111,8 @@ def test_b_rel_is_learned_and_can_be_switched_off():
     model = randomize_(A.Transformer(small_config(attn='brl')))
     model(torch.randn(2, 40, 64)).square().sum().backward()
     att = model.blocks[0].attn
-    for name, p in [('b_rel of F_comp', att.comp_rel), ('b_rel of F_prop', att.prop_rel),
-                    ('gamma_q', att.gamma_q), ('x_ct', model.compressed_tokens)]:
+    for name, p in [('b_rel of F_comp', att.comp_rel), ('b_rel of F_prop', att.prop_rel), ('gamma_q', att.gamma_q),
+                    ('gamma_k1', att.gamma_k1), ('lambda', att.lam), ('x_ct', model.compressed_tokens)]:
         assert p.grad is not None and p.grad.abs().sum() > 0, f'no gradient reaches {name}'
     off = A.BRLAttention(small_config(attn='brl', brl_rel_buckets=0))
     assert off.comp_rel is None and off.prop_rel is None
@@ -1194,13 +1142,6 @@ def test_saved_memory_grows_linearly(kw):
     layer = A.BRLAttention(A.ModelConfig(n_head=2, n_embd=32, window=16, n_compressed=4, block_size=2048, **kw))
     ratio = saved_bytes(layer, 2048) / saved_bytes(layer, 256)
     assert ratio <= 9, f'8x longer sequence keeps {ratio:.1f}x the activations (linear: about 8)'
-
-
-@pytest.mark.parametrize('kw,match', [(dict(brl_history='all'), "brl_history must be 'global' or 'block', got 'all'"),
-                                      (dict(brl_rel_buckets=1), 'brl_rel_buckets must be 0')])
-def test_bad_brl_settings_raise_one_clear_error(kw, match):
-    with pytest.raises(ValueError, match=match):
-        A.Transformer(small_config(attn='brl', **kw))
 
 
 def test_train_lm_passes_brl_history():
@@ -1299,14 +1240,6 @@ def test_bilinear_mlr_ln_level_is_the_official_per_level_layernorm():
         A.check_config(A.ModelConfig(attn='bilinear_mlr', bilinear_mlr_ln='x', **SMALL))
 
 
-@pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
-@pytest.mark.parametrize('bad,words', [(dict(rope=True), 'rope'), (dict(n_kv_head=2), 'n_kv_head')])
-def test_bilinear_still_refuses_unsupported_settings(attn, bad, words):
-    """The checks moved to the shared base still run for the bilinear variants."""
-    with pytest.raises(ValueError, match=words):
-        A.ATTENTION[attn](A.ModelConfig(attn=attn, **SMALL, **bad))
-
-
 def test_mlr_flops_of_a_short_causal_sequence_count_the_padded_length():
     """A causal sequence shorter than block_size is padded to the next length that tiles the level blocks
     (here 16 -> 24 for blocks 24|12|6|3); its FLOPs are those of the padded one (once an error for T = 16)."""
@@ -1333,25 +1266,6 @@ def preset_source_lines(obj_name, module, start_key=None):
 
 # -----------------------------------------------------------------------------
 # train_lm.py --preset paper: the official MLR run, value by value
-
-def test_lm_paper_preset_values():
-    a = train_lm.parse_args(['--preset', 'paper', '--attn', 'mlr'])
-    want = dict(n_layer=6, n_embd=768, n_head=12, block_size=1024, ranks='32|8|6|4|4|4|4|2', mlr_divide_levels=True,
-                qk_ln=True, logit_scale='inv', mup_alpha=8.0, mup_base_width=768, emb_std=0.02, window=128,
-                global_layers='0,3', gswa_ranks='32|32', bilinear_rms_cap=True, btt_factors='official', batch_size=4,
-                grad_accum=8, lr=1.65e-2, weight_decay=0.0, adam_eps=1e-20, beta2=0.95, grad_clip=1.0,
-                warmup_iters=2000, lr_schedule='constant', max_iters=100_000, eval_interval=200, eval_iters=200,
-                dtype='auto')
-    got = {k: getattr(a, k) for k in want}
-    assert got == want
-    assert a.n_embd // a.n_head == 64                                  # head width of the official run
-
-
-def test_lm_paper_preset_every_value_names_its_source():
-    lines = preset_source_lines('PRESETS', train_lm, start_key="'paper'")
-    for key in train_lm.PRESETS['paper']:
-        line = next((line for line in lines if f"{key}=" in line), None)
-        assert line is not None and '#' in line, f"paper preset value {key!r} has no source comment"
 
 
 def test_lm_paper_preset_global_layers_are_0_and_3():
@@ -1494,21 +1408,6 @@ def test_global_swa_split_is_the_official_two_softmax_sum():
 
 # -----------------------------------------------------------------------------
 # train_icl.py defaults: the official ICL runs at CPU scale
-
-def test_icl_defaults_are_official():
-    a = icl.resolve(icl.build_parser().parse_args([]))
-    want = dict(n_layer=6, n_head=8, qk_ln=True, batch_size=64, weight_decay=0.0, logit_scale='sqrt',
-                bilinear_rms_cap=True, btt_factors='official', btt_rank=1, read_in_std=0.02, pos_std=0.02,
-                mup_base_width=768, adam_eps=1e-20, warmup_iters=1000, lr_schedule='constant', grad_clip=0.0,
-                curr_d_start=4, curr_n_start=8, curr_ratio=0.06)
-    assert {k: getattr(a, k) for k in want} == want
-    assert a.n_points == 2 * a.d                                     # official n_positions = 2 n_dims
-    for name in ('MODEL_DEFAULTS', 'DEFAULTS'):
-        lines = preset_source_lines(name, icl)
-        for key in getattr(icl, name):
-            line = next(line for line in lines if f"{key}=" in line)
-            assert '#' in line or key in ('d', 'max_iters', 'curr_d_start', 'curr_n_start', 'curr_interval',
-                                          'curr_ratio'), f'ICL default {key!r} has no source comment'
 
 
 def test_icl_default_logit_scales():
