@@ -565,13 +565,13 @@ def mlr_attention_flash_flops(T, ranks, causal=True, level_sizes=None, dv=None):
 # sliding-window attention, blocked torch path and flash path
 
 def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """Blocked SWA: queries in blocks of c >= w; block i sees key blocks i-1, i (and i+1 bidirectional)."""
+    """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional)."""
     _check_qkv(q, k, v)
     _check_window(window)
     B, H, T, d = q.shape
     dv = v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = min(max(window + 1, 32), T)                  # query block size; c >= w + 1 unless the window covers T
+    c = min(max(window + 1, 32), T)                  # query chunk length; c > w unless the window covers T
     n = -(-T // c)                                   # number of query blocks
     Tp = n * c
     left, right = c, (0 if causal else c)            # key padding on each side
@@ -593,7 +593,7 @@ def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key
     return o.reshape(B, H, Tp, dv)[:, :, :T]
 
 
-# The same pieces serve sliding-window attention: with query blocks of c >= w rows, block i's keys lie in
+# The same pieces serve sliding-window attention: with query chunks of c > w rows, chunk i's keys lie in
 # key blocks i - 1 and i (and i + 1 bidirectional), so SWA is two (three) tiles of c×c blocks, each with a
 # fixed band mask, merged as above. k and v are shifted by one block for the neighbour tiles (a copy), and
 # their gradients shifted back. Saved for the backward: q, k, v, o, lse -- no scores.
@@ -684,7 +684,7 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = min(max(window + 1, 32), T)                  # query block size; c >= w + 1 unless the window covers T
+    c = min(max(window + 1, 32), T)                  # query chunk length; c > w unless the window covers T
     Tp = -(-T // c) * c
     valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
     valid[:, :T] = True if key_mask is None else key_mask
@@ -749,7 +749,7 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 #
 # One kernel family serves both MLR and SWA. A program owns one query tile (BLOCK_M rows) of one
 # (batch, head) and streams key tiles (BLOCK_N rows) through an online softmax; nothing T×T exists.
-# - Window: key tiles wholly outside i-w < j <= i (|i-j| < w bidirectional) are never visited. MLR runs
+# - Window: key tiles wholly outside i-w <= j <= i (|i-j| <= w bidirectional) are never visited. MLR runs
 #   with window = T, which leaves only the causal skip (no key tile after the query tile).
 # - MLR levels: for a (query tile, key tile) pair, n_all = number of levels whose block holds both tiles
 #   whole. The pair is scored with the first R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only.
@@ -1132,7 +1132,7 @@ def backend(x):
 def mlr_attention(q, k, v, ranks, causal=True, level_sizes=None, scales=None, divide_by_levels=False,
                   key_mask=None):
     """MLR attention, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv). ranks sum to d; level l has
-    blocks of size T/2^l (or level_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep.
+    blocks of T/2^l tokens (or level_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep.
     Runs mlr_attention_triton or mlr_attention_flash, as backend(q) says."""
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
@@ -1141,8 +1141,8 @@ def mlr_attention(q, k, v, ranks, causal=True, level_sizes=None, scales=None, di
 
 
 def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w < j <= i
-    (|i-j| < w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep.
+    """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w..i
+    (|i-j| <= w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep.
     Runs sliding_window_attention_triton or sliding_window_attention_flash, as backend(q) says."""
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
