@@ -1291,12 +1291,13 @@ def comma_list(p, args, name, kind=str, valid=None):
 
 def check_memory(p, args, model):
     """Refuse (exit 2) a run whose weights, gradients and AdamW moments (16 bytes a parameter), generated data
-    (int64 ids) and one batch's activations (a few floats per token, channel and layer: a lower bound) would
-    not fit in this machine's memory."""
+    (int64 ids) and, on CPU, one training batch's activations (4 floats per token, channel and layer: a lower
+    bound) would not fit in this machine's memory."""
     n_params = sum(t.numel() for t in model.parameters())
     docs = 2 if args.task == 'retrieval' else 1
     data = 0 if args.data else 8 * (args.n_train + args.n_val + args.n_test) * args.max_len * docs
-    acts = 4 * 4 * max(args.batch_size, args.eval_batch_size) * args.max_len * docs * args.n_embd * args.n_layer
+    cpu = args.device == 'cpu' or (args.device == 'auto' and not torch.cuda.is_available())
+    acts = 4 * 4 * args.batch_size * args.max_len * docs * args.n_embd * args.n_layer if cpu else 0
     need, have = 16 * n_params + data + acts, os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
     if need > have:
         p.error(f"this run needs at least {need / 2 ** 30:.1f} GiB of memory ({n_params:,} parameters, "
