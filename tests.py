@@ -3054,30 +3054,16 @@ def test_smoke_release_tasks(tmp_path):
               '--pixel_embed', 'linear', '--out_dir', str(tmp_path / 'p')] + common)
 
 
-def test_lra_bad_input_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit):
-        lra.parse_args(['--attn', 'nope'])
-    with pytest.raises(SystemExit):
-        lra.parse_args(['--task', 'pathfinder', '--max_len', '500'])
-    with pytest.raises(SystemExit) as e:             # a model flag value: parser.error, before any data is made
-        lra.main(['--n_head', '3', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--max_len', '32',
-                  '--min_len', '4', '--cache_dir', str(tmp_path), '--out_dir', str(tmp_path)] + LRA_SMALL[6:])
-    assert e.value.code == 2 and not os.listdir(tmp_path)
-    with pytest.raises(SystemExit, match='pass --data with the release files'):
-        lra.main(['--task', 'text', '--out_dir', str(tmp_path)])
+def test_lra_bad_input_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match='train.tsv'):
-        lra.load_retrieval_release(str(tmp_path), 8)
+        lra.load_retrieval_release('/nonexistent', 8)
     with pytest.raises(ValueError, match='min_len'):
         lra.generate_listops(1, 50, 40, seed=0)
-    with pytest.raises(ValueError, match='device'):
-        lra.pick_device('gpu0')
 
 
 def test_preset_lra_applies_table12_but_flags_win():
-    a = lra.parse_args(['--preset', 'lra', '--task', 'image'])
-    assert (a.n_layer, a.n_embd, a.batch_size, a.pooling, a.lr, a.max_len) == (3, 64, 16, 'max', 5e-4, 1024)
-    a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2'])
-    assert (a.n_layer, a.n_embd, a.max_len, a.min_len, a.max_iters, a.n_train) == (2, 512, 2000, 500, 5000, 96000)
+    a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2', '--max_iters', '9'])
+    assert (a.n_layer, a.max_iters, a.n_embd, a.max_len) == (2, 9, 512, 2000)
 
 
 def test_bench_point_and_plot(tmp_path):
@@ -3094,108 +3080,9 @@ def test_bench_point_and_plot(tmp_path):
     assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
 
 
-# train_lra.py flags: shared model group, old spellings, --pos and --rope, runs saved before the renames
+# train_lra.py flags: shared model group, --pos and --rope
 
-TINY = ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16', '--n_test', '16',
-        '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
-        '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1', '--no-progress', '--threads', '1']
 META = dict(vocab=len(lra.LISTOPS_VOCAB), classes=10, dual=False)
-
-# the flags of the run recorded before the rename (its config line), as ckpt.pt and results.json hold them
-LRA_OLD_CONFIG = {"attn": "brl", "batch_size": 32, "bench": False, "bench_attn": "standard,standard_unfused,swa,brl",
-              "bench_batch": 1, "bench_lens": "1024,2048,4096,8192,16384",
-              "bench_lens_list": [1024, 2048, 4096, 8192, 16384], "bench_max_gb": 4.0, "bench_max_sec": 30.0,
-              "bench_reps": 2, "cache_dir": "data/lra", "compare": "", "data_dir": "", "device": "auto",
-              "eval_batch_size": 128, "eval_interval": 6, "ff": 96, "grad_clip": 1.0, "log_interval": 50, "lr": 0.001,
-              "max_len": 128, "min_len": 64, "n_compressed": 16, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_test": 32,
-              "n_train": 64, "n_val": 32, "no_diff": True, "out_dir": "/tmp/beh_before/lra", "overwrite": False,
-              "pixel_embed": "token", "pooling": "mean", "pos": "learned", "preset": "none", "progress": True,
-              "ranks": "", "resume": False, "save": True, "seed": 0, "show": False, "steps": 12, "task": "listops",
-              "threads": 1, "trim": 64, "warmup": 50, "weight_decay": 0.01, "window": 32}
-
-
-@pytest.fixture
-def fresh_notes(monkeypatch):
-    """Each deprecation note prints once per process: start from none printed."""
-    monkeypatch.setattr(R.Deprecated, 'noted', set())
-
-
-def test_old_spellings_parse_as_the_new_ones_with_a_note(fresh_notes, capsys):
-    old = lra.parse_args(['--steps', '7', '--warmup', '3', '--ff', '96', '--no_diff', '--data_dir', 'rel'])
-    err = capsys.readouterr().err
-    new = lra.parse_args(['--max_iters', '7', '--warmup_iters', '3', '--mlp_hidden', '96', '--no-brl_gamma',
-                          '--data', 'rel'])
-    assert {k: v for k, v in vars(old).items() if k != '_argv'} == {k: v for k, v in vars(new).items() if k != '_argv'}
-    assert (new.max_iters, new.warmup_iters, new.mlp_hidden, new.brl_gamma, new.data) == (7, 3, 96, False, 'rel')
-    for o, n in [('--steps', '--max_iters'), ('--warmup', '--warmup_iters'), ('--ff', '--mlp_hidden'),
-                 ('--no_diff', '--no-brl_gamma'), ('--data_dir', '--data')]:
-        assert f'note: {o} is deprecated and will be removed; use {n}' in err
-    assert not any(hasattr(new, k) for k in ('steps', 'warmup', 'ff', 'no_diff', 'data_dir'))
-    text = lra.build_parser().format_help()
-    assert '--max_iters' in text and '--no-brl_gamma' in text
-    assert not any(f'{o} ' in text for o in ('--steps', '--warmup', '--ff', '--no_diff', '--data_dir'))
-
-
-def test_old_spelling_in_the_preset_still_wins(fresh_notes):
-    """--preset lra turns its values into defaults; a flag given in the old spelling still overrides them."""
-    a = lra.parse_args(['--preset', 'lra', '--task', 'image', '--ff', '40', '--steps', '9'])
-    assert (a.mlp_hidden, a.max_iters, a.warmup_iters, a.n_layer) == (40, 9, 1000, 3)
-    a = lra.parse_args(['--preset', 'lra', '--task', 'listops'])
-    assert (a.mlp_hidden, a.max_iters, a.warmup_iters, a.window) == (1024, 5000, 1000, 256)   # Table 12's FF size
-
-
-def test_upgrade_run_config_reads_an_old_config():
-    new = lra.upgrade_run_config(LRA_OLD_CONFIG)
-    assert not set(new) & {'steps', 'warmup', 'ff', 'no_diff', 'data_dir'}
-    assert (new['max_iters'], new['warmup_iters'], new['mlp_hidden'], new['brl_gamma'], new['data']) == \
-        (12, 50, 96, False, '')
-    assert new['rope'] is False and new['n_kv_head'] == 0 and new['qk_ln'] is False   # the model it built
-    assert {k: new[k] for k in LRA_OLD_CONFIG if k in new} == {k: v for k, v in LRA_OLD_CONFIG.items() if k in new}
-    # today's config: every flag a run saves, unchanged
-    today = {k: v for k, v in vars(lra.parse_args([])).items() if not k.startswith('_')}
-    assert lra.upgrade_run_config(today) == today
-    assert lra.upgrade_run_config({**LRA_OLD_CONFIG, 'no_diff': False, 'pos': 'rope'})['brl_gamma'] is True
-    assert lra.upgrade_run_config({**LRA_OLD_CONFIG, 'pos': 'rope'})['rope'] is True
-
-
-def test_compare_reads_results_of_runs_before_the_rename(tmp_path):
-    """--compare reads results.json's top-level keys (none renamed); an old run's file plots beside a new one."""
-    for name, config in (('old', LRA_OLD_CONFIG), ('new', lra.upgrade_run_config(LRA_OLD_CONFIG))):
-        (tmp_path / name).mkdir()
-        R.write_json(str(tmp_path / name / 'results.json'), {
-            'task': 'listops', 'attn': 'brl', 'config': config, 'test_acc_at_best_val': 0.25,
-            'majority_test_acc': 0.2, 'history': [{'step': 6, 'val_acc': 0.2, 'train_seconds': 1.0}]})
-    lra.main(['--compare', f"{tmp_path / 'old'},{tmp_path / 'new'}", '--out_dir', str(tmp_path / 'plot')])
-    assert (tmp_path / 'plot' / 'lra_compare.png').stat().st_size > 0
-
-
-def lra_old_checkpoint(path):
-    """Rewrite a checkpoint's config as the script wrote it before the rename: old keys, no new model flags."""
-    ck = torch.load(path, weights_only=False)
-    cfg = {k: v for k, v in ck['config'].items() if k not in {f.name for f in fields(attention.ModelConfig)}
-           or k in LRA_OLD_CONFIG or k in ('mlp_hidden', 'brl_gamma')}
-    back = {v: k for k, v in lra.RENAMED.items()}
-    cfg = {back.get(k, k): v for k, v in cfg.items()}
-    cfg['no_diff'] = not cfg.pop('brl_gamma')
-    ck['config'] = cfg
-    torch.save(ck, path)
-    return cfg
-
-
-def test_resume_of_a_checkpoint_with_the_old_keys(tmp_path, fresh_notes, capsys):
-    argv = TINY + ['--attn', 'brl', '--no-brl_gamma', '--mlp_hidden', '48', '--cache_dir', str(tmp_path / 'data'),
-                   '--out_dir', str(tmp_path / 'run')]
-    lra.main(argv + ['--max_iters', '3'])
-    cfg = lra_old_checkpoint(tmp_path / 'run' / 'ckpt.pt')
-    assert (cfg['steps'], cfg['ff'], cfg['no_diff']) == (3, 48, True) and 'n_kv_head' not in cfg
-    with pytest.raises(ValueError, match='--mlp_hidden: checkpoint 48 vs given 64'):  # the old spelling too
-        lra.main(['--out_dir', str(tmp_path / 'run'), '--resume', '--ff', '64', '--steps', '6'])
-    with pytest.raises(ValueError, match='--n_kv_head: checkpoint 0 vs given 1'):     # a flag it did not have
-        lra.main(['--out_dir', str(tmp_path / 'run'), '--resume', '--n_kv_head', '1', '--steps', '6'])
-    res = lra.main(['--out_dir', str(tmp_path / 'run'), '--resume', '--steps', '6', '--no-progress'])
-    assert [h['step'] for h in res['history']] == [3, 6]
-    assert (res['config']['mlp_hidden'], res['config']['brl_gamma'], res['config']['max_iters']) == (48, False, 6)
-    assert 'steps' not in res['config'] and 'ff' not in res['config']
 
 
 def cfg_of(*argv):
@@ -3255,15 +3142,13 @@ def test_rope_is_set_by_pos_and_a_conflicting_rope_flag_is_refused(argv, capsys)
     assert lra.parse_args(['--pos', 'rope']).rope is True and lra.parse_args(['--no-rope']).rope is False
 
 
-def test_bench_uses_the_model_flags_and_refuses_layer_pattern(tmp_path):
+def test_bench_uses_the_model_flags():
     opts = lra.bench_options(lra.parse_args(['--n_embd', '32', '--n_head', '2', '--n_kv_head', '1', '--pos', 'none']),
                              'cpu')
     a = argparse.Namespace(**{**opts, 'attn': 'standard', 'layer_pattern': '', 'max_len': 64, 'pooling': 'mean',
                               'pixel_embed': 'token'})
     model, cfg = lra.build_model(a, META)
     assert cfg.n_kv_head == 1 and model.pos is None
-    with pytest.raises(SystemExit, match='--layer_pattern'):
-        lra.main(['--bench', '--layer_pattern', 'standard,swa', '--out_dir', str(tmp_path)])
 
 
 # -----------------------------------------------------------------------------
@@ -3310,8 +3195,9 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     # 1. the whole study in 2 worker processes: 4 runs trained, the JSON, table and plot written
     r = lra.main(study_tiny_argv(tmp_path))
     names = ['local_seed0', 'brl_seed0', 'local_seed1', 'brl_seed1']
-    assert sorted(r['trained']) == sorted(names) and r['reused'] == [] and set(r['codes'].values()) == {0}
-    assert all(run['done'] and [h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
+    assert sorted(r['codes']) == sorted(names) and set(r['states'].values()) == {'new'}
+    assert set(r['codes'].values()) == {0} and len(r['runs']) == 4
+    assert all([h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
     assert all(os.path.isfile(p) for p in r['paths'].values())
     saved = json.load(open(r['paths']['json']))
     assert saved['stats']['variants']['brl']['seeds'] == [0, 1] and saved['variant_flags']['local'] == ['--attn', 'swa']
@@ -3326,36 +3212,35 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     # 2. run again: every run reused, nothing trained, the results untouched
     mtime = os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json'))
     r2 = lra.main(study_tiny_argv(tmp_path))
-    assert sorted(r2['reused']) == sorted(names) and r2['trained'] == [] and r2['codes'] == {}
+    assert set(r2['states'].values()) == {'done'} and r2['codes'] == {}
     assert os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json')) == mtime
     # 3. a run cut off after step 2: the study resumes it from its checkpoint (its first two evaluations, timings
     # included, are kept exactly; a restart would measure new ones) and reuses the other three
     run_dir, before = cut_off_run(tmp_path, monkeypatch, 'brl', 1)
     r3 = lra.main(study_tiny_argv(tmp_path))
-    assert r3['trained'] == ['brl_seed1'] and sorted(r3['reused']) == sorted(set(names) - {'brl_seed1'})
+    assert r3['codes'] == {'brl_seed1': 0} and r3['states'] == {**dict.fromkeys(names, 'done'), 'brl_seed1': 'partial'}
     after = study_results(run_dir)['history']
     assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before
     # 4. a study of other settings in the same folder is refused in one line, before any training
     with pytest.raises(ValueError, match=r'--lr .* use another --sweep_dir'):
         lra.main(study_tiny_argv(tmp_path, '--lr', '0.002'))
+    # 5. --estimate: the minutes of every run, nothing trained
+    est = lra.main(study_tiny_argv(tmp_path, '--estimate', '--no-reuse'))
+    assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
 
 
 @pytest.mark.parametrize('extra, named', [(['--seeds', '0'], '--seeds'),
                                           (['--variants', 'local,bogus'], "'bogus'"),
                                           (['--variants', 'local,local'], 'named twice'),
                                           (['--workers', '-1'], '--workers -1'),
-                                          (['--task', 'text'], '--task')])
+                                          (['--workers', '100000'], '--workers 100000'),
+                                          (['--task', 'text'], '--task'),
+                                          (['--quick'], 'belongs to --sweep')])
 def test_study_bad_input_is_one_line(extra, named, capsys):
     with pytest.raises(SystemExit) as e:
-        lra.parse_args(['--sweep', 'listops', *extra])
+        lra.parse_args(extra if extra == ['--quick'] else ['--sweep', 'listops', *extra])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
-
-
-def test_quick_and_estimate_need_the_sweep(capsys):
-    with pytest.raises(SystemExit):
-        lra.parse_args(['--quick'])
-    assert 'belongs to --sweep listops' in capsys.readouterr().err
 
 
 def test_run_argv_keeps_given_flags_and_variant_wins():
@@ -4383,6 +4268,9 @@ def lra_setup(out, cache, how, tmp_path):
     elif how == 'wrong_folder':
         (tmp_path / 'rel').mkdir()
         (tmp_path / 'rel' / 'README.txt').write_text('not LRA')
+    elif how == 'old_run':       # a results.json written by another version of the script (no 'format')
+        (tmp_path / 'old').mkdir()
+        R.write_json(str(tmp_path / 'old' / 'results.json'), {'attn': 'brl', 'config': {'attn': 'brl'}})
     elif how == 'random_cifar':
         d = write_cifar(tmp_path)
         (d / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
@@ -4390,7 +4278,20 @@ def lra_setup(out, cache, how, tmp_path):
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lra.main(lra_argv(out, cache)), 'train_ts.py')
 
 
-LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0') + [
+LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0') + \
+    range_cases(lr='11.5', weight_decay='nan', grad_clip='inf', seed='-1', data_seed='-2', max_len=str(2 ** 63),
+                threads='100000', bench_max_gb='inf', max_iters=str(2 ** 64)) + [
+    ('n_train_memory', ['--n_train', '10000000000000'], None, 2, ['GiB of memory', '--n_train']),
+    ('bench_lens_twice', ['--bench', '--bench_lens', '64,64'], None, 2, ["--bench_lens '64,64': 64 is named twice"]),
+    ('bench_attn_twice', ['--bench', '--bench_attn', 'swa,swa'], None, 2, ["'swa' is named twice"]),
+    ('bench_attn', ['--bench', '--bench_attn', 'swa,nope'], None, 2, ["'nope' is not valid"]),
+    ('bench_layer_pattern', ['--bench', '--layer_pattern', 'standard,swa'], None, 2, ['--layer_pattern']),
+    ('compare_twice', ['--compare', 'a,a'], None, 2, ["'a' is named twice"]),
+    ('text_no_data', ['--task', 'text'], None, 2, ['pass --data with the release files']),
+    ('show_listops', ['--show'], None, 2, ['--task pathfinder']),
+    ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['GiB of memory']),
+    ('unwritable_cache', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ["--cache_dir '", 'cannot be written']),
+    ('compare_other_format', ['--compare', 'OLDRUN'], 'old_run', 1, ['--compare', 'another version']),
     ('bench_lens', ['--bench', '--bench_lens', '0'], None, 2, ["--bench_lens '0'"]),
     ('bench_reps', ['--bench', '--bench_reps', '0'], None, 2, ['--bench_reps 0']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
@@ -4415,21 +4316,64 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
 def test_lra_bad_input_one_line(lra_cache, tmp_path, capsys, case, extra, setup, code, words):
     out = tmp_path / 'run'
     lra_setup(out, lra_cache, setup, tmp_path)
-    subst = {'REL': str(tmp_path / 'rel'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'x'), 'NOWHERE': 'NOWHERE'}
+    subst = {'REL': str(tmp_path / 'rel'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'x'), 'NOWHERE': 'NOWHERE',
+             'OLDRUN': str(tmp_path / 'old')}
     extra = [subst.get(a, a) for a in extra]
     cache = str(tmp_path / 'cache') if (tmp_path / 'rel').exists() else lra_cache
     got, err = run_cli(lra.main, lra_argv(out, cache, *extra), capsys)
     assert_one_line_error(got, err, code, words, 'train_lra.py')
+    assert code != 2 or not out.exists()          # a bad flag is refused before any work
 
 
-def test_lra_release_cache_follows_file_content(tmp_path):
-    """An edited release file is parsed again: the cache is keyed on the files' sizes and mtimes."""
-    d = write_listops_release(tmp_path / 'rel')
-    args = lra.parse_args(['--data', str(d), '--max_len', '16', '--cache_dir', str(tmp_path / 'cache')])
-    assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [9, 1]
-    (d / 'basic_train.tsv').write_text('Source\tTarget\n( ( [MAX 2 ) ] )\t2\n( ( [MIN 4 ) ] )\t4\n')
-    assert lra.load_task(args)[0]['train'][1].tolist() == [2, 4]
-    assert len(os.listdir(tmp_path / 'cache')) == 2 and not tmp_files(tmp_path / 'cache')
+@pytest.mark.parametrize('fails', ['ckpt', 'results', 'cache'])
+def test_lra_io_failure_is_one_line_and_keeps_the_checkpoint(lra_cache, tmp_path, monkeypatch, capsys, fails):
+    """A write that fails (disk full) ends in one line naming the flag and the path; the last checkpoint is
+    the one written before."""
+    argv = lra_argv(tmp_path / 'run', str(tmp_path / 'cache') if fails == 'cache' else lra_cache,
+                    '--max_iters', '4', '--eval_interval', '2')
+    real, calls = R.atomic_write, []
+
+    def full_disk(path, write):
+        calls.append(path)
+        if {'ckpt': 'ckpt.pt', 'results': 'results.json', 'cache': 'basic_test.tsv'}[fails] in path and \
+                (fails != 'ckpt' or len([c for c in calls if c.endswith('ckpt.pt')]) == 2):
+            raise OSError(28, 'No space left on device', path + '.tmp1')
+        return real(path, write)
+    monkeypatch.setattr(R, 'atomic_write', full_disk)
+    monkeypatch.setattr(lra, 'atomic_write', full_disk)
+    code, err = run_cli(lra.main, argv, capsys)
+    flag, folder = ('--cache_dir', tmp_path / 'cache') if fails == 'cache' else ('--out_dir', tmp_path / 'run')
+    assert_one_line_error(code, err, 1, [f"{flag} '{folder}'", 'No space left on device'], 'train_lra.py')
+    if fails != 'cache':
+        assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['step'] == {'ckpt': 2, 'results': 4}[fails]
+
+
+def same_size_edit(path, old, new):
+    """Replace bytes old by new (as long) in the file and put its mtime back: size and mtime say nothing changed."""
+    st = os.stat(path)
+    path.write_bytes(path.read_bytes().replace(old, new, 1))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize('edited', ['release', 'generated'])
+def test_lra_caches_follow_file_content(tmp_path, edited):
+    """An edited file is read again, however its size and mtime look: the caches are keyed on the bytes."""
+    cache = tmp_path / 'cache'
+    if edited == 'release':
+        d = write_listops_release(tmp_path / 'rel')
+        args = lra.parse_args(['--data', str(d), '--max_len', '16', '--cache_dir', str(cache)])
+        assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [9, 1]
+        same_size_edit(d / 'basic_train.tsv', b'\t9\n', b'\t3\n')
+        assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [3, 1]
+        assert len(glob.glob(str(cache / '*.npz'))) == 2 and not tmp_files(cache)
+    else:   # a generated file damaged in the cache is generated again
+        args = lra.parse_args(['--max_len', '32', '--min_len', '4', '--n_train', '20', '--n_val', '5', '--n_test', '5',
+                               '--cache_dir', str(cache)])
+        first = lra.load_task(args)[0]['test']
+        tsv = next(cache.glob('*/basic_test.tsv'))
+        same_size_edit(tsv, b'[MAX', b'[MIN')
+        again = lra.load_task(args)[0]['test']
+        assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
 def test_lra_nan_stops_at_that_step_without_nan_checkpoint(lra_cache, tmp_path, monkeypatch, capsys):
