@@ -72,11 +72,11 @@ class ModelConfig:
     window: int = opt(64, 'SWA / BRL look-back w: query i sees keys i-w..i (w + 1 keys)')
     gswa_ranks: str = opt('', 'global_swa_split: "global|local" features per head (default half|half)')
     n_compressed: int = opt(16, 'BRL: m compressed tokens')
-    brl_block: int = opt(0, 'BRL causal block size (0 = window)')
+    brl_block: int = opt(0, 'BRL causal chunk length nc: tokens per set of compressed tokens (0 = window)')
     brl_beta: float = opt(0.5, 'BRL: beta in ct = (1 - beta) LN(F_comp) + beta f_m(ct_prev) (0 = no carry-over)')
     brl_lambda_init: float = opt(0.5, 'BRL: initial lambda, the per-head gain of F_prop\'s output')
     brl_gamma: bool = opt(True, 'BRL: learned gamma (--no-brl_gamma fixes gamma = 0: no differential compression)')
-    brl_history: str = opt('global', "BRL causal: 'global' (ct_b reads ct_{b-1} and block b-1) or 'block'")
+    brl_history: str = opt('global', "BRL causal: 'global' (ct_b reads ct_{b-1} and chunk b-1) or 'block' (chunk b-1)")
     brl_rel_buckets: int = opt(32, 'BRL b_rel: distance buckets of the learned relative bias (0 = no b_rel)')
     # muP
     mup_base_width: int = opt(128, 'muP: lr multiplier of a weight = mup_base_width / fan_in')
@@ -147,33 +147,46 @@ def check_config(cfg):
 
 
 # -----------------------------------------------------------------------------
-# attention logit scales: the one place they are chosen
+# attention logit scales: the one place their defaults live
 #
 # A score term that dots R features is multiplied by c:  'sqrt' 1/sqrt(R),  'mup' alpha/R (App. E),
 # 'inv' 1/R (= 'mup' at alpha = 1). R is d for standard / SWA, r_l for an MLR level, p_l r_l for a
 # bilinear-MLR level, D for bilinear BTT, r_global and r_local for global_swa_split.
-# 'auto' gives each variant its reference scale (the official code's, where it has only one):
+# Two defaults per variant: 'auto' (logit_scale auto) is its reference scale (the official code's where it has
+# only one); 'paper' (train_lm.py --logit_scale paper) is the scale of the official LM run, 'auto' where that
+# run has no such layer.
 
 LOGIT_SCALES = ('auto', 'sqrt', 'mup', 'inv')
-AUTO_LOGIT_SCALE = {
-    'standard': 'sqrt',          # SDPA's 1/sqrt(d), as the official ICL runs (the official LM runs use 'mup', alpha 8)
-    'swa': 'sqrt',               # as standard
-    'brl': 'sqrt',               # BRL's local attention is SWA (its compression / propagation scales are fixed)
-    'mlr': 'inv',                # official AttentionMLR.forward: c_l = 1 / r_l, its only choice
-    'bilinear_mlr': 'sqrt',      # official BilinearMLRAttention: 1/sqrt(p_l r_l) (muP flag off by default)
-    'bilinear_btt': 'sqrt',      # official BilinearBTTAttention: 1/sqrt(D) (muP flag off by default)
-    'global_swa_split': 'mup',   # official CausalSelfGlobalSlidingWindowAttention: 8/r_global and 8/r_local
-    'linear': 'sqrt',            # phi(q / sqrt(d)) inside kernels.linear_attention; no other choice
+LOGIT_SCALE_DEFAULTS = {          # kind: (auto, paper)
+    'standard': ('sqrt', 'mup'),  # SDPA's 1/sqrt(d), as the official ICL runs; official LM: 8/d (mha_SP_... False)
+    'swa': ('sqrt', 'mup'),       # as standard
+    'brl': ('sqrt', 'auto'),      # BRL's local attention is SWA (its compression / readout scales are fixed)
+    'mlr': ('inv', 'inv'),        # official AttentionMLR.forward: c_l = 1 / r_l, its only choice
+    'bilinear_mlr': ('sqrt', 'mup'),      # official 1/sqrt(p_l r_l) (muP flag off by default); the LM submit
+                                          # script's bilinear block turns it on (bilinear_mlr_muP_attn_logits_scaling)
+    'bilinear_btt': ('sqrt', 'auto'),     # official BilinearBTTAttention: 1/sqrt(D) (muP flag off by default)
+    'global_swa_split': ('mup', 'mup'),   # official CausalSelfGlobalSlidingWindowAttention: 8/r_global, 8/r_local
+    'linear': ('sqrt', 'auto'),   # phi(q / sqrt(d)) inside kernels.linear_attention; no other choice
 }
 
 
 def logit_scale_rule(cfg, kind):
     """'sqrt', 'mup' or 'inv' for this variant; refuses a rule the variant cannot honour."""
-    rule = AUTO_LOGIT_SCALE.get(kind, 'sqrt') if cfg.logit_scale == 'auto' else cfg.logit_scale
+    rule = LOGIT_SCALE_DEFAULTS[kind][0] if cfg.logit_scale == 'auto' else cfg.logit_scale
     if kind == 'linear' and rule != 'sqrt':
         raise ValueError(f"linear attention scales q, k by 1/sqrt(d) inside its feature map; logit_scale "
                          f"{cfg.logit_scale!r} cannot apply (use 'auto' or 'sqrt')")
     return rule
+
+
+def paper_logit_scale(attn, layer_pattern, n_layer, global_layers):
+    """logit_scale 'paper' resolved for this model: the one 'paper' default all its layers share."""
+    cfg = ModelConfig(n_layer=n_layer, attn=attn, layer_pattern=layer_pattern, global_layers=global_layers)
+    rules = {k: LOGIT_SCALE_DEFAULTS[k][1] for k in cfg.layer_kinds()}
+    if len(set(rules.values())) > 1:
+        raise ValueError(f"--logit_scale paper: the official code scales these layers differently ({rules}); "
+                         f"give --logit_scale auto, sqrt, mup or inv")
+    return next(iter(rules.values()))
 
 
 def logit_scales(cfg, kind, widths):
@@ -330,23 +343,20 @@ class StandardAttention(SelfAttention):
 class SWAAttention(SelfAttention):
     """Sliding-window attention at O(T w) cost (paper §2.3). window = w is a look-back, as the official
     sliding_block_size (its mask keeps i-w <= j <= i): query i sees the w + 1 keys i-w..i (bidirectional:
-    |i - j| <= w). kernels.sliding_window_attention counts the keys a query sees, so it gets w + 1."""
+    |i - j| <= w)."""
     uses_rope = True
     kind = 'swa'
 
-    def keys_seen(self):
-        return self.cfg.window + 1
-
     def attend(self, q, k, v, key_mask):
-        return kernels.sliding_window_attention(q, k, v, self.keys_seen(), self.cfg.causal, self.scale(), key_mask)
+        return kernels.sliding_window_attention(q, k, v, self.cfg.window, self.cfg.causal, self.scale(), key_mask)
 
     def decode(self, q, k, v, cache):
-        n = self.keys_seen()
+        n = self.cfg.window + 1                                                # the keys a query sees
         cache.k, cache.v = _append(getattr(cache, 'k', None), k, n), _append(getattr(cache, 'v', None), v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
-        return self.H * kernels.sliding_window_attention_flops(T, self.keys_seen(), self.d, self.cfg.causal)
+        return self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, self.d, self.cfg.causal)
 
 
 class GlobalSWASplitAttention(SWAAttention):
@@ -372,13 +382,13 @@ class GlobalSWASplitAttention(SWAAttention):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         glob = F.scaled_dot_product_attention(qg, kg, v, attn_mask=mask, scale=self.scales[0],
                                               is_causal=self.cfg.causal and mask is None)
-        loc = kernels.sliding_window_attention(ql.contiguous(), kl.contiguous(), v, self.keys_seen(),
+        loc = kernels.sliding_window_attention(ql.contiguous(), kl.contiguous(), v, self.cfg.window,
                                                self.cfg.causal, self.scales[1], key_mask)
         return glob + loc                                                      # (B, H, T, d)
 
     def decode(self, q, k, v, cache):
         cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
-        n = self.keys_seen()
+        n = self.cfg.window + 1
         (qg, ql), (kg, kl) = q.split(self.split, -1), cache.k.split(self.split, -1)
         return (F.scaled_dot_product_attention(qg, kg, cache.v, scale=self.scales[0]) +
                 F.scaled_dot_product_attention(ql, kl[:, :, -n:], cache.v[:, :, -n:], scale=self.scales[1]))
@@ -386,7 +396,7 @@ class GlobalSWASplitAttention(SWAAttention):
     def core_flops(self, T):
         rg, rs = self.split
         glob = 2 * self.H * T * T * (rg + self.d) * (0.5 if self.cfg.causal else 1)
-        return glob + self.H * kernels.sliding_window_attention_flops(T, self.keys_seen(), rs, self.cfg.causal,
+        return glob + self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, rs, self.cfg.causal,
                                                                        dv=self.d)
 
 
@@ -406,13 +416,13 @@ class MLRAttention(SelfAttention):
                              f"'{self.d // 2}|{self.d - self.d // 2}'")
         L = len(self.ranks)
         if cfg.mlr_block_sizes:
-            self.block_sizes = parse_ints(cfg.mlr_block_sizes, 'mlr_block_sizes')
+            self.level_sizes = parse_ints(cfg.mlr_block_sizes, 'mlr_block_sizes')
         else:
             if cfg.block_size % 2 ** (L - 1):
                 raise ValueError(f"MLR with {L} levels needs block_size divisible by {2 ** (L - 1)}, "
                                  f"got {cfg.block_size}")
-            self.block_sizes = [cfg.block_size // 2 ** l for l in range(L)]
-        kernels.mlr_block_sizes(self.block_sizes[0], L, self.block_sizes)   # validates the list
+            self.level_sizes = [cfg.block_size // 2 ** l for l in range(L)]
+        kernels.mlr_level_sizes(self.level_sizes[0], L, self.level_sizes)   # validates the list
         self.scales = logit_scales(cfg, self.kind, self.ranks)                # c_l per level
 
     def attend(self, q, k, v, key_mask):
@@ -420,32 +430,32 @@ class MLRAttention(SelfAttention):
         Tp = self.valid_length(T)
         if Tp != T:  # causal: padding on the right changes nothing before it
             q, k, v = (F.pad(t, (0, 0, 0, Tp - T)) for t in (q, k, v))
-        y = kernels.mlr_attention(q, k, v, self.ranks, self.cfg.causal, self.block_sizes, self.scales,
+        y = kernels.mlr_attention(q, k, v, self.ranks, self.cfg.causal, self.level_sizes, self.scales,
                                   self.cfg.mlr_divide_levels, key_mask)
         return y[:, :, :T]
 
     def valid_length(self, T):
         """Shortest length >= T that tiles into the level blocks (T itself when bidirectional)."""
-        for Tp in range(T, self.block_sizes[0] + 1):
-            if all(b >= Tp or Tp % b == 0 for b in self.block_sizes):
+        for Tp in range(T, self.level_sizes[0] + 1):
+            if all(b >= Tp or Tp % b == 0 for b in self.level_sizes):
                 if Tp != T and not self.cfg.causal:
                     break
                 return Tp
-        raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.block_sizes}; valid: "
-                         f"multiples of {min(self.block_sizes)} up to {self.block_sizes[0]}")
+        raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.level_sizes}; valid: "
+                         f"multiples of {min(self.level_sizes)} up to {self.level_sizes[0]}")
 
     def decode(self, q, k, v, cache):
         """Level l keeps only the r_l key features of the current level-l block (paper §3.4, key cache)."""
         t = cache.t
-        if t >= self.block_sizes[0]:
-            raise ValueError(f"MLR decoding is defined up to block_size = {self.block_sizes[0]} tokens")
+        if t >= self.level_sizes[0]:
+            raise ValueError(f"MLR decoding is defined up to block_size = {self.level_sizes[0]} tokens")
         if t == 0:
             cache.keys, cache.v = [None] * len(self.ranks), None
         cache.v = _append(cache.v, v)                                          # (B, H, t+1, d)
         s = torch.zeros(q.shape[:3] + (t + 1,), dtype=q.dtype, device=q.device)
         covering = torch.zeros(t + 1, dtype=q.dtype, device=q.device)
         for l, (q_l, k_l, b, c) in enumerate(zip(q.split(self.ranks, -1), k.split(self.ranks, -1),
-                                                  self.block_sizes, self.scales)):
+                                                  self.level_sizes, self.scales)):
             if t % b == 0:
                 cache.keys[l] = None                                           # a new level-l block begins
             cache.keys[l] = _append(cache.keys[l], k_l)                        # (B, H, t % b + 1, r_l)
@@ -461,7 +471,7 @@ class MLRAttention(SelfAttention):
 
     def core_flops(self, T):
         Tp = self.valid_length(T)   # what attend() computes: a short causal sequence is padded; blocks >= Tp are global
-        return self.H * kernels.mlr_attention_flops(Tp, self.ranks, self.cfg.causal, self.block_sizes, self.d)
+        return self.H * kernels.mlr_attention_flops(Tp, self.ranks, self.cfg.causal, self.level_sizes, self.d)
 
 
 class LinearAttention(SelfAttention):
@@ -625,39 +635,33 @@ class BilinearBTTAttention(BilinearAttention):
 # -----------------------------------------------------------------------------
 # BRL attention (seed 004: §2.3-2.5, App. B.2, Algorithm 1)
 #
-# One layer, with x the layer-normed tokens (n x D), c the compressed tokens entering the layer (m x D),
-# H heads of width D/H, and U the compressed-token update of Eq. 7 / Algorithm 1 line 7:
-#   F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),   S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
+# One layer, with x the layer-normed tokens (n x D), c the compressed tokens entering the layer (m x D), H heads
+# of width D/H, and h the history the compressed tokens read:
+#   F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),  S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
 #   U(c; h)      = (1 - beta) LN(F_comp(c; h)) + beta f_M(c),     U(c) = (1 - beta) LN(c) + beta f_M(c) (no history)
-#   F_prop(x; ct) = ReLU(LN(lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv))        (Eq. 9)
-#   F_BRL(x)     = F_gen(x) + F_prop(x; ct)                       (F_gen: sliding-window attention)
+#   F_prop(x; ct) = lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv                       (Eq. 9)
+#   F_BRL(x)     = F_gen(x) + ReLU(LN(F_prop(x; ct)))             (F_gen: sliding-window attention)
 # The layer returns ct; the block adds it to c (Algorithm 1's BRL_BLOCK), so c evolves layer by layer.
 # Eq. 7 wraps U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
 #
 # Which tokens ct reads (the history h):
-#   bidirectional: one block, ct = U(c; x): the compressed tokens read the whole sequence.
-#   causal: blocks of nb tokens (brl_block, default the window), block b has its own c_b and ct_b, and
-#     'global' (default): ct_0 = U(c_0),  ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   a recurrence over blocks
-#     'block' (ablation): ct_0 = U(c_0),  ct_b = U(c_b; x_{b-1})                 all blocks at once
-#   'global' is Algorithm 1's history queue with the queue holding block b-1 and, in front of it, ct_{b-1},
-#   which stands for everything before block b-1: in a single layer every token depends on every earlier
-#   token, at O(n w + n m) cost; the N = T / nb steps run one after the other, each parallel over its block.
-#   'block' is what the paper's App. B.2 describes for training: ct_b sees block b-1 only, so a token reaches
-#   back about n_layer + 1 blocks. (The paper decodes with all in-context tokens; we decode by the same rule
-#   as we train, so decoding equals the full forward.)
+#   bidirectional: one chunk, ct = U(c; x): the compressed tokens read the whole sequence.
+#   causal: chunks of nc tokens (brl_block, default the window), chunk b has its own c_b and ct_b, and
+#     'global' (default): ct_0 = U(c_0),  ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   a recurrence over chunks
+#     'block' (ablation): ct_0 = U(c_0),  ct_b = U(c_b; x_{b-1})                 all chunks at once
+#   'global' is Algorithm 1's history queue holding chunk b-1 and, in front of it, ct_{b-1}, which stands for
+#   everything before: in one layer every token depends on every earlier token, at O(n w + n m) cost; the
+#   N = T / nc steps run one after the other, each parallel over its chunk. 'block' is what App. B.2 describes
+#   for training: a token reaches back about n_layer + 1 chunks. (The paper decodes with all in-context
+#   tokens; we decode by the same rule as we train, so decoding equals the full forward.)
 #
 # gamma: one per head, gamma_h = exp(gq_h gk1_h) - exp(gq_h gk2_h), gq, gk1, gk2 ~ N(0, 0.1) (paper §2.5).
-# b_rel (Eqs. 9, 12): the paper names T5, RoPE, TUPE and ALiBi as options and fixes no form; we use T5's learned
-#   bucketed bias. Compressed tokens have no place in the sequence, so we place a block's compressed tokens
-#   just before its first token (bidirectional: before the sequence) and add b[h, j, bucket(dist)] for head h,
-#   compressed token j and the distance between j's place and the token:
-#     F_prop: dist = the query's offset in its block (0 .. nb-1)
-#     F_comp: bidirectional dist = the token's index; causal dist = nb - s for token s of block b-1,
-#             and nb for ct_{b-1} (it sits one block back).
-#   The table depends on j, not only on dist: a bias equal for all compressed tokens would cancel in F_prop's
-#   softmax over them. Buckets (T5): one per distance below n_buckets/2, then log-spaced up to the block
-#   length (T5 stops at 128; the block length is the longest distance that occurs), clamped beyond.
-#   Initialized to zero (no bias at the start, like gamma's cold start); T5 initializes it at random.
+# b_rel (Eqs. 9, 12): the paper names T5, RoPE, TUPE and ALiBi and fixes no form; we use T5's learned bucketed
+#   bias b[h, j, bucket(dist)] for head h and compressed token j (a bias equal for all j would cancel in F_prop's
+#   softmax over them), zero-initialized. A chunk's compressed tokens sit just before its first token
+#   (bidirectional: before the sequence), so dist is, for F_prop, the query's offset in its chunk (0 .. nc-1);
+#   for F_comp, bidirectional the token's index, causal nc - s for token s of chunk b-1 and nc for ct_{b-1}.
+#   Buckets (T5): one per distance below n_buckets/2, then log-spaced up to the chunk length, clamped beyond.
 
 def relative_buckets(dist, n_buckets, span):
     """T5's bucket of each distance dist >= 0 (long tensor): dist itself below n_buckets/2, then log-spaced
@@ -669,18 +673,18 @@ def relative_buckets(dist, n_buckets, span):
 
 
 class BRLAttention(nn.Module):
-    """F_BRL = F_gen + F_prop with the compressed tokens of F_comp, as written above. forward() takes the
-    tokens x (B, T, D) and one set of compressed tokens per block c (B, N, m, D) and returns F_BRL (B, T, D)
-    and the ct (B, N, m, D) that F_prop read."""
+    """F_BRL of Algorithm 1 in named steps (the formulas above):
+        local attention (F_gen)       self.local, sliding-window attention            Alg. 1 line 2
+        differential_compression      F_comp(c; h)                                    line 5
+        compressed_token_update       U(c; h)                                         line 7
+        readout                       ReLU(LN(F_prop(x; ct)))                         line 8
+    compressed_tokens() picks each chunk's history h. forward() takes the tokens x (B, T, D) and one set of
+    compressed tokens per chunk c (B, N, m, D) and returns F_BRL (B, T, D) and the ct (B, N, m, D) it read."""
 
     def __init__(self, cfg):
         super().__init__()
         D, H, m, w = cfg.n_embd, cfg.n_head, cfg.n_compressed, cfg.mup_base_width
-        if m < 1:
-            raise ValueError(f"n_compressed (m) must be >= 1, got {m}")
-        if cfg.brl_block < 0:
-            raise ValueError(f"brl_block must be >= 0 (0 = window), got {cfg.brl_block}")
-        if cfg.brl_rel_buckets < 0 or cfg.brl_rel_buckets == 1:
+        if cfg.brl_rel_buckets == 1:
             raise ValueError(f"brl_rel_buckets must be 0 (no b_rel) or >= 2, got {cfg.brl_rel_buckets}")
         self.cfg, self.H, self.m = cfg, H, m
         self.local = SWAAttention(cfg)                                        # F_gen
@@ -707,103 +711,101 @@ class BRLAttention(nn.Module):
 
     def rel_bias(self, table, dist, dtype):
         """b_rel (H, m, n) in the scores' dtype for distances dist (n,), or None without b_rel. The buckets span
-        the block length (bidirectional: block_size, so a distance gets the same bias at every sequence length)."""
+        the chunk length (bidirectional: block_size, so a distance gets the same bias at every sequence length)."""
         if table is None:
             return None
-        span = self.block_size(self.cfg.block_size)
+        span = self.chunk_len(self.cfg.block_size)
         return table[:, :, relative_buckets(dist, table.shape[-1], span)].to(dtype)
 
     def heads(self, t):
         return t.unflatten(-1, (self.H, -1)).transpose(-3, -2)                # (..., n, D) -> (..., H, n, D/H)
 
-    def compress(self, c, hist=None, dist=None, hist_mask=None):
-        """U(c; hist): F_comp, then the beta update (Algorithm 1 lines 3-7). c (B, N, m, D); hist (B, N, n, D)
-        or None (no history: U(c)); dist (n,) the history's distances for b_rel (default 0 .. n-1, the
-        bidirectional ones); hist_mask (B, N, n) bool, False = padding -> ct (B, N, m, D)."""
-        if hist is None:
-            comp = c
-        else:
-            q, k1, k2, v = self.heads(self.f_q(c)), self.heads(self.f_k1(hist)), \
-                self.heads(self.f_k2(hist)), self.heads(self.f_v(hist))      # (B, N, H, m or n, D/H)
-            dist = torch.arange(hist.shape[2], device=hist.device) if dist is None else dist
-            bias = self.rel_bias(self.comp_rel, dist, q.dtype)                # (H, m, n) or None
-            mask = None if hist_mask is None else hist_mask[:, :, None, None, :]  # (B, N, 1, 1, n)
-            if bias is not None and mask is not None:
-                bias = torch.where(mask, bias, float('-inf'))                  # (B, N, H, m, n)
-            scale = 1.0 / (self.m * math.sqrt(c.shape[-1]))                   # (M1): m sqrt(d_ct), not sqrt(d)
-            s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask if bias is None else bias, scale=scale)
-            s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask if bias is None else bias, scale=scale)
-            comp = (s1 - self.gamma()[:, None, None] * s2).transpose(-3, -2).flatten(-2)  # (B, N, m, D)
-            comp = self.comp_norm(comp.flatten(0, 2)).view_as(comp)
+    def chunk_len(self, T):
+        """Tokens per chunk: the whole sequence when bidirectional, brl_block (0 = the window) when causal."""
+        if not self.cfg.causal:
+            return T
+        return self.cfg.brl_block or self.cfg.window
+
+    def differential_compression(self, c, hist, dist=None, hist_mask=None):
+        """F_comp(c; hist): c (B, N, m, D) reads hist (B, N, n, D) -> (B, N, m, D). dist (n,): the history's
+        distances for b_rel (default 0 .. n-1, the bidirectional ones); hist_mask (B, N, n) bool, False = padding."""
+        q, k1, k2, v = self.heads(self.f_q(c)), self.heads(self.f_k1(hist)), \
+            self.heads(self.f_k2(hist)), self.heads(self.f_v(hist))          # (B, N, H, m or n, D/H)
+        dist = torch.arange(hist.shape[2], device=hist.device) if dist is None else dist
+        bias = self.rel_bias(self.comp_rel, dist, q.dtype)                    # (H, m, n) or None
+        mask = None if hist_mask is None else hist_mask[:, :, None, None, :]  # (B, N, 1, 1, n)
+        if bias is not None and mask is not None:
+            bias = torch.where(mask, bias, float('-inf'))                      # (B, N, H, m, n)
+        scale = 1.0 / (self.m * math.sqrt(c.shape[-1]))                       # (M1): m sqrt(d_ct), not sqrt(d)
+        s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask if bias is None else bias, scale=scale)
+        s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask if bias is None else bias, scale=scale)
+        comp = (s1 - self.gamma()[:, None, None] * s2).transpose(-3, -2).flatten(-2)  # (B, N, m, D)
+        return self.comp_norm(comp.flatten(0, 2)).view_as(comp)
+
+    def compressed_token_update(self, c, hist=None, dist=None, hist_mask=None):
+        """U(c; hist) = (1 - beta) LN(F_comp(c; hist)) + beta f_M(c); U(c) without a history (Alg. 1 lines 3-7)."""
+        comp = c if hist is None else self.differential_compression(c, hist, dist, hist_mask)
         beta = self.cfg.brl_beta
         return (1 - beta) * self.ct_ln(comp) + beta * self.f_m(c)
 
-    def propagate(self, x, ct, offset):
-        """F_prop: x (B, N, n, D) attends the m compressed tokens ct (B, N, m, D) of its block; offset (n,)
-        is each query's place in its block (b_rel's distance)."""
+    def readout(self, x, ct, offset):
+        """ReLU(LN(F_prop(x; ct))): x (B, N, n, D) attends the m compressed tokens ct (B, N, m, D) of its chunk;
+        offset (n,) is each query's place in its chunk (b_rel's distance)."""
         q, k, v = self.heads(self.f_phi(x)), self.heads(self.f_pk(ct)), self.heads(self.f_pv(ct))
         bias = self.rel_bias(self.prop_rel, offset, q.dtype)                 # (H, m, n) or None
         bias = None if bias is None else bias.transpose(-1, -2)             # (H, n, m)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias) * self.lam[:, None, None]  # (B, N, H, n, D/H)
         return F.relu(self.prop_ln(o.transpose(-3, -2).flatten(-2)))
 
-    def block_size(self, T):
-        """Tokens per block: the whole sequence when bidirectional, brl_block (0 = the window) when causal."""
-        if not self.cfg.causal:
-            return T
-        return self.cfg.brl_block or self.cfg.window
-
-    def history_dist(self, nb, device):
-        """b_rel distances of a causal history: ct_{b-1} at nb ('global' only), then token s of block b-1
-        at nb - s -> (m + nb,) or (nb,)."""
-        tokens = nb - torch.arange(nb, device=device)
+    def history_dist(self, nc, device):
+        """b_rel distances of a causal history: ct_{b-1} at nc ('global' only), then token s of chunk b-1
+        at nc - s -> (m + nc,) or (nc,)."""
+        tokens = nc - torch.arange(nc, device=device)
         if self.cfg.brl_history == 'block':
             return tokens
-        return torch.cat([torch.full((self.m,), nb, device=device), tokens])
+        return torch.cat([torch.full((self.m,), nc, device=device), tokens])
 
-    def scan_blocks(self, c, xb):
-        """The causal 'global' rule, one block after the other, as Algorithm 1 carries its history queue:
-            ct_0 = U(c_0),   ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   for b = 1 .. N-1.
-        c (B, N, m, D) the compressed tokens entering the layer, xb (B, N, nb, D) the blocks -> ct (B, N, m, D)."""
-        dist = self.history_dist(xb.shape[2], xb.device)                      # (m + nb,)
-        ct = [self.compress(c[:, :1])]                                        # (B, 1, m, D); no history yet
-        for b in range(1, xb.shape[1]):
-            hist = torch.cat([ct[-1], xb[:, b - 1:b]], dim=2)                 # (B, 1, m + nb, D)
-            ct.append(self.compress(c[:, b:b + 1], hist, dist))
+    def compressed_tokens(self, c, xc, key_mask=None):
+        """ct (B, N, m, D) of every chunk, from c (B, N, m, D) entering the layer and the chunks xc (B, N, nc, D),
+        by the history rule written above."""
+        if not self.cfg.causal:                          # one chunk: ct reads the whole (unpadded) sequence
+            return self.compressed_token_update(c, xc, None, None if key_mask is None else key_mask[:, None])
+        dist = self.history_dist(xc.shape[2], xc.device)
+        ct = [self.compressed_token_update(c[:, :1])]                         # (B, 1, m, D); no history yet
+        if self.cfg.brl_history == 'block':              # ct_b = U(c_b; x_{b-1}), all chunks at once
+            if xc.shape[1] > 1:
+                ct.append(self.compressed_token_update(c[:, 1:], xc[:, :-1], dist))
+            return torch.cat(ct, dim=1)
+        for b in range(1, xc.shape[1]):                  # 'global': ct_b = U(c_b; [ct_{b-1}; x_{b-1}]), in order
+            hist = torch.cat([ct[-1], xc[:, b - 1:b]], dim=2)                 # (B, 1, m + nc, D)
+            ct.append(self.compressed_token_update(c[:, b:b + 1], hist, dist))
         return torch.cat(ct, dim=1)                                           # (B, N, m, D)
 
     def forward(self, x, c, key_mask=None):
-        """x (B, T, D) (already layer-normed), c (B, N, m, D) -> (F_gen + F_prop (B, T, D), ct (B, N, m, D))."""
+        """x (B, T, D) (already layer-normed), c (B, N, m, D) -> (F_BRL (B, T, D), ct (B, N, m, D))."""
         B, T, D = x.shape
-        y = self.local(x, key_mask)
-        nb = self.block_size(T)
-        N = -(-T // nb)
-        xb = F.pad(x, (0, 0, 0, N * nb - T)).view(B, N, nb, D)              # (B, N, nb, D)
-        if not self.cfg.causal:                          # one block: ct reads the whole (unpadded) sequence
-            ct = self.compress(c, xb, None, None if key_mask is None else key_mask[:, None])
-        elif self.cfg.brl_history == 'global':           # ct_b = U(c_b; [ct_{b-1}; x_{b-1}]), block by block
-            ct = self.scan_blocks(c, xb)
-        else:                                            # ct_b = U(c_b; x_{b-1}), all blocks at once
-            ct = self.compress(c[:, :1])
-            if N > 1:
-                ct = torch.cat([ct, self.compress(c[:, 1:], xb[:, :-1], self.history_dist(nb, x.device))], dim=1)
-        y = y + self.propagate(xb, ct, torch.arange(nb, device=x.device)).view(B, N * nb, D)[:, :T]
+        y = self.local(x, key_mask)                                           # F_gen
+        nc = self.chunk_len(T)
+        N = -(-T // nc)
+        xc = F.pad(x, (0, 0, 0, N * nc - T)).view(B, N, nc, D)              # (B, N, nc, D)
+        ct = self.compressed_tokens(c, xc, key_mask)
+        y = y + self.readout(xc, ct, torch.arange(nc, device=x.device)).view(B, N * nc, D)[:, :T]
         return y, ct
 
     def decode(self, x, c, cache):
-        """One token x (B, 1, D), c (B, 1, m, D) the compressed tokens of its block entering this layer. At a
-        block boundary ct is recomputed from the finished block, by the same rule as forward()."""
-        t, nb = cache.t, self.block_size(None)
-        if t % nb == 0:
+        """One token x (B, 1, D), c (B, 1, m, D) the compressed tokens of its chunk entering this layer. At a
+        chunk boundary ct is recomputed from the finished chunk, by the same rule as forward()."""
+        t, nc = cache.t, self.chunk_len(None)
+        if t % nc == 0:
             if t == 0:
-                cache.ct = self.compress(c)
+                cache.ct = self.compressed_token_update(c)
             else:
-                hist = cache.block if self.cfg.brl_history == 'block' else torch.cat([cache.ct, cache.block], dim=2)
-                cache.ct = self.compress(c, hist, self.history_dist(nb, x.device))   # (B, 1, m, D)
-            cache.block = None
-        cache.block = _append(cache.block, x[:, None])                      # (B, 1, t % nb + 1, D)
-        offset = torch.full((1,), t % nb, device=x.device)
-        y = self.local(x, cache=cache.local) + self.propagate(x[:, None], cache.ct, offset)[:, 0]
+                hist = cache.chunk if self.cfg.brl_history == 'block' else torch.cat([cache.ct, cache.chunk], dim=2)
+                cache.ct = self.compressed_token_update(c, hist, self.history_dist(nc, x.device))  # (B, 1, m, D)
+            cache.chunk = None
+        cache.chunk = _append(cache.chunk, x[:, None])                      # (B, 1, t % nc + 1, D)
+        offset = torch.full((1,), t % nc, device=x.device)
+        y = self.local(x, cache=cache.local) + self.readout(x[:, None], cache.ct, offset)[:, 0]
         cache.t += 1
         return y, cache.ct
 
@@ -813,15 +815,15 @@ class BRLAttention(nn.Module):
         return cache
 
     def cache_numel(self, cache):
-        """Per sequence: the local keys, the compressed tokens and the tokens of the unfinished block."""
-        return self.local.cache_numel(cache.local) + cache.ct[0].numel() + cache.block[0].numel()
+        """Per sequence: the local keys, the compressed tokens and the tokens of the unfinished chunk."""
+        return self.local.cache_numel(cache.local) + cache.ct[0].numel() + cache.chunk[0].numel()
 
     def flops(self, T):
         D, m = self.cfg.n_embd, self.m
-        N = -(-T // self.block_size(T))
+        N = -(-T // self.chunk_len(T))
         n_hist = T + (N - 1) * m if self.cfg.causal and self.cfg.brl_history == 'global' else T  # keys F_comp reads
         comp = 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D   # K1, K2, V of the history; two score maps + AV
-        upd = 2 * N * m * D * D * 4                                  # f_q, f_m, f_pk, f_pv per block
+        upd = 2 * N * m * D * D * 4                                  # f_q, f_m, f_pk, f_pv per chunk
         prop = 2 * T * D * D + 2 * 2 * T * m * D
         return self.local.flops(T) + comp + upd + prop
 
@@ -885,7 +887,7 @@ class BRLBlock(Block):
         return x + self.mlp(self.ln2(x)), x_ct + self.mlp_ct(self.ln_ct2(x_ct))
 
     def flops(self, T):
-        N = -(-T // self.attn.block_size(T))
+        N = -(-T // self.attn.chunk_len(T))
         return super().flops(T) + 2 * N * self.attn.m * self.mlp_ct.up.weight.numel() * 2
 
 
@@ -912,7 +914,7 @@ class Transformer(nn.Module):
                              f"got {tuple(key_mask.shape)} with causal = {self.cfg.causal}")
         x_ct = None
         if self.compressed_tokens is not None:
-            N = 1 if (cache is not None or not self.cfg.causal) else -(-T // self.blocks[0].attn.block_size(T))
+            N = 1 if (cache is not None or not self.cfg.causal) else -(-T // self.blocks[0].attn.chunk_len(T))
             x_ct = self.compressed_tokens.expand(B, N, -1, -1)                # (B, N, m, D)
         for i, block in enumerate(self.blocks):
             x, x_ct = block(x, x_ct, key_mask, None if cache is None else cache[i])
@@ -952,7 +954,7 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
             layer = ATTENTION[kind](cfg).to(dev)
             x = torch.randn(1, T, D, device=dev, requires_grad=True)
             if kind == 'brl':
-                N = -(-T // layer.block_size(T))
+                N = -(-T // layer.chunk_len(T))
                 ct = torch.randn(1, N, n_compressed, D, device=dev, requires_grad=True)
                 step = lambda: sum(t.sum() for t in layer(x, ct)).backward()
             else:

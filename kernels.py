@@ -1,41 +1,33 @@
 """
 The heavy math of the attention variants, on (B, H, T, d) tensors.
 
-    mlr_attention             MLR attention (paper §3.4, Eq. 9): a pair of tokens whose deepest shared block is at
+    mlr_attention             MLR attention (paper §3.4, Eq. 9): a pair whose deepest shared level block is at
                               level l is scored with the first r_0 + ... + r_l features only.
-    sliding_window_attention  query i attends keys i-w < j <= i (paper §2.3), O(T·w) time and memory.
-    linear_attention          causal linear attention with phi(u) = ReLU(u)^2 (seed 003 §2.2.2).
+    sliding_window_attention  look-back window w (paper §2.3): query i sees keys i-w..i (|i-j| <= w when
+                              bidirectional), the official sliding_block_size; O(T·w) time and memory.
+    linear_attention          linear attention with phi(u) = ReLU(u)^2 (seed 003 §2.2.2).
 
-Each public function has a `*_reference` twin that builds the dense T×T mask and is short enough to read;
-the tests hold every path equal to it (forward and gradients). Beside each reference, in reading order:
-
-- `*_torch`, the structure in plain torch with autograd. MLR is a hierarchy of tiles: for a block at level
-  l with children at level l+1, the pairs (query in child a, key in child a' != a) share level l but not
-  l+1, so they are scored with the first R_l = r_0 + ... + r_l features; the diagonal blocks of the finest
-  level use all d features. Every tile yields a partial softmax (output, log-sum-exp), merged exactly as
-  FlashAttention merges its tiles; causal tiles above the diagonal are never computed. SWA cuts the
-  queries into blocks of c >= w and gives each block only the 2c (3c bidirectional) keys around it. Linear
-  attention is chunked: quadratic inside a chunk, a running d×d state between chunks.
-- `*_flash` (MLR, SWA), the same tiles as one autograd.Function: an online softmax over cache-sized pieces
-  and a backward written by hand that recomputes each piece's scores, so training keeps O(T·d) memory
-  where the torch paths keep every tile's scores. These are what mlr_attention and
-  sliding_window_attention run on the CPU.
-- `*_triton` (MLR, SWA): one FlashAttention-2 style forward and backward whose tiles know their MLR level
-  (how many leading features to use) and skip what lies outside the window or after the diagonal, taken
-  for CUDA tensors when triton imports (see `backend`). They have been checked on CPU under Triton's
-  interpreter and compiled for sm_80/sm_90, but never run or timed on a GPU.
-
-The file reads top to bottom: shared helpers (input checks, partial softmaxes, the flash paths' pieces);
-MLR, SWA and linear attention, each as reference -> torch path -> flash path (its autograd.Function) and
-FLOP count; the Triton kernels, one family for MLR and SWA, with their autograd.Function and the *_triton
-functions; the public functions; then self-checks, the benchmark and the command line.
+The file opens with their plain references (a dense T×T mask each); the fast paths follow, and the tests
+hold each of them equal to its reference, forward and gradients:
+- `*_torch`: the structure in plain torch with autograd. MLR is a hierarchy of tiles: inside a level-l
+  block, a query in child a and a key in child a' != a share level l but not l+1, so they are scored with
+  the first R_l features; the finest level's diagonal blocks use all d. Each tile yields a partial softmax
+  (output, log-sum-exp), merged exactly as FlashAttention merges its tiles; causal tiles above the diagonal
+  are never computed. SWA cuts the queries into chunks of c > w rows and gives each chunk only the 2c (3c
+  bidirectional) keys around it. Linear attention is chunked: quadratic inside a chunk, a running d×d state
+  between chunks.
+- `*_flash` (MLR, SWA): the same tiles as one autograd.Function, an online softmax over cache-sized pieces
+  and a hand-written backward that recomputes each piece's scores, so training keeps O(T·d) memory. These
+  are what mlr_attention and sliding_window_attention run on the CPU.
+- `*_triton` (MLR, SWA): one FlashAttention-2 style forward and backward whose tiles (BLOCK_M × BLOCK_N)
+  know their MLR level and skip what lies outside the window or after the diagonal, taken for CUDA tensors
+  (see `backend`). Checked on CPU under Triton's interpreter and compiled for sm_80/sm_90; never timed here.
 
     python kernels.py                                  # correctness check, then the benchmark below
     python kernels.py --bench                          # every path vs SDPA: time, peak memory, GFLOP/s
     python kernels.py --selftest-interpret             # Triton kernels vs references, interpreter, ~1 min
     python kernels.py --compile-check                  # compile the kernels for sm_80 / sm_90, no GPU needed
 """
-
 import argparse
 import json
 import math
@@ -58,7 +50,64 @@ except ImportError:  # no triton: the kernels below are defined as plain functio
 
 
 # -----------------------------------------------------------------------------
-# helpers
+# the plain references: dense T×T masks, short enough to read; every fast path below is held equal to them
+
+def mlr_attention_reference(q, k, v, ranks, causal=True, level_sizes=None, scales=None,
+                            divide_by_levels=False, key_mask=None):
+    """score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax. Level l has blocks
+    of level_sizes[l] tokens (default T / 2^l) and the r_l = ranks[l] features q_l; c_l defaults to 1 / r_l."""
+    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    T = q.shape[2]
+    pos = torch.arange(T, device=q.device)
+    s = torch.zeros(q.shape[:3] + (T,), dtype=q.dtype, device=q.device)
+    covering = torch.zeros(T, T, device=q.device)
+    for q_l, k_l, b, c in zip(q.split(ranks, -1), k.split(ranks, -1), sizes, scales):
+        same_block = (pos[:, None] // b) == (pos[None, :] // b)  # (T, T)
+        s = s + c * (q_l @ k_l.transpose(-2, -1)) * same_block
+        covering = covering + same_block
+    if divide_by_levels:
+        s = s / covering
+    if causal:
+        s = s.masked_fill(pos[None, :] > pos[:, None], float('-inf'))
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float('-inf'))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
+def sliding_window_attention_reference(q, k, v, window, causal=True, scale=None, key_mask=None):
+    _check_qkv(q, k, v)
+    _check_window(window)
+    T = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    pos = torch.arange(T, device=q.device)
+    i, j = pos[:, None], pos[None, :]
+    keep = ((j <= i) & (j >= i - window)) if causal else (i - j).abs() <= window   # (T, T)
+    s = (q @ k.transpose(-2, -1)) * scale
+    s = s.masked_fill(~keep, float('-inf'))
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float('-inf'))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
+def linear_feature_map(u):
+    """phi(u / sqrt(d)) with phi = ReLU(.)^2, applied to queries and keys."""
+    return F.relu(u / math.sqrt(u.shape[-1])) ** 2
+
+
+def linear_attention_reference(q, k, v, causal=True, eps=1e-6, key_mask=None):
+    _check_qkv(q, k, v)
+    qf, kf = linear_feature_map(q), linear_feature_map(k)
+    if key_mask is not None:
+        kf = kf * key_mask[:, None, :, None]
+    a = qf @ kf.transpose(-2, -1)                                            # (B, H, T, T)
+    if causal:
+        a = a.tril()
+    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
+
+
+# -----------------------------------------------------------------------------
+# input checks, shared by every path
 
 def _check_qkv(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -85,20 +134,20 @@ def _check_key_mask(key_mask, q):
         raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}")
 
 
-def mlr_block_sizes(T, n_levels, block_sizes=None):
+def mlr_level_sizes(T, n_levels, level_sizes=None):
     """Block size of each level, as used on a sequence of length T. Default T / 2^l. An explicit list must
     strictly decrease, each size dividing the one before; sizes >= T make their level global (the model
     fixes its blocks from block_size, so a shorter sequence simply has more global levels), and T must be
     a multiple of every size below it. Returns the sizes clipped to T."""
     if n_levels < 1:
         raise ValueError(f"MLR needs at least one level, got {n_levels}")
-    if block_sizes is None:
+    if level_sizes is None:
         finest = 2 ** (n_levels - 1)
         if T % finest != 0:
             raise ValueError(f"MLR with {n_levels} levels halves the sequence {n_levels - 1} times, so T must "
                              f"be divisible by {finest}; got T = {T} (valid: multiples of {finest})")
         return [T // 2 ** l for l in range(n_levels)]
-    sizes = [int(b) for b in block_sizes]
+    sizes = [int(b) for b in level_sizes]
     if len(sizes) != n_levels:
         raise ValueError(f"got {len(sizes)} block sizes {sizes} for {n_levels} rank levels; give one per level")
     for a, b in zip(sizes, sizes[1:]):
@@ -113,6 +162,41 @@ def mlr_block_sizes(T, n_levels, block_sizes=None):
                          f"valid T are multiples of {max(bad)} up to {sizes[0]}")
     return [min(b, T) for b in sizes]
 
+
+def _mlr_check(q, k, v, ranks, level_sizes):
+    _check_qkv(q, k, v)
+    ranks = [int(r) for r in ranks]
+    if any(r <= 0 for r in ranks):
+        raise ValueError(f"every MLR rank must be positive, got {ranks}")
+    if sum(ranks) != q.shape[-1]:
+        raise ValueError(f"MLR ranks {'|'.join(map(str, ranks))} sum to {sum(ranks)} but the head width is "
+                         f"{q.shape[-1]}; the rank allocation must sum to the head width")
+    return ranks, mlr_level_sizes(q.shape[2], len(ranks), level_sizes)
+
+
+def mlr_level_scales(ranks):
+    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
+    return [1.0 / r for r in ranks]
+
+
+def _scale_levels(q, ranks, scales):
+    """q with the features of level l multiplied by c_l, so that a prefix dot product is the MLR score."""
+    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
+    return q * c
+
+
+def _check_window(window):
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an integer look-back w >= 0 (query i sees keys i-w..i), got {window!r}")
+
+
+def _window_allowed(i, j, window, causal):
+    """Which (query i, key j) pairs a look-back-w window keeps: i-w <= j <= i, or |i-j| <= w bidirectional."""
+    return (j <= i) & (j >= i - window) if causal else (j - i).abs() <= window
+
+
+# -----------------------------------------------------------------------------
+# MLR attention, blocked torch path: tiles per level, partial softmaxes merged exactly
 
 def _partial_attention(s, v):
     """Softmax over the last axis of scores s (..., n, m) applied to v (..., m, dv), returning the normalized
@@ -131,6 +215,101 @@ def _merge_partials(outs, lses):
     lse = torch.stack(lses, dim=0)                   # (P, B, H, T, 1)
     w = torch.softmax(lse, dim=0)                    # weight of each key set
     return sum(w[i] * outs[i] for i in range(len(outs)))
+
+
+def _mlr_sibling_tiles(q, k, v, l, sizes, R, causal, divide_by_levels, key_mask):
+    """Level l's pairs: in the same level-l block but in different level-(l+1) blocks (children), scored with
+    the first R = R_l features of the scaled q. Returns the partial softmax (B, H, T, dv), (B, H, T, 1)."""
+    B, H, T, _ = q.shape
+    dv = v.shape[-1]
+    neg = torch.finfo(q.dtype).min
+    c, b = sizes[l] // sizes[l + 1], sizes[l + 1]        # children per block, child size
+    n = T // sizes[l]                                    # blocks at level l
+    Q = q[..., :R].reshape(B, H, n, c, b, R)             # (B, H, n, c, b, R)
+    K = k[..., :R].reshape(B, H, n, c, b, R)
+    V = v.reshape(B, H, n, c, b, dv)
+    km = None if key_mask is None else key_mask.reshape(B, 1, n, c, 1, b)
+    if causal and c == 2:
+        # only the second child sees the first; the first child has no past sibling at this level
+        s = Q[:, :, :, 1] @ K[:, :, :, 0].transpose(-2, -1)      # (B, H, n, b, b)
+        if divide_by_levels:
+            s = s / (l + 1)
+        if km is not None:
+            s = s.masked_fill(~km[:, :, :, 0], neg)
+        o1, lse1 = _partial_attention(s, V[:, :, :, 0])         # (B, H, n, b, dv), (B, H, n, b, 1)
+        o = torch.stack([torch.zeros_like(o1), o1], dim=3)       # (B, H, n, 2, b, dv)
+        lse = torch.stack([torch.full_like(lse1, -1e30), lse1], dim=3)
+    else:
+        # child a sees every other child a' (a' < a only, when causal: those tiles are masked whole)
+        other = torch.tensor([[j for j in range(c) if j != a] for a in range(c)], device=q.device)  # (c, c-1)
+        Ko = K[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, R)       # (B, H, n, c, (c-1)b, R)
+        Vo = V[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, dv)
+        s = Q @ Ko.transpose(-2, -1)                                     # (B, H, n, c, b, (c-1)b)
+        if divide_by_levels:
+            s = s / (l + 1)
+        if causal:
+            future = (other > torch.arange(c, device=q.device)[:, None])              # (c, c-1)
+            s = s.masked_fill(future.repeat_interleave(b, dim=1)[:, None, :], neg)
+        if km is not None:
+            kmo = km[:, :, :, other].reshape(B, 1, n, c, 1, (c - 1) * b)
+            s = s.masked_fill(~kmo, neg)
+        o, lse = _partial_attention(s, Vo)
+    return o.reshape(B, H, T, dv), lse.reshape(B, H, T, 1)
+
+
+def _mlr_diagonal_blocks(q, k, v, b, L, causal, divide_by_levels, key_mask):
+    """The diagonal blocks of the finest level (size b, all L levels shared): all d features, the causal mask
+    inside the block. Returns the partial softmax (B, H, T, dv), (B, H, T, 1)."""
+    B, H, T, d = q.shape
+    dv = v.shape[-1]
+    neg = torch.finfo(q.dtype).min
+    n = T // b
+    Q, K, V = q.reshape(B, H, n, b, d), k.reshape(B, H, n, b, d), v.reshape(B, H, n, b, dv)
+    s = Q @ K.transpose(-2, -1)                                          # (B, H, n, b, b)
+    if divide_by_levels:
+        s = s / L
+    if causal:
+        s = s.masked_fill(torch.ones(b, b, dtype=torch.bool, device=q.device).triu(1), neg)
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask.reshape(B, 1, n, 1, b), neg)
+    o, lse = _partial_attention(s, V)
+    return o.reshape(B, H, T, dv), lse.reshape(B, H, T, 1)
+
+
+def mlr_attention_torch(q, k, v, ranks, causal=True, level_sizes=None, scales=None,
+                        divide_by_levels=False, key_mask=None):
+    """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
+    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    q = _scale_levels(q, ranks, scales)
+    outs, lses = [], []
+    for l in range(len(ranks) - 1):                      # the sibling tiles of each level l < L-1
+        if sizes[l] // sizes[l + 1] == 1:
+            continue                                     # a global level above another global level
+        o, lse = _mlr_sibling_tiles(q, k, v, l, sizes, sum(ranks[:l + 1]), causal, divide_by_levels, key_mask)
+        outs.append(o)
+        lses.append(lse)
+    o, lse = _mlr_diagonal_blocks(q, k, v, sizes[-1], len(ranks), causal, divide_by_levels, key_mask)
+    outs.append(o)
+    lses.append(lse)
+    return _merge_partials(outs, lses)
+
+
+def mlr_attention_flops(T, ranks, causal=True, level_sizes=None, dv=None):
+    """Multiply-adds x 2 of mlr_attention_torch on one (batch, head): scores plus A·V."""
+    sizes = mlr_level_sizes(T, len(ranks), level_sizes)
+    dv = sum(ranks) if dv is None else dv
+    qk = av = 0
+    for l in range(len(ranks) - 1):
+        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
+        pairs = T * (c - 1) * b
+        if causal and c == 2:
+            pairs //= 2
+        qk += pairs * sum(ranks[:l + 1])
+        av += pairs * dv
+    qk += T * sizes[-1] * sum(ranks)
+    av += T * sizes[-1] * dv
+    return 2 * (qk + av)
 
 
 # -----------------------------------------------------------------------------
@@ -213,148 +392,6 @@ def _piece_backward(s, V, dO, Lse, Delta):
     dv = torch.bmm(p.transpose(-2, -1), dO)
     ds = torch.bmm(dO, V.transpose(-2, -1)).sub_(Delta).mul_(p)
     return ds, dv
-
-
-# -----------------------------------------------------------------------------
-# MLR attention (paper §3.4, Eq. 9)
-
-def _mlr_check(q, k, v, ranks, block_sizes):
-    _check_qkv(q, k, v)
-    ranks = [int(r) for r in ranks]
-    if any(r <= 0 for r in ranks):
-        raise ValueError(f"every MLR rank must be positive, got {ranks}")
-    if sum(ranks) != q.shape[-1]:
-        raise ValueError(f"MLR ranks {'|'.join(map(str, ranks))} sum to {sum(ranks)} but the head width is "
-                         f"{q.shape[-1]}; the rank allocation must sum to the head width")
-    return ranks, mlr_block_sizes(q.shape[2], len(ranks), block_sizes)
-
-
-def mlr_level_scales(ranks):
-    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
-    return [1.0 / r for r in ranks]
-
-
-def _scale_levels(q, ranks, scales):
-    """q with the features of level l multiplied by c_l, so that a prefix dot product is the MLR score."""
-    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
-    return q * c
-
-
-def mlr_attention_reference(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
-                            divide_by_levels=False, key_mask=None):
-    """Dense reference: score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
-    T = q.shape[2]
-    pos = torch.arange(T, device=q.device)
-    s = torch.zeros(q.shape[:3] + (T,), dtype=q.dtype, device=q.device)
-    covering = torch.zeros(T, T, device=q.device)
-    for q_l, k_l, b, c in zip(q.split(ranks, -1), k.split(ranks, -1), sizes, scales):
-        same_block = (pos[:, None] // b) == (pos[None, :] // b)  # (T, T)
-        s = s + c * (q_l @ k_l.transpose(-2, -1)) * same_block
-        covering = covering + same_block
-    if divide_by_levels:
-        s = s / covering
-    if causal:
-        s = s.masked_fill(pos[None, :] > pos[:, None], float('-inf'))
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask[:, None, None, :], float('-inf'))
-    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
-
-
-def _mlr_sibling_tiles(q, k, v, l, sizes, R, causal, divide_by_levels, key_mask):
-    """Level l's pairs: in the same level-l block but in different level-(l+1) blocks (children), scored with
-    the first R = R_l features of the scaled q. Returns the partial softmax (B, H, T, dv), (B, H, T, 1)."""
-    B, H, T, _ = q.shape
-    dv = v.shape[-1]
-    neg = torch.finfo(q.dtype).min
-    c, b = sizes[l] // sizes[l + 1], sizes[l + 1]        # children per block, child size
-    n = T // sizes[l]                                    # blocks at level l
-    Q = q[..., :R].reshape(B, H, n, c, b, R)             # (B, H, n, c, b, R)
-    K = k[..., :R].reshape(B, H, n, c, b, R)
-    V = v.reshape(B, H, n, c, b, dv)
-    km = None if key_mask is None else key_mask.reshape(B, 1, n, c, 1, b)
-    if causal and c == 2:
-        # only the second child sees the first; the first child has no past sibling at this level
-        s = Q[:, :, :, 1] @ K[:, :, :, 0].transpose(-2, -1)      # (B, H, n, b, b)
-        if divide_by_levels:
-            s = s / (l + 1)
-        if km is not None:
-            s = s.masked_fill(~km[:, :, :, 0], neg)
-        o1, lse1 = _partial_attention(s, V[:, :, :, 0])         # (B, H, n, b, dv), (B, H, n, b, 1)
-        o = torch.stack([torch.zeros_like(o1), o1], dim=3)       # (B, H, n, 2, b, dv)
-        lse = torch.stack([torch.full_like(lse1, -1e30), lse1], dim=3)
-    else:
-        # child a sees every other child a' (a' < a only, when causal: those tiles are masked whole)
-        other = torch.tensor([[j for j in range(c) if j != a] for a in range(c)], device=q.device)  # (c, c-1)
-        Ko = K[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, R)       # (B, H, n, c, (c-1)b, R)
-        Vo = V[:, :, :, other].reshape(B, H, n, c, (c - 1) * b, dv)
-        s = Q @ Ko.transpose(-2, -1)                                     # (B, H, n, c, b, (c-1)b)
-        if divide_by_levels:
-            s = s / (l + 1)
-        if causal:
-            future = (other > torch.arange(c, device=q.device)[:, None])              # (c, c-1)
-            s = s.masked_fill(future.repeat_interleave(b, dim=1)[:, None, :], neg)
-        if km is not None:
-            kmo = km[:, :, :, other].reshape(B, 1, n, c, 1, (c - 1) * b)
-            s = s.masked_fill(~kmo, neg)
-        o, lse = _partial_attention(s, Vo)
-    return o.reshape(B, H, T, dv), lse.reshape(B, H, T, 1)
-
-
-def _mlr_diagonal_blocks(q, k, v, b, L, causal, divide_by_levels, key_mask):
-    """The diagonal blocks of the finest level (size b, all L levels shared): all d features, the causal mask
-    inside the block. Returns the partial softmax (B, H, T, dv), (B, H, T, 1)."""
-    B, H, T, d = q.shape
-    dv = v.shape[-1]
-    neg = torch.finfo(q.dtype).min
-    n = T // b
-    Q, K, V = q.reshape(B, H, n, b, d), k.reshape(B, H, n, b, d), v.reshape(B, H, n, b, dv)
-    s = Q @ K.transpose(-2, -1)                                          # (B, H, n, b, b)
-    if divide_by_levels:
-        s = s / L
-    if causal:
-        s = s.masked_fill(torch.ones(b, b, dtype=torch.bool, device=q.device).triu(1), neg)
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask.reshape(B, 1, n, 1, b), neg)
-    o, lse = _partial_attention(s, V)
-    return o.reshape(B, H, T, dv), lse.reshape(B, H, T, 1)
-
-
-def mlr_attention_torch(q, k, v, ranks, causal=True, block_sizes=None, scales=None,
-                        divide_by_levels=False, key_mask=None):
-    """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
-    q = _scale_levels(q, ranks, scales)
-    outs, lses = [], []
-    for l in range(len(ranks) - 1):                      # the sibling tiles of each level l < L-1
-        if sizes[l] // sizes[l + 1] == 1:
-            continue                                     # a global level above another global level
-        o, lse = _mlr_sibling_tiles(q, k, v, l, sizes, sum(ranks[:l + 1]), causal, divide_by_levels, key_mask)
-        outs.append(o)
-        lses.append(lse)
-    o, lse = _mlr_diagonal_blocks(q, k, v, sizes[-1], len(ranks), causal, divide_by_levels, key_mask)
-    outs.append(o)
-    lses.append(lse)
-    return _merge_partials(outs, lses)
-
-
-def mlr_attention_flops(T, ranks, causal=True, block_sizes=None, dv=None):
-    """Multiply-adds x 2 of mlr_attention_torch on one (batch, head): scores plus A·V."""
-    sizes = mlr_block_sizes(T, len(ranks), block_sizes)
-    dv = sum(ranks) if dv is None else dv
-    qk = av = 0
-    for l in range(len(ranks) - 1):
-        c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
-        pairs = T * (c - 1) * b
-        if causal and c == 2:
-            pairs //= 2
-        qk += pairs * sum(ranks[:l + 1])
-        av += pairs * dv
-    qk += T * sizes[-1] * sum(ranks)
-    av += T * sizes[-1] * dv
-    return 2 * (qk + av)
 
 
 # -----------------------------------------------------------------------------
@@ -496,11 +533,11 @@ class _MLRFlash(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def mlr_attention_flash(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
+def mlr_attention_flash(q, k, v, ranks, causal=True, level_sizes=None, scales=None, divide_by_levels=False,
                         key_mask=None):
     """MLR attention through _MLRFlash; same arguments and result as mlr_attention_torch. Half-precision
     inputs are computed in float32 (the exponentials and merges need it) and returned in their dtype."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
+    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
@@ -511,10 +548,10 @@ def mlr_attention_flash(q, k, v, ranks, causal=True, block_sizes=None, scales=No
     return o.to(dtype)
 
 
-def mlr_attention_flash_flops(T, ranks, causal=True, block_sizes=None, dv=None):
+def mlr_attention_flash_flops(T, ranks, causal=True, level_sizes=None, dv=None):
     """Multiply-adds x 2 that mlr_attention_flash's forward spends on one (batch, head): the exact sibling
     tiles of mlr_attention_flops above level j, and the dense S×S bottom tiles with all d features."""
-    sizes = mlr_block_sizes(T, len(ranks), block_sizes)
+    sizes = mlr_level_sizes(T, len(ranks), level_sizes)
     d = sum(ranks)
     dv = d if dv is None else dv
     j, tiles = _mlr_plan(sizes, ranks, causal, False)
@@ -525,40 +562,16 @@ def mlr_attention_flash_flops(T, ranks, causal=True, block_sizes=None, dv=None):
 
 
 # -----------------------------------------------------------------------------
-# sliding-window attention (paper §2.3)
-
-def _check_window(window):
-    if not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive integer (number of keys each query sees), got {window!r}")
-
-
-def _window_allowed(i, j, window, causal):
-    """Which (query i, key j) pairs a window-w attention keeps: i-w < j <= i, or |i-j| < w bidirectional."""
-    return (j <= i) & (j > i - window) if causal else (j - i).abs() < window
-
-
-def sliding_window_attention_reference(q, k, v, window, causal=True, scale=None, key_mask=None):
-    _check_qkv(q, k, v)
-    _check_window(window)
-    T = q.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    pos = torch.arange(T, device=q.device)
-    keep = _window_allowed(pos[:, None], pos[None, :], window, causal)      # (T, T)
-    s = (q @ k.transpose(-2, -1)) * scale
-    s = s.masked_fill(~keep, float('-inf'))
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask[:, None, None, :], float('-inf'))
-    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
-
+# sliding-window attention, blocked torch path and flash path
 
 def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """Blocked SWA: queries in blocks of c >= w; block i sees key blocks i-1, i (and i+1 bidirectional)."""
+    """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional)."""
     _check_qkv(q, k, v)
     _check_window(window)
     B, H, T, d = q.shape
     dv = v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = min(max(window, 32), T)                      # query block size; c >= w unless the window covers T
+    c = min(max(window + 1, 32), T)                  # query chunk length; c > w unless the window covers T
     n = -(-T // c)                                   # number of query blocks
     Tp = n * c
     left, right = c, (0 if causal else c)            # key padding on each side
@@ -580,7 +593,7 @@ def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key
     return o.reshape(B, H, Tp, dv)[:, :, :T]
 
 
-# The same pieces serve sliding-window attention: with query blocks of c >= w rows, block i's keys lie in
+# The same pieces serve sliding-window attention: with query chunks of c > w rows, chunk i's keys lie in
 # key blocks i - 1 and i (and i + 1 bidirectional), so SWA is two (three) tiles of c×c blocks, each with a
 # fixed band mask, merged as above. k and v are shifted by one block for the neighbour tiles (a copy), and
 # their gradients shifted back. Saved for the backward: q, k, v, o, lse -- no scores.
@@ -671,7 +684,7 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = min(max(window, 32), T)                      # query block size; c >= w unless the window covers T
+    c = min(max(window + 1, 32), T)                  # query chunk length; c > w unless the window covers T
     Tp = -(-T // c) * c
     valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
     valid[:, :T] = True if key_mask is None else key_mask
@@ -686,30 +699,14 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
 def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
     """Multiply-adds x 2 of sliding_window_attention_torch on one (batch, head)."""
     dv = d if dv is None else dv
-    c = min(max(window, 32), T)
+    c = min(max(window + 1, 32), T)
     n = -(-T // c)
     span = c + c + (0 if causal else c)
     return 2 * n * c * span * (d + dv)
 
 
 # -----------------------------------------------------------------------------
-# causal linear attention (seed 003 §2.2.2)
-
-def linear_feature_map(u):
-    """phi(u / sqrt(d)) with phi = ReLU(.)^2, applied to queries and keys."""
-    return F.relu(u / math.sqrt(u.shape[-1])) ** 2
-
-
-def linear_attention_reference(q, k, v, causal=True, eps=1e-6, key_mask=None):
-    _check_qkv(q, k, v)
-    qf, kf = linear_feature_map(q), linear_feature_map(k)
-    if key_mask is not None:
-        kf = kf * key_mask[:, None, :, None]
-    a = qf @ kf.transpose(-2, -1)                                            # (B, H, T, T)
-    if causal:
-        a = a.tril()
-    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
-
+# causal linear attention, chunked torch path
 
 def linear_attention_torch(q, k, v, causal=True, eps=1e-6, key_mask=None, chunk=64):
     """Chunked parallel form: within a chunk the masked quadratic form, across chunks the running state
@@ -752,7 +749,7 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 #
 # One kernel family serves both MLR and SWA. A program owns one query tile (BLOCK_M rows) of one
 # (batch, head) and streams key tiles (BLOCK_N rows) through an online softmax; nothing T×T exists.
-# - Window: key tiles wholly outside i-w < j <= i (|i-j| < w bidirectional) are never visited. MLR runs
+# - Window: key tiles wholly outside i-w <= j <= i (|i-j| <= w bidirectional) are never visited. MLR runs
 #   with window = T, which leaves only the causal skip (no key tile after the query tile).
 # - MLR levels: for a (query tile, key tile) pair, n_all = number of levels whose block holds both tiles
 #   whole. The pair is scored with the first R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only.
@@ -845,11 +842,11 @@ def _keep(offs_m, offs_n, T, window, KEEP, CAUSAL: tl.constexpr, HAS_KEEP: tl.co
     when causal), key not padding (key_mask)."""
     i = offs_m[:, None]
     j = offs_n[None, :]
-    keep = (i < T) & (j < T) & (j > i - window)
+    keep = (i < T) & (j < T) & (j >= i - window)
     if CAUSAL:
         keep = keep & (j <= i)
     else:
-        keep = keep & (j < i + window)
+        keep = keep & (j <= i + window)
     if HAS_KEEP:
         keep = keep & (tl.load(KEEP + offs_n, mask=offs_n < T, other=0) != 0)[None, :]
     return keep
@@ -858,11 +855,11 @@ def _keep(offs_m, offs_n, T, window, KEEP, CAUSAL: tl.constexpr, HAS_KEEP: tl.co
 @triton.jit
 def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi): the keys a query tile can see. Key tiles outside are skipped, not masked."""
-    lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+    lo = tl.maximum(start_m - window, 0) // BLOCK_N * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, T)
     else:
-        hi = tl.minimum(start_m + BLOCK_M + window - 1, T)
+        hi = tl.minimum(start_m + BLOCK_M + window, T)
     return lo, hi
 
 
@@ -934,12 +931,12 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
                 mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)        # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    # queries that see these keys: i >= j (causal) or i > j - w (bidirectional), and i < j + w
+    # queries that see these keys: i >= j (causal) or i >= j - w (bidirectional), and i <= j + w
     if CAUSAL:
         lo = start_n // BLOCK_M * BLOCK_M
     else:
-        lo = tl.maximum(start_n - window + 1, 0) // BLOCK_M * BLOCK_M
-    hi = tl.minimum(start_n + BLOCK_N + window - 1, T)
+        lo = tl.maximum(start_n - window, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(start_n + BLOCK_N + window, T)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :],
@@ -1100,11 +1097,11 @@ def _check_triton(q, k, v, key_mask):
                          f"kernels, for CPU tensors), got a tensor on {q.device}")
 
 
-def mlr_attention_triton(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
+def mlr_attention_triton(q, k, v, ranks, causal=True, level_sizes=None, scales=None, divide_by_levels=False,
                          key_mask=None):
     """MLR attention through the Triton kernels; same arguments and result as mlr_attention_torch."""
     _check_triton(q, k, v, key_mask)
-    ranks, sizes = _mlr_check(q, k, v, ranks, block_sizes)
+    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
     feats = [sum(ranks[:l]) for l in range(len(ranks) + 1)]                 # [0, R_0, R_1, ..., d]
     return _TritonAttention.apply(_scale_levels(q, ranks, scales), k, v, key_mask, tuple(sizes), tuple(feats),
@@ -1132,20 +1129,20 @@ def backend(x):
     return 'triton' if USE_TRITON and HAS_TRITON and x.is_cuda and x.dtype in _TRITON_DTYPES else 'torch'
 
 
-def mlr_attention(q, k, v, ranks, causal=True, block_sizes=None, scales=None, divide_by_levels=False,
+def mlr_attention(q, k, v, ranks, causal=True, level_sizes=None, scales=None, divide_by_levels=False,
                   key_mask=None):
     """MLR attention, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv). ranks sum to d; level l has
-    blocks of size T/2^l (or block_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep.
+    blocks of T/2^l tokens (or level_sizes[l]); scales c_l default 1/r_l; key_mask (B, T) bool, True = keep.
     Runs mlr_attention_triton or mlr_attention_flash, as backend(q) says."""
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
     fn = mlr_attention_triton if backend(q) == 'triton' else mlr_attention_flash
-    return fn(q, k, v, ranks, causal, block_sizes, scales, divide_by_levels, key_mask)
+    return fn(q, k, v, ranks, causal, level_sizes, scales, divide_by_levels, key_mask)
 
 
 def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w < j <= i
-    (|i-j| < w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep.
+    """SWA, q, k: (B, H, T, d), v: (B, H, T, dv) -> (B, H, T, dv): query i sees keys i-w..i
+    (|i-j| <= w when bidirectional); scale defaults to 1/sqrt(d); key_mask (B, T) bool, True = keep.
     Runs sliding_window_attention_triton or sliding_window_attention_flash, as backend(q) says."""
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
@@ -1185,20 +1182,20 @@ def _selftest_interpret():
     torch.manual_seed(0)
     mask = torch.ones(2, 48, dtype=torch.bool)
     mask[0, 40:] = False
-    mask[1, 10:21] = False  # with window 3 some queries see no key at all: their output must be 0
+    mask[1, 10:21] = False  # with window 2 some queries see no key at all: their output must be 0
     mlr = (mlr_attention_triton, mlr_attention_reference)
     swa = (sliding_window_attention_triton, sliding_window_attention_reference)
     cases = [  # name, (triton, reference), B, T, d, dv, kwargs; H = 2 throughout
         ('mlr 8|4|2|2, blocks 64,32,16,8 (< tile)', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2])),
         ('mlr 16|8|8, d=32, blocks 64,32,16 (= tile)', mlr, 1, 64, 32, 32, dict(ranks=[16, 8, 8])),
-        ('mlr 6|6|4, blocks 40,20,10, T=40', mlr, 1, 40, 16, 16, dict(ranks=[6, 6, 4], block_sizes=[40, 20, 10])),
+        ('mlr 6|6|4, blocks 40,20,10, T=40', mlr, 1, 40, 16, 16, dict(ranks=[6, 6, 4], level_sizes=[40, 20, 10])),
         ('mlr 16 (one level), T=50, dv=24', mlr, 1, 50, 16, 24, dict(ranks=[16])),
         ('mlr 8|4|2|2, divide_by_levels', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2], divide_by_levels=True)),
         ('mlr 8|8, key_mask, B=2', mlr, 2, 48, 16, 16, dict(ranks=[8, 8], key_mask=mask)),
-        ('swa w=5, T=72', swa, 1, 72, 16, 16, dict(window=5)),
-        ('swa w=20, d=32', swa, 1, 64, 32, 32, dict(window=20)),
-        ('swa w=100 > T=40', swa, 1, 40, 16, 16, dict(window=100)),
-        ('swa w=3, key_mask, B=2', swa, 2, 48, 16, 16, dict(window=3, key_mask=mask)),
+        ('swa w=4, T=72', swa, 1, 72, 16, 16, dict(window=4)),
+        ('swa w=19, d=32', swa, 1, 64, 32, 32, dict(window=19)),
+        ('swa w=99 > T=40', swa, 1, 40, 16, 16, dict(window=99)),
+        ('swa w=2, key_mask, B=2', swa, 2, 48, 16, 16, dict(window=2, key_mask=mask)),
     ]
     failed = 0
     for name, (fast, ref), B, T, d, dv, kw in cases:
@@ -1241,7 +1238,7 @@ def _compile_check(archs=(80, 90), levels=(8, 1)):
                       f"in {time.perf_counter() - t0:.1f} s")
 
 
-def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), window=128):
+def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), window=127):
     """FlashAttention's test of a low-precision kernel: its error against the float64 reference must be at
     most 2x the error of the reference itself computed in that precision. Forward and all gradients."""
     g = torch.Generator(device='cpu').manual_seed(0)
@@ -1333,15 +1330,15 @@ def _bench_cores(device, dtype, ranks):
         'mlr_flash_eq': (lambda q, k, v: mlr_attention_flash(q, k, v, equal), lambda T: mlr_attention_flops(T, equal)),
         'mlr_torch': (lambda q, k, v: mlr_attention_torch(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
         'mlr_dense': (lambda q, k, v: mlr_attention_reference(q, k, v, ranks), lambda T: 2 * T * T * 2 * d),
-        'swa_flash': (lambda q, k, v: sliding_window_attention_flash(q, k, v, 128),
-                      lambda T: sliding_window_attention_flops(T, 128, d)),
-        'swa_torch': (lambda q, k, v: sliding_window_attention_torch(q, k, v, 128),
-                      lambda T: sliding_window_attention_flops(T, 128, d)),
+        'swa_flash': (lambda q, k, v: sliding_window_attention_flash(q, k, v, 127),
+                      lambda T: sliding_window_attention_flops(T, 127, d)),
+        'swa_torch': (lambda q, k, v: sliding_window_attention_torch(q, k, v, 127),
+                      lambda T: sliding_window_attention_flops(T, 127, d)),
         'linear': (lambda q, k, v: linear_attention(q, k, v), lambda T: linear_attention_flops(T, d)),
     }
     if device == 'cuda' and HAS_TRITON and dtype in _TRITON_DTYPES:
         cores['mlr_triton'] = (lambda q, k, v: mlr_attention_triton(q, k, v, ranks), cores['mlr_flash'][1])
-        cores['swa_triton'] = (lambda q, k, v: sliding_window_attention_triton(q, k, v, 128), cores['swa_flash'][1])
+        cores['swa_triton'] = (lambda q, k, v: sliding_window_attention_triton(q, k, v, 127), cores['swa_flash'][1])
     try:  # FlexAttention, where this torch has it (it compiles its kernel on first use)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         if device == 'cuda':
@@ -1366,7 +1363,7 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
     peak = matmul_gflops(device, dtype)
     cores = _bench_cores(device, dtype, ranks)
     print(f"attention cores on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {sum(ranks)}, "
-          f"MLR ranks {'|'.join(map(str, ranks))} (mlr_flash_eq: 8 equal levels), SWA window 128; "
+          f"MLR ranks {'|'.join(map(str, ranks))} (mlr_flash_eq: 8 equal levels), SWA window 127 (128 keys); "
           f"{torch.get_num_threads()} thread(s); {peak:.0f} GFLOP/s for a 4096² matmul here")
     print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'peak MB':>8s} {'x sdpa':>7s} {'GFLOP/s':>8s} "
           f"{'% mm':>5s}")
@@ -1470,7 +1467,7 @@ def main(argv=None):
     dtypes = {'float32': [torch.float32], 'bfloat16': [torch.bfloat16]}.get(
         args.dtype, [torch.float32] if device == 'cpu' else [torch.bfloat16, torch.float32])
     rows = [row for dtype in dtypes for row in benchmark(device, dtype, Ts, args.reps)]
-    print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks, window 128):")
+    print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks, SWA window 127):")
     ok = accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16])
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)

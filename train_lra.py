@@ -15,6 +15,7 @@ Data. Without --data two tasks are generated here and cached under --cache_dir (
               markers on the two ends of one curve (label 1) or on ends of different curves (label 0).
 With --data the official release layout is read instead (see the loaders' docstrings): ListOps TSVs,
 IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders.
+Every cache is keyed on the bytes of its files (runs.content_digest): an edited file is never read stale.
 
 Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
   python train_lra.py --attn standard      # ListOps, max_len 256, 2 layers x 64 wide
@@ -24,7 +25,7 @@ Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2
   python train_lra.py --task pathfinder --attn brl             # 4000 generated 32 x 32 images (slow on CPU)
   python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
   python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
-The ListOps study (issue 20): local, full, BRL, BRL w/o Attn-Diff, BRL with beta = 0 x 3 seeds, 300-1000 tokens,
+The ListOps study: local, full, BRL, BRL w/o Attn-Diff, BRL with beta = 0 x 3 seeds, 300-1000 tokens,
 window 16, 2 layers; 96 min on an idle 2-core machine, resumable (rerun the same command):
   python train_lra.py --sweep listops --estimate   # time a few steps per variant, print the study's minutes
   python train_lra.py --sweep listops              # -> out/lra_listops_study/{sweep.json, table.md, lra_study.png}
@@ -33,6 +34,7 @@ GPU, the paper's Table 12 settings on the release files:
   python train_lra.py --preset lra --task listops --data lra_release/listops-1000 --attn brl
 """
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -59,14 +61,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
-# the run plumbing the four train scripts share (runs.py)
-from runs import (owns_run_folders, add_deprecated, add_model_args, add_sweep_args, ArgParser, atomic_write,
-                 check_ranges, ctrl_c_finishes_step, given_flags, guarded_update, Interrupted,
-                 load_checkpoint, mean_std, model_config, one_thread_seconds, paired_difference,
-                 paired_rows, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
-                 report_outputs, resume_settings, rng_state, run_main, run_processes,
-                 save_checkpoint, set_rng_state, TASK_FIELDS, upgrade_flags, write_json)  # noqa: E402
-# the model flags, the same in every train script (attention.py: add_model_args, model_config)
+from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,  # noqa: E402
+                  atomic_write, check_format, check_ranges, content_digest, ctrl_c_finishes_step, given_flags,
+                  guarded_update, load_checkpoint, longest_first_wall, mean_std, model_config, one_thread_seconds,
+                  owns_run_folders, paired_difference, paired_rows, pick_device, plot_seed_bands, pm,
+                  prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main,
+                  run_state, save_checkpoint, set_rng_state, sweep, write_json)
 
 SCRIPT = 'train_lra.py'
 TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
@@ -89,9 +89,6 @@ PRESET_COMMON = dict(window=256, n_compressed=256, max_iters=5000, warmup_iters=
                      min_len=500, n_train=96000, n_val=2000, n_test=2000)     # LRA's ListOps generator
 # Without --preset: a CPU-sized model (the model flags' defaults where they differ from attention.ModelConfig's)
 LRA_MODEL_DEFAULTS = dict(n_layer=2, n_embd=64, window=32)
-# The flags renamed in one vocabulary with the other train scripts (old -> new); the old spellings still parse
-# (with a note), and upgrade_run_config reads checkpoints and results written under them.
-RENAMED = {'steps': 'max_iters', 'warmup': 'warmup_iters', 'ff': 'mlp_hidden', 'data_dir': 'data'}
 
 
 # -----------------------------------------------------------------------------
@@ -170,11 +167,7 @@ def generate_listops(n, min_len, max_len, seed, exclude=(), max_depth=10, max_ar
 
 
 def write_tsv(path, header, rows):
-    def write(tmp):
-        with open(tmp, 'w') as f:
-            f.write('\t'.join(header) + '\n')
-            f.writelines('\t'.join(str(c) for c in r) + '\n' for r in rows)
-    atomic_write(path, write)
+    write_text(path, '\t'.join(header) + '\n' + ''.join('\t'.join(str(c) for c in r) + '\n' for r in rows))
 
 
 def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
@@ -182,16 +175,49 @@ def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
     then val (seed+1), then train (seed+2), each avoiding the earlier ones, so the test set does not
     depend on n_train."""
     d = os.path.join(cache_dir, f'listops_len{min_len}-{max_len}_n{n_train}-{n_val}-{n_test}_seed{seed}')
-    if not os.path.exists(os.path.join(d, 'basic_train.tsv')):   # written last
-        os.makedirs(d, exist_ok=True)
-        remove_orphan_tmp(d)                                      # of an earlier write that was killed
+    splits = [('test', n_test), ('val', n_val), ('train', n_train)]
+
+    def make():
         seen = set()
-        for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
+        for i, (split, n) in enumerate(splits):
             rows = generate_listops(n, min_len, max_len, seed + i, exclude=seen)
             seen.update(r[0] for r in rows)
             write_tsv(os.path.join(d, f'basic_{split}.tsv'), ['Source', 'Target'], rows)
         print(f'wrote ListOps to {d}')
+    cached(os.path.join(d, 'sha256'), [os.path.join(d, f'basic_{s}.tsv') for s, _ in splits], make)
     return load_listops_release(d, max_len)
+
+
+# -----------------------------------------------------------------------------
+# data caches: made once, used while their bytes match the digest written with them
+
+def write_text(path, text):
+    def write(tmp):
+        with open(tmp, 'w') as f:
+            f.write(text)
+    atomic_write(path, write)
+
+
+def save_npz(path, arrays):
+    def write(tmp):
+        with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
+            np.savez_compressed(f, **arrays)
+    atomic_write(path, write)
+
+
+def cached(digest_path, paths, make):
+    """Data files made once: make() writes `paths`, then digest_path records their content_digest. A later run
+    uses the files while their bytes match it, and makes them again if not (an edit of the same size with its
+    mtime restored included: file times are never trusted)."""
+    with contextlib.suppress(FileNotFoundError):
+        with open(digest_path) as f:
+            if f.read().strip() == content_digest(paths):
+                return
+        print(f"note: {os.path.dirname(digest_path)}: the cached data changed since it was written; making it again")
+    os.makedirs(os.path.dirname(digest_path), exist_ok=True)
+    remove_orphan_tmp(os.path.dirname(digest_path))    # of an earlier write that was killed
+    make()
+    write_text(digest_path, content_digest(paths))
 
 
 # -----------------------------------------------------------------------------
@@ -329,23 +355,16 @@ def generate_pathfinder(n, seed, cfg=PATHFINDER32):
 
 def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
     path = os.path.join(cache_dir, f'pathfinder32_n{n_train}-{n_val}-{n_test}_seed{seed}.npz')
-    if not os.path.exists(path):
-        os.makedirs(cache_dir, exist_ok=True)
+
+    def make():
         arrays = {}
         for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
             arrays[f'{split}_x'], arrays[f'{split}_y'] = generate_pathfinder(n, seed + i)
         save_npz(path, arrays)
         print(f'wrote Pathfinder to {path}')
+    cached(path[:-len('.npz')] + '.sha256', [path], make)
     z = np.load(path)
     return {s: (z[f'{s}_x'].reshape(len(z[f'{s}_x']), -1), z[f'{s}_y']) for s in ('train', 'val', 'test')}
-
-
-def save_npz(path, arrays):
-    def write(tmp):
-        with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
-            np.savez_compressed(f, **arrays)
-    remove_orphan_tmp(os.path.dirname(path))  # of an earlier write that was killed
-    atomic_write(path, write)
 
 
 def show_pathfinder(data, path, n=16):
@@ -498,59 +517,71 @@ def load_pathfinder_release(data_dir):
 RELEASE_CACHE_FORMAT = 2  # bump when a loader changes what it returns
 
 
-def release_fingerprint(data_dir, task, max_len):
-    """Key of the parsed-release cache: the task, max_len and every file under data_dir with its size and
-    mtime, so that an edited or replaced release file is parsed again instead of a stale cache being used."""
-    stats = []
-    for root, dirs, files in os.walk(data_dir):
+def release_cache_path(args):
+    """<cache_dir>/release_<task>_<max_len>_<key>.npz, the key a digest of the loader's version, the task, max_len
+    and the names and bytes of every file under --data: an edited or replaced release file is parsed again."""
+    files = []
+    for root, dirs, names in os.walk(args.data):
         dirs.sort()
-        for name in sorted(files):
-            st = os.stat(os.path.join(root, name))
-            stats.append((os.path.relpath(os.path.join(root, name), data_dir), st.st_size, st.st_mtime_ns))
-    return hashlib.sha1(json.dumps([RELEASE_CACHE_FORMAT, task, max_len, stats]).encode()).hexdigest()[:12]
+        files += [os.path.join(root, n) for n in sorted(names)]
+    key = json.dumps([RELEASE_CACHE_FORMAT, args.task, args.max_len, [os.path.relpath(f, args.data) for f in files],
+                      content_digest(files)])
+    return os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
+                                        f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
 
 
-def data_seed(args):
-    """The seed of generated data: --data_seed, or --seed where it is -1 (or absent)."""
-    return args.seed if getattr(args, 'data_seed', -1) < 0 else args.data_seed
+def read_release(args, meta):
+    """The --data folder through its task's loader; a wrong folder or a damaged file is one line naming both."""
+    loader = {'listops': lambda d: load_listops_release(d, args.max_len),
+              'text': lambda d: load_text_release(d, args.max_len),
+              'retrieval': lambda d: load_retrieval_release(d, args.max_len),
+              'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
+    try:
+        data = loader(args.data)
+    except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"--data {args.data!r} is not a readable {args.task} release folder: "
+                         f"{type(e).__name__}: {e}") from None
+    for split, (_, y) in data.items():
+        if len(y) == 0 or y.min() < 0 or y.max() >= meta['classes']:
+            raise ValueError(f"--data {args.data!r}: {split} labels must be 0..{meta['classes'] - 1} "
+                             f"for {args.task}, got {sorted(set(y.tolist()))[:12] if len(y) else 'none'}")
+    return {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)}
+
+
+def task_meta(task):
+    """{vocab, classes, pixels, dual} of an LRA task."""
+    pixels = task in ('image', 'pathfinder')
+    return dict(vocab=256 if pixels else (len(LISTOPS_VOCAB) if task == 'listops' else 257),
+                classes={'listops': 10, 'image': 10}.get(task, 2), pixels=pixels, dual=task == 'retrieval')
+
+
+@contextlib.contextmanager
+def io_errors(flag, path):
+    """An OSError inside is one line naming the flag and its path (run_main: exit 1)."""
+    try:
+        yield
+    except OSError as e:
+        where = f" ({e.filename})" if getattr(e, 'filename', None) else ''
+        raise OSError(f"{flag} {path!r}: {e.strerror or e}{where}") from None
 
 
 def load_task(args):
-    """-> (splits {train, val, test: (x, y)}, meta {vocab, classes, pixels, dual})."""
-    pixels = args.task in ('image', 'pathfinder')
-    meta = dict(vocab=256 if pixels else (len(LISTOPS_VOCAB) if args.task == 'listops' else 257),
-                classes={'listops': 10, 'image': 10}.get(args.task, 2), pixels=pixels, dual=args.task == 'retrieval')
+    """-> (splits {train, val, test: (x, y)}, task_meta)."""
+    meta, seed = task_meta(args.task), args.seed if args.data_seed < 0 else args.data_seed
     if args.data:
         if not os.path.isdir(args.data):
             raise ValueError(f"--data {args.data!r}: no such folder")
-        path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
-                                            f'{release_fingerprint(args.data, args.task, args.max_len)}.npz')
-        if os.path.exists(path):
+        with io_errors('--data', args.data):
+            path = release_cache_path(args)
+        with io_errors('--cache_dir', args.cache_dir):
+            cached(path[:-len('.npz')] + '.sha256', [path], lambda: save_npz(path, read_release(args, meta)))
             z = np.load(path)
-            return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
-        loader = {'listops': lambda d: load_listops_release(d, args.max_len),
-                  'text': lambda d: load_text_release(d, args.max_len),
-                  'retrieval': lambda d: load_retrieval_release(d, args.max_len),
-                  'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
-        try:   # a wrong folder or a damaged file: one line naming both, not a traceback from a loader
-            data = loader(args.data)
-        except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
-            raise ValueError(f"--data {args.data!r} is not a readable {args.task} release folder: "
-                             f"{type(e).__name__}: {e}") from None
-        for split, (_, y) in data.items():
-            if len(y) == 0 or y.min() < 0 or y.max() >= meta['classes']:
-                raise ValueError(f"--data {args.data!r}: {split} labels must be 0..{meta['classes'] - 1} "
-                                 f"for {args.task}, got {sorted(set(y.tolist()))[:12] if len(y) else 'none'}")
-        os.makedirs(args.cache_dir, exist_ok=True)
-        save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
-    elif args.task == 'listops':
-        data = listops_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.min_len, args.max_len,
-                               data_seed(args))
-    elif args.task == 'pathfinder':
-        data = pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, data_seed(args))
-    else:
-        raise SystemExit(f"--task {args.task} has no generator here: pass --data with the release files")
-    return data, meta
+        return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
+    with io_errors('--cache_dir', args.cache_dir):
+        if args.task == 'listops':
+            return listops_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.min_len,
+                                   args.max_len, seed), meta
+        return pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, seed), meta
 
 
 # -----------------------------------------------------------------------------
@@ -622,6 +653,8 @@ def make_batch(x, pad, trim, device):
     return x.to(device), (None if bool(mask.all()) else mask.to(device))
 
 
+
+
 # -----------------------------------------------------------------------------
 # training and evaluation
 
@@ -646,26 +679,9 @@ def lr_at(step, args):
 
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
 RESUME_OVERRIDES = {'max_iters', 'eval_interval', 'eval_batch_size', 'log_interval', 'out_dir', 'device', 'threads',
-                    'save', 'progress', 'cache_dir', 'compare', 'bench', 'bench_lens', 'bench_lens_list', 'bench_attn',
-                    'bench_batch', 'bench_reps', 'bench_max_sec', 'bench_max_gb'}
-CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'history', 'best')
-
-
-def upgrade_run_config(config):
-    """A run's saved flags (ckpt.pt and results.json 'config') in today's names: the RENAMED keys, no_diff as
-    brl_gamma = not no_diff, rope from pos, and every model flag the old script lacked at ModelConfig's
-    default (the value it built its model with). A config already in today's names comes back unchanged."""
-    if 'pos' in config:
-        config = {'rope': config['pos'] == 'rope', **config}       # rope from pos, unless saved
-    return upgrade_flags(config, RENAMED, {'no_diff': 'brl_gamma'})
-
-
-def resume_checkpoint(args, path):
-    """--resume: the checkpoint; its settings win (args takes them), a flag given that conflicts is refused."""
-    state = load_checkpoint(path, SCRIPT, CKPT_KEYS)
-    state['config'] = upgrade_run_config(state['config'])
-    resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
-    return state
+                    'save', 'progress', 'cache_dir', 'compare', 'bench', 'bench_lens', 'bench_attn', 'bench_batch',
+                    'bench_reps', 'bench_max_sec', 'bench_max_gb'}
+CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'history', 'best', 'loop', 'data_rng', 'rng')
 
 
 def loop_state(n_train, gen, state, model, opt):
@@ -678,32 +694,9 @@ def loop_state(n_train, gen, state, model, opt):
         return st
     model.load_state_dict(state['model'])
     opt.load_state_dict(state['optimizer'])
-    if 'loop' not in state:      # a checkpoint from before exact resume: its step, history and best only
-        st.update(step=state['step'], history=state['history'], best=state['best'])
-        print('note: an older checkpoint without the batch order: the resumed run draws a new one')
-        return st
     gen.set_state(state['data_rng'])
     set_rng_state(state['rng'])
     return state['loop']
-
-
-def describe_run(args, model, data, device):
-    """Print the run's header line and its flags; -> the start of results.json (task, attn, params, config)."""
-    n_params = sum(p.numel() for p in model.parameters())
-    (xtr, _), (xva, _), (xte, _) = data['train'], data['val'], data['test']
-    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
-          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
-    config = {k: v for k, v in vars(args).items() if not k.startswith('_')}
-    print('config: ' + json.dumps(config, sort_keys=True))
-    return {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config}
-
-
-def save_run(path, model, opt, config, st, gen):
-    """ckpt.pt: all that an exact resume needs. -> its path."""
-    save_checkpoint(path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                           'config': config, 'step': st['step'], 'history': st['history'], 'best': st['best'],
-                           'loop': st, 'data_rng': gen.get_state(), 'rng': rng_state()})
-    return path
 
 
 def train(args):
@@ -712,39 +705,54 @@ def train(args):
     # config: the run folder; on --resume the checkpoint, whose settings win
     device = pick_device(args.device)
     ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
+    prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)
     prepare_out_dir(args.out_dir, [] if args.show else [ckpt_path, results_path], args.resume, args.overwrite)
-    state = resume_checkpoint(args, ckpt_path) if args.resume else None
+    state = None
+    if args.resume:
+        state = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+        resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
     torch.manual_seed(args.seed)
     # data
     data, meta = load_task(args)
     if args.show:
         path = os.path.join(args.out_dir, 'lra_pathfinder_samples.png')
-        show_pathfinder(data, path)
+        with io_errors('--out_dir', args.out_dir):
+            show_pathfinder(data, path)
         return report_outputs(samples=path)
-    if data['train'][0].shape[-1] > args.max_len:
-        raise SystemExit(f"sequences of length {data['train'][0].shape[-1]} exceed --max_len {args.max_len}")
     pad = not meta['pixels']     # token tasks pad with 0 and mask it; pixel tasks are all 1024 long
     # model and optimizer
-    try:
-        model, _ = build_model(args, meta)
-    except ValueError as e:      # bad model settings: attention.py's message names the value and what is valid
-        raise SystemExit(f"error: {e}") from None
-    model.to(device)
+    model = build_model(args, meta)[0].to(device)
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(args.seed)           # the batch order
     st = loop_state(len(data['train'][0]), gen, state, model, opt)
-    results = describe_run(args, model, data, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    (xtr, _), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
+    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
+          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
+    config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT}
+    print('config: ' + json.dumps(config, sort_keys=True))
+    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config}
+
+    def save():   # ckpt.pt: all that an exact resume needs
+        if not args.save:
+            return None
+        with io_errors('--out_dir', args.out_dir):
+            save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                                        'config': config, 'step': st['step'], 'history': st['history'],
+                                        'best': st['best'], 'loop': st, 'data_rng': gen.get_state(),
+                                        'rng': rng_state()})
+        return ckpt_path
     # the loop: evaluates and saves every eval_interval steps and at the end
-    save = (lambda: save_run(ckpt_path, model, opt, results['config'], st, gen)) if args.save else (lambda: None)
     speed = train_steps(model, opt, args, st, gen, data, pad, device, save)
     # the last evaluation and results.json
-    best, history, xte, yte = st['best'], st['history'], *data['test']
+    best, history = st['best'], st['history']
     results.update({'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
                     'final_test_acc': evaluate(model, xte, yte, args, pad, device),
                     'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
                     'majority_test_acc': float(np.bincount(yte).max() / len(yte)),  # always guess the commonest class
                     'train_seconds': st['t_train'], **speed, 'history': history})
-    write_json(results_path, results)
+    with io_errors('--out_dir', args.out_dir):
+        write_json(results_path, results)
     print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
           f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
     report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
@@ -882,20 +890,13 @@ def bench_options(args, device):
 def bench(args):
     import multiprocessing as mp
     device = pick_device(args.device)
-    Ts = args.bench_lens_list
-    kinds = [k.strip() for k in args.bench_attn.split(',')]
-    for k in kinds:
-        if k not in ATTENTION and k != 'standard_unfused':
-            raise SystemExit(f"--bench_attn: unknown attention {k!r}; valid: {', '.join(ATTENTION)}, standard_unfused")
-    if args.layer_pattern:
-        raise SystemExit(f"--layer_pattern {args.layer_pattern!r}: --bench times each --bench_attn variant in every "
-                         f"layer; drop --layer_pattern")
+    prepare_out_dir(args.out_dir)
     opts = bench_options(args, device)
     print(f"bench: {args.n_layer} layers, D={args.n_embd}, {args.n_head} heads, window {args.window}, "
           f"m={args.n_compressed}, batch {args.bench_batch}, fwd+bwd, device {device}, threads: {opts['threads']}")
     rows, ctx = [], mp.get_context('spawn')
-    for kind in kinds:
-        for T in Ts:
+    for kind in args._bench_attn:
+        for T in args._bench_lens:
             last = [r for r in rows if r['attn'] == kind and 'ms' in r]
             scores_gb = 3 * args.n_layer * args.bench_batch * args.n_head * T * T * 4 / 2 ** 30   # scores, probs, grad
             skip = None
@@ -912,9 +913,11 @@ def bench(args):
             rows.append(r if skip is None else {'attn': kind, 'T': T, 'skipped': skip})
             print(f"{kind:16s} T={T:6d}  " + (f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB" if skip is None
                                                else f"skipped ({skip})"))
-    write_json(os.path.join(args.out_dir, 'bench.json'), {'options': opts, 'rows': rows})
-    plot_bench(rows, os.path.join(args.out_dir, 'lra_bench.png'), opts)
-    report_outputs(results=os.path.join(args.out_dir, 'bench.json'), plot=os.path.join(args.out_dir, 'lra_bench.png'))
+    paths = os.path.join(args.out_dir, 'bench.json'), os.path.join(args.out_dir, 'lra_bench.png')
+    with io_errors('--out_dir', args.out_dir):
+        write_json(paths[0], {'options': opts, 'rows': rows})
+        plot_bench(rows, paths[1], opts)
+    report_outputs(results=paths[0], plot=paths[1])
     return rows
 
 
@@ -951,32 +954,45 @@ def plot_bench(rows, path, opts):
     print(f'saved {path}')
 
 
-def compare(dirs, path):
-    """Validation accuracy against training time for several runs (their results.json)."""
+def read_results(run_dir, flag):
+    """A finished run's results.json, refused in one line when missing, unreadable or of another FORMAT."""
+    try:
+        with open(os.path.join(run_dir, 'results.json')) as f:
+            r = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {run_dir!r}: no readable results.json there (not a finished train_lra.py run?): "
+                         f"{getattr(e, 'strerror', None) or e}") from None
+    check_format(r.get('config') if isinstance(r, dict) else None, f"{flag} {run_dir!r}: its results.json")
+    return r
+
+
+def compare(args):
+    """--compare: validation accuracy against training time for several runs (their results.json)."""
+    runs = [read_results(d, '--compare') for d in args._compare]
+    prepare_out_dir(args.out_dir)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for d in dirs:
-        with open(os.path.join(d, 'results.json')) as f:
-            r = json.load(f)
+    for r in runs:
         h = r['history']
         ax.plot([e['train_seconds'] for e in h], [e['val_acc'] for e in h], 'o-', ms=3,
                 label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
-    ax.axhline(r['majority_test_acc'], color='gray', ls=':', label='commonest class')
+    ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
     ax.set_xlabel('training time (s)')
     ax.set_ylabel('validation accuracy')
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    path = os.path.join(args.out_dir, 'lra_compare.png')
+    with io_errors('--out_dir', args.out_dir):
+        fig.savefig(path, dpi=90)
     plt.close(fig)
-    print(f'saved {path}')
+    report_outputs(plot=path)
 
 
 # -----------------------------------------------------------------------------
-# --sweep listops (issue 20): local, full and BRL attention and BRL's two ablations on generated ListOps long enough
-# that local attention's reach over all its layers is a small part of every sequence; --seeds seeds each, every run
-# its own train_lra.py process with one thread. A cut-off study resumes: finished runs are reused (their saved
-# settings compared with the study's), cut-off ones continue from their checkpoint (as train_lm.py --sweep compare).
+# --sweep listops: local, full and BRL attention and BRL's two ablations on generated ListOps long enough that
+# local attention's reach over all its layers is a small part of every sequence; --seeds seeds each, every run a
+# `train_lra.py` process with one thread in its own folder (runs.sweep: finished runs reused, cut-off ones resumed).
 
 # variant -> the flags of its runs (the paper's names, seed 004 Tables 1-2)
 STUDY_VARIANTS = {
@@ -1003,7 +1019,7 @@ STUDY = dict(
     batch_size=16,               # Table 12: 64; a quarter, for 1200 steps in the budget (batch 32 timed at ~170 min)
     lr=1e-3, warmup_iters=100,   # Table 12: 1e-4 (with 5000+ steps at width 512); ours 1e-3 (muP, width 64)
     max_iters=1200, eval_interval=100,      # the budget: 15 runs x 1200 steps ~ 93 min on an idle 2-core machine
-                                 # (--estimate); full attention left the 17% plateau by step 150 in a trial, local not
+                                 # (--estimate); full attention left the 17% plateau by step 150, local did not
     data_seed=0)                 # one data set for every run: seeds vary init and batch order, pairs share the test set
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
@@ -1032,61 +1048,24 @@ def study_run_argv(args, variant, seed):
             '--out_dir', study_run_dir(args, variant, seed), '--threads', '1', '--no-progress']
 
 
-def study_run_state(run_dir, argv):
-    """'done' (results.json), 'partial' (a checkpoint to --resume) or 'new'. A folder holding a run of other
-    settings is refused (ValueError), so that a study never mixes two configurations; a run saved by an older
-    train_lra.py is compared in today's names (upgrade_run_config)."""
-    results, ckpt = os.path.join(run_dir, 'results.json'), os.path.join(run_dir, 'ckpt.pt')
+def study_run_state(run):
+    """runs.run_state of a run's folder: 'done' (results.json), 'partial' (a checkpoint to --resume) or 'new'; a
+    folder holding a run of other settings (or of another FORMAT) is refused, so a study never mixes two."""
+    results, ckpt = os.path.join(run.out_dir, 'results.json'), os.path.join(run.out_dir, 'ckpt.pt')
+    saved = None
     if os.path.exists(results):
-        with open(results) as f:
-            saved = json.load(f)['config']
+        saved = read_results(run.out_dir, '--sweep_dir')['config']
     elif os.path.exists(ckpt):
         saved = load_checkpoint(ckpt, SCRIPT, CKPT_KEYS)['config']
-    else:
-        return 'new'
-    have, want = upgrade_run_config(saved), vars(parse_args(argv))
     # compared, though a resume may change them: max_iters sets the lr schedule, eval_interval the best-val selection
-    skip = (RESUME_OVERRIDES - {'max_iters', 'eval_interval'}) | {'resume', 'overwrite'}
-    diff = [k for k in sorted(have) if k in want and k not in skip and have[k] != want[k]]
-    if diff:
-        k = diff[0]
-        raise ValueError(f"{run_dir} holds a run with --{k} {have[k]!r}, this study asks {want[k]!r}: use another "
-                         f"--sweep_dir, or --no-reuse to train every run again")
-    return 'done' if os.path.exists(results) else 'partial'
+    free = (RESUME_OVERRIDES - {'max_iters', 'eval_interval'}) | {'resume', 'overwrite'}
+    return run_state(saved, vars(parse_args(run.argv)), free, run.out_dir, os.path.exists(results))
 
 
-def study_jobs(args, plan):
-    """-> (jobs [(name, argv, run_dir)] still to train, names of the finished runs reused)."""
-    jobs, reused = [], []
-    for variant, seed, run_dir in plan:
-        argv = study_run_argv(args, variant, seed)
-        state = study_run_state(run_dir, argv) if args.reuse else 'new'
-        if state == 'done':
-            reused.append(os.path.basename(run_dir))
-        else:
-            jobs.append((os.path.basename(run_dir), argv + ['--resume' if state == 'partial' else '--overwrite'],
-                         run_dir))
-    return jobs, reused
-
-
-def read_study_runs(plan):
-    """Every run of the plan from its results.json (done) or not (done False, left out of the statistics)."""
-    runs = []
-    for variant, seed, run_dir in plan:
-        path, r = os.path.join(run_dir, 'results.json'), {}
-        if os.path.exists(path):
-            with open(path) as f:
-                r = json.load(f)
-        runs.append(dict(variant=variant, seed=seed, out_dir=run_dir, done=bool(r), history=r.get('history', []),
-                         **{k: r.get(k) for k in ('test_acc_at_best_val', 'best_val_acc', 'best_step',
-                                                  'final_test_acc', 'majority_test_acc', 'train_seconds',
-                                                  'ms_per_step')}))
-    return runs
-
-
-def study_seconds_per_step(a, meta, repeats=2):
-    """Wall seconds of one training step (forward, backward, AdamW) of the run settings `a` on a random batch at
-    max_len with 1 thread, the best of `repeats` after a warm-up step: what a run pays per step here now."""
+def run_seconds(a, meta, repeats=2):
+    """A run's estimated 1-thread seconds: one training step (forward, backward, AdamW) of the run settings `a` on
+    a random batch at max_len timed now, times the steps plus the evaluations (a forward ~1/3 of a step; the test
+    set counted at every evaluation, an upper bound), plus the process start."""
     torch.manual_seed(0)
     model = build_model(a, meta)[0]
     opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr)
@@ -1097,63 +1076,35 @@ def study_seconds_per_step(a, meta, repeats=2):
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return one_thread_seconds(step, repeats)
+    s = one_thread_seconds(step, repeats)
+    evals = -(-a.max_iters // a.eval_interval)
+    return (a.max_iters + evals * (a.n_val + a.n_test) / a.batch_size / 3) * s + STARTUP_SECONDS
 
 
-def study_estimate(args, variants, plan, jobs, meta):
-    """Print (and return) per variant the s/step timed now and the minutes per run (steps, plus evaluations: a
-    forward ~1/3 of a step; the test set counted at every evaluation, an upper bound), and the study's wall time
-    on --workers processes, in all and for the runs still to train."""
-    minutes = {}
-    print("study estimate: s/step timed now at T = max_len, 1 thread, one process (a busy machine reads slower; "
-          "parallel runs share memory bandwidth)")
-    for v in variants:
-        a = parse_args(study_run_argv(args, v, args.seed))
-        s = study_seconds_per_step(a, meta)
-        evals = -(-a.max_iters // a.eval_interval)
-        minutes[v] = ((a.max_iters + evals * (a.n_val + a.n_test) / a.batch_size / 3) * s + STARTUP_SECONDS) / 60
-        print(f"  {v:13s} {a.max_iters:6d} steps | {s:6.3f} s/step | {minutes[v]:6.1f} min/run")
-
-    def wall(names):   # the study's own order: the next run starts on the first free worker
-        free = [0.0] * max(1, args.workers)
-        for name in names:
-            free[free.index(min(free))] += minutes[name.rsplit('_seed', 1)[0]]
-        return max(free)
-    total, left = wall([os.path.basename(d) for _, _, d in plan]), wall([name for name, _, _ in jobs])
-    print(f"  whole study: {len(plan)} runs on {max(1, args.workers)} worker(s): ~{total:.0f} min; "
-          f"still to train: {len(jobs)} run(s), ~{left:.0f} min")
-    return dict(minutes_per_run=minutes, study_minutes=total, remaining_minutes=left)
-
-
-def study_stats(runs, variants):
-    """Per variant over its finished seeds: test accuracy at the best validation accuracy (model selection on
-    val), best val, its step, the last checkpoint's test accuracy; per other variant: paired BRL - variant."""
-    done = [r for r in runs if r['done']]
+def study_stats(results, variants):
+    """Per variant over its finished seeds ({(variant, seed): results}): test accuracy at the best validation
+    accuracy (model selection on val), best val, its step, the last step's test accuracy; per other variant:
+    the paired difference BRL - variant."""
     per = {}
     for v in variants:
-        rs = [r for r in done if r['variant'] == v]
+        rs = {s: r for (w, s), r in results.items() if w == v}
         if rs:
-            per[v] = dict(seeds=[r['seed'] for r in rs],
-                          test_at_best_val=mean_std([r['test_acc_at_best_val'] for r in rs]),
-                          best_val=mean_std([r['best_val_acc'] for r in rs]),
-                          best_step=mean_std([r['best_step'] for r in rs]),
-                          final_test=mean_std([r['final_test_acc'] for r in rs]),
-                          train_minutes=float(np.mean([r['train_seconds'] for r in rs])) / 60)
-    acc = {(r['variant'], r['seed']): r['test_acc_at_best_val'] for r in done}
+            per[v] = dict(seeds=list(rs), **{k: mean_std([r[key] for r in rs.values()]) for k, key in (
+                ('test_at_best_val', 'test_acc_at_best_val'), ('best_val', 'best_val_acc'),
+                ('best_step', 'best_step'), ('final_test', 'final_test_acc'))},
+                train_minutes=float(np.mean([r['train_seconds'] for r in rs.values()])) / 60)
     paired = {}
     for b in (v for v in per if v != 'brl' and 'brl' in per):
         seeds = [s for s in per['brl']['seeds'] if s in per[b]['seeds']]
         if seeds:
-            paired[b] = dict(seeds=seeds, **paired_difference([acc['brl', s] - acc[b, s] for s in seeds]))
-    return dict(variants=per, paired=paired, majority_test_acc=done[0]['majority_test_acc'])
-
-
-def pct(ms):
-    return pm(ms, 1, 100)
+            paired[b] = dict(seeds=seeds, **paired_difference([results['brl', s]['test_acc_at_best_val'] -
+                                                               results[b, s]['test_acc_at_best_val'] for s in seeds]))
+    return dict(variants=per, paired=paired, majority_test_acc=next(iter(results.values()))['majority_test_acc'])
 
 
 def study_table(stats):
     """The markdown tables of study_stats (accuracies in %)."""
+    pct = lambda ms: pm(ms, 1, 100)
     lines = ['| variant | seeds | test acc at best val | best val acc | best step | last-step test acc | '
              'train min/run | paper (seed 004 Tables 1-2) |', '| --- | --- | --- | --- | --- | --- | --- | --- |']
     for v, s in stats['variants'].items():
@@ -1165,52 +1116,63 @@ def study_table(stats):
     return '\n'.join(lines) + '\n'
 
 
-def study_plot(runs, variants, majority, path):
-    """Validation accuracy against steps and against training wall time: mean over seeds, band = ± 1 std."""
-    histories = {v: hs for v in variants if (hs := [r['history'] for r in runs if r['variant'] == v and r['done']])}
-    plot_seed_bands(path, histories, ('step', 'train_seconds'),
-                    ('training steps', 'training wall time (s), 1 thread per run'), 'val_acc',
-                    'validation accuracy (%)', 'generated ListOps: local vs full vs BRL attention, mean over seeds, '
-                    'band = ± 1 std', scale=100, hline=(100 * majority, 'commonest test label'))
-
-
 def study(args):
-    """--sweep listops: the plan (variants x seeds, seed-major, so that a cut-off study has whole seeds), the data
-    (generated once, here, before the runs read it), the estimate, the runs, then <sweep_dir>/sweep.json, table.md
-    and lra_study.png."""
+    """--sweep listops: the runs (variants x seeds), their states (a folder of other settings is refused before
+    any work), the data (generated once, here, before the runs read it), each run's time estimate, the runs
+    (runs.sweep), then <sweep_dir>/sweep.json, table.md and lra_study.png."""
     variants, seeds = args.variants.split(','), [args.seed + i for i in range(args.seeds)]
-    plan = [(v, s, study_run_dir(args, v, s)) for s in seeds for v in variants]
-    os.makedirs(args.sweep_dir, exist_ok=True)
-    jobs, reused = study_jobs(args, plan)            # refuses a folder of other settings before any work
-    meta = load_task(parse_args(study_run_argv(args, variants[0], seeds[0])))[1]
-    estimate = study_estimate(args, variants, plan, jobs, meta)
+    prepare_out_dir(args.sweep_dir, flag='--sweep_dir')
+    prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)
+    runs = [Run(f'{v}_seed{s}', v, s, study_run_argv(args, v, s), study_run_dir(args, v, s))
+            for s in seeds for v in variants]
+    states = {r.name: study_run_state(r) if args.reuse else 'new' for r in runs}
+    meta = load_task(parse_args(runs[0].argv))[1]
+    print("study estimate: s/step timed now at T = max_len, 1 thread, one process (a busy machine reads slower; "
+          "parallel runs share memory bandwidth)")
+    seconds = {v: run_seconds(parse_args(study_run_argv(args, v, args.seed)), meta) for v in variants}
+    for r in runs:
+        r.seconds = seconds[r.group]
+    print('\n'.join(f"  {v:13s} {s / 60:6.1f} min/run" for v, s in seconds.items()))
     if args.estimate:
-        return estimate
-    print(f"study: {len(reused)} finished run(s) reused, {len(jobs)} to train", flush=True)
-    codes = run_processes(jobs, args.workers, __file__, main, tag='study')
-    runs = read_study_runs(plan)
-    if not any(r['done'] for r in runs):
+        wall = longest_first_wall([r.seconds for r in runs], args.workers) / 60
+        print(f"  whole study: {len(runs)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min")
+        return dict(minutes_per_run={v: s / 60 for v, s in seconds.items()}, study_minutes=wall)
+    codes = sweep(runs, states, __file__, main, args.workers, tag='study')
+    results = {(r.group, r.seed): read_results(r.out_dir, '--sweep_dir') for r in runs
+               if os.path.exists(os.path.join(r.out_dir, 'results.json'))}
+    if not results:
         raise ValueError(f"no run of the study finished; see the train.log files in {args.sweep_dir}")
-    stats = study_stats(runs, variants)
+    stats = study_stats(results, variants)
     table = study_table(stats)
     paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'),
                                                             ('plot', 'lra_study.png'))}
-    write_json(paths['json'], dict(sweep=args.sweep, quick=args.quick, variants=variants, seeds=seeds,
-                                   variant_flags={v: STUDY_VARIANTS[v] for v in variants}, command=args._argv,
-                                   estimate=estimate, runs=runs, stats=stats))
-    atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
-    study_plot(runs, variants, stats['majority_test_acc'], paths['plot'])
-    missing = [os.path.basename(r['out_dir']) for r in runs if not r['done']]
+    rows = [dict(variant=v, seed=s, out_dir=study_run_dir(args, v, s),
+                 **{k: r[k] for k in ('test_acc_at_best_val', 'best_val_acc', 'best_step', 'final_test_acc',
+                                      'majority_test_acc', 'train_seconds', 'ms_per_step', 'history')})
+            for (v, s), r in results.items()]
+    with io_errors('--sweep_dir', args.sweep_dir):
+        write_json(paths['json'], dict(sweep=args.sweep, quick=args.quick, variants=variants, seeds=seeds,
+                                       variant_flags={v: STUDY_VARIANTS[v] for v in variants}, command=args._argv,
+                                       minutes_per_run={v: s / 60 for v, s in seconds.items()}, runs=rows,
+                                       stats=stats, format=FORMAT))
+        write_text(paths['table'], table)
+        plot_seed_bands(paths['plot'], {v: [r['history'] for r in rows if r['variant'] == v]
+                                        for v in stats['variants']}, ('step', 'train_seconds'),
+                        ('training steps', 'training wall time (s), 1 thread per run'), 'val_acc',
+                        'validation accuracy (%)', 'generated ListOps: local vs full vs BRL attention, mean over '
+                        'seeds, band = ± 1 std', scale=100, hline=(100 * stats['majority_test_acc'],
+                                                                  'commonest test label'))
+    missing = [r.name for r in runs if (r.group, r.seed) not in results]
     print(table + (f"not finished (left out): {', '.join(missing)}\n" if missing else ''))
     report_outputs(json=paths['json'], table=paths['table'], plot=paths['plot'])
-    return dict(runs=runs, stats=stats, table=table, reused=reused, trained=[j[0] for j in jobs], codes=codes,
-                paths=paths)
+    return dict(runs=rows, stats=stats, table=table, states=states, codes=codes, paths=paths)
 
 
 # -----------------------------------------------------------------------------
 # command line
 
-def add_task_args(p):
+def build_parser():
+    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
     g = p.add_argument_group('task and data')
     g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
     g.add_argument('--data', default='', help='folder with the official release files of --task (see the '
@@ -1236,9 +1198,7 @@ def add_task_args(p):
                    'the one switch of RoPE here (--rope must agree with it)')
     g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
                    help='image / pathfinder: pixel value as a token (LRA, 256 entries) or Linear(1 -> D) of value/255')
-
-
-def add_train_args(p):
+    add_model_args(p, **LRA_MODEL_DEFAULTS)          # attention.ModelConfig's fields, as in every train script
     g = p.add_argument_group('optimization')
     g.add_argument('--max_iters', type=int, default=600, help='training steps')
     g.add_argument('--batch_size', type=int, default=32, help='training batch size')
@@ -1254,9 +1214,6 @@ def add_train_args(p):
     g.add_argument('--log_interval', type=int, default=50, help='steps between log lines')
     g.add_argument('--compare', default='', help='comma list of run dirs: plot their validation accuracy vs '
                    'training time to <out_dir>/lra_compare.png and exit')
-
-
-def add_bench_args(p):
     g = p.add_argument_group('benchmark (--bench: the model above, random tokens, one fwd+bwd per point)')
     g.add_argument('--bench', action='store_true', help='time and peak memory vs sequence length, then exit')
     g.add_argument('--bench_lens', default='1024,2048,4096,8192,16384', help='comma list of sequence lengths')
@@ -1268,9 +1225,6 @@ def add_bench_args(p):
                    'variant, scaled by (T/T_last)^2, predicts more seconds per step than this')
     g.add_argument('--bench_max_gb', type=float, default=4.0, help='skip standard_unfused where its T x T '
                    'scores, probabilities and their gradient would take more than this (GB)')
-
-
-def add_study_args(p):
     g = add_sweep_args(p, 'listops', STUDY_VARIANTS, '', 'ListOps study (--sweep listops): local, full, BRL, 2 BRL '
                        'ablations x seeds', 'train --variants x --seeds on the study setting (STUDY in the source; '
                        'flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir',
@@ -1278,33 +1232,6 @@ def add_study_args(p):
                        'out/lra_listops_study_quick)')
     g.add_argument('--quick', action='store_true', help='--sweep: 40-128 tokens, window 4, 60 steps: the machinery '
                    'end to end in minutes (its accuracies mean little)')
-
-
-def check_study_args(p, args):
-    """One-line errors for the study's flags (exit 2), before any work."""
-    if not args.sweep:
-        if args.quick or args.estimate:
-            p.error(f"--{'quick' if args.quick else 'estimate'} belongs to --sweep listops")
-        return
-    names = args.variants.split(',')
-    bad = [v for v in names if v not in STUDY_VARIANTS]
-    if bad:
-        p.error(f"--variants {args.variants!r}: {bad[0]!r} is not a study variant; valid (comma list): "
-                f"{', '.join(STUDY_VARIANTS)}")
-    if len(set(names)) < len(names):
-        p.error(f"--variants {args.variants!r}: a variant is named twice")
-    if args.workers < 0:
-        p.error(f"--workers {args.workers}: must be >= 0 (0 = one run after another in this process)")
-    clash = [f for f, on in (('--task', args.task != 'listops'), ('--data', args.data),
-                             ('--preset', args.preset != 'none'), ('--resume', args.resume),
-                             ('--overwrite', args.overwrite), ('--compare', args.compare), ('--bench', args.bench),
-                             ('--out_dir', args.out_dir), ('--show', args.show)) if on]
-    if clash:
-        p.error(f"{clash[0]} does not go with --sweep listops (generated ListOps; its runs live in --sweep_dir, "
-                f"finished ones are reused and cut-off ones resumed by themselves)")
-
-
-def add_system_args(p):
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', default='', help='output folder (default out/lra_<task>_<attn>)')
     g.add_argument('--device', default='auto', help='auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...')
@@ -1316,60 +1243,109 @@ def add_system_args(p):
                    'an out_dir that holds a run is refused)')
     g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write ckpt.pt at each eval')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
-
-
-def build_parser():
-    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
-    add_task_args(p)
-    add_model_args(p, **LRA_MODEL_DEFAULTS)          # attention.ModelConfig's fields, as in every train script
-    add_train_args(p)
-    add_bench_args(p)
-    add_study_args(p)
-    add_system_args(p)
-    # the old spellings, for one release (a note names the new one)
-    for old, new in RENAMED.items():
-        add_deprecated(p, f'--{old}', f'--{new}')
-    add_deprecated(p, '--no_diff', '--no-brl_gamma', const=False)
     return p
+
+
+# The ranges of the numeric flags (the other model flags: attention.check_config, on the meta-device model). Every
+# number must be finite and an integer fit int64 (torch's seeds and sizes); these bounds come on top.
+POSITIVE = ('n_layer', 'n_embd', 'n_head', 'window', 'n_compressed', 'max_len', 'n_train', 'n_val', 'n_test',
+            'max_iters', 'batch_size', 'lr', 'eval_interval', 'eval_batch_size', 'log_interval', 'bench_batch', 'bench_reps', 'bench_max_sec', 'bench_max_gb')
+NON_NEGATIVE = ('mlp_hidden', 'min_len', 'warmup_iters', 'weight_decay', 'grad_clip', 'trim', 'seed', 'threads',
+                'workers')
+UPPER = dict(lr=10.0,                         # beyond it AdamW's update overflows float32
+             weight_decay=1.0,                # AdamW decays weights by lr * weight_decay per step
+             threads=4 * (os.cpu_count() or 1), workers=4 * (os.cpu_count() or 1), seeds=1000)
+INT64_MAX = 2 ** 63 - 1
+
+
+def check_numbers(p, args):
+    """parser.error (exit 2) at the first numeric flag outside the range the code can use."""
+    for a in p._actions:
+        v = getattr(args, a.dest, None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        hi = UPPER.get(a.dest, INT64_MAX)
+        if (abs(v) > INT64_MAX if isinstance(v, int) else not math.isfinite(v)) or v > hi:
+            p.error(f"--{a.dest} {v}: must be a finite number <= {hi:g}")
+    check_ranges(p, args, POSITIVE, NON_NEGATIVE)
+    if args.data_seed < -1:
+        p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
+
+
+def comma_list(p, args, name, kind=str, valid=None):
+    """--name's comma list as a list of kind: an empty item, a duplicate, an item that is not a (positive, for
+    int) kind or not in valid is parser.error (exit 2)."""
+    text = getattr(args, name)
+    try:
+        items = [kind(t.strip()) for t in text.split(',')]
+    except ValueError:
+        items = ['']
+    bad = [t for t in items if t == '' or (kind is int and t <= 0) or (valid is not None and t not in valid)]
+    if bad:
+        p.error(f"--{name} {text!r}: {bad[0]!r} is not valid; expected a comma list of "
+                + (', '.join(valid) if valid is not None else 'positive integers' if kind is int else 'names'))
+    if len(set(items)) < len(items):
+        p.error(f"--{name} {text!r}: {next(t for t in items if items.count(t) > 1)!r} is named twice")
+    return items
+
+
+def check_memory(p, args, model):
+    """Refuse (exit 2) a run whose weights, gradients and AdamW moments (16 bytes a parameter), generated data
+    (int64 ids) and, on CPU, one training batch's activations (4 floats per token, channel and layer: a lower
+    bound) would not fit in this machine's memory."""
+    n_params = sum(t.numel() for t in model.parameters())
+    docs = 2 if args.task == 'retrieval' else 1
+    data = 0 if args.data else 8 * (args.n_train + args.n_val + args.n_test) * args.max_len * docs
+    cpu = args.device == 'cpu' or (args.device == 'auto' and not torch.cuda.is_available())
+    acts = 4 * 4 * args.batch_size * args.max_len * docs * args.n_embd * args.n_layer if cpu else 0
+    need, have = 16 * n_params + data + acts, os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    if need > have:
+        p.error(f"this run needs at least {need / 2 ** 30:.1f} GiB of memory ({n_params:,} parameters, "
+                f"{data / 2 ** 30:.1f} GiB of data), this machine has {have / 2 ** 30:.1f} GiB: make the model, "
+                f"--max_len, --n_train or --batch_size smaller")
 
 
 def check_args(p, args):
     """One-line errors (exit 2) for flags out of range or in conflict, before any work."""
-    if args.task in ('image', 'pathfinder') and args.max_len != 1024:
-        p.error(f"--max_len {args.max_len}: {args.task} images are 32 x 32 = 1024 pixels, use 1024")
-    if args.show and args.task != 'pathfinder':
-        p.error("--show draws Pathfinder samples: use it with --task pathfinder")
+    check_numbers(p, args)
     if args.attn not in ATTENTION and args.attn != 'global_swa':
         p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}, global_swa")
+    if args.task in ('image', 'pathfinder') and args.max_len != 1024:
+        p.error(f"--max_len {args.max_len}: {args.task} images are 32 x 32 = 1024 pixels, use 1024")
+    if args.task in ('text', 'retrieval', 'image') and not args.data and not (args.bench or args.compare):
+        p.error(f"--task {args.task} has no generator here: pass --data with the release files")
+    if args.show and args.task != 'pathfinder':
+        p.error("--show draws Pathfinder samples: use it with --task pathfinder")
     if args.rope != (args.pos == 'rope') and 'rope' in args._given:
         p.error(f"--{'' if args.rope else 'no-'}rope with --pos {args.pos}: LRA's positions are set by --pos; "
                 f"use --pos rope for RoPE (and leave out --rope)")
-    for name in ('max_len', 'max_iters', 'batch_size', 'n_layer', 'n_embd', 'n_head', 'eval_interval', 'log_interval',
-                 'n_train', 'n_val', 'n_test', 'eval_batch_size'):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} {getattr(args, name)}: must be > 0")
-    check_ranges(p, args, positive=['lr', 'window', 'n_compressed', 'bench_batch', 'bench_reps', 'bench_max_sec',
-                                    'bench_max_gb'],
-                 non_negative=['warmup_iters', 'trim', 'min_len', 'mlp_hidden', 'weight_decay', 'grad_clip', 'threads'])
-    try:
-        args.bench_lens_list = [int(t) for t in args.bench_lens.split(',')]
-    except ValueError:
-        args.bench_lens_list = []
-    if not args.bench_lens_list or min(args.bench_lens_list) <= 0:
-        p.error(f"--bench_lens {args.bench_lens!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
-    if args.data_seed < -1:
-        p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
+    args._bench_lens = comma_list(p, args, 'bench_lens', int)
+    args._bench_attn = comma_list(p, args, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
+    args._compare = comma_list(p, args, 'compare') if args.compare else []
+    if args.bench and args.layer_pattern:
+        p.error(f"--layer_pattern {args.layer_pattern!r}: --bench times each --bench_attn variant in every layer; "
+                f"drop --layer_pattern")
     if not args.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
         try:
-            cfg = model_config(args, block_size=args.max_len + (args.pooling == 'cls'), causal=False,
-                               rope=args.pos == 'rope')
             with torch.device('meta'):
-                Transformer(cfg)
+                model = build_model(args, task_meta(args.task))[0]
         except ValueError as e:
             p.error(str(e))
-    check_study_args(p, args)
+        check_memory(p, args, model)
+    if not args.sweep:
+        if args.quick or args.estimate:
+            p.error(f"--{'quick' if args.quick else 'estimate'} belongs to --sweep listops")
+        return
+    comma_list(p, args, 'variants', valid=tuple(STUDY_VARIANTS))
+    clash = [f for f, on in (('--task', args.task != 'listops'), ('--data', args.data),
+                             ('--preset', args.preset != 'none'), ('--resume', args.resume),
+                             ('--overwrite', args.overwrite), ('--compare', args.compare), ('--bench', args.bench),
+                             ('--out_dir', args.out_dir), ('--show', args.show)) if on]
+    if clash:
+        p.error(f"{clash[0]} does not go with --sweep listops (generated ListOps; its runs live in --sweep_dir, "
+                f"finished ones are reused and cut-off ones resumed by themselves)")
 
 
 def parse_args(argv=None):
@@ -1402,14 +1378,8 @@ def main(argv=None):
     if args.sweep:
         return study(args)
     if args.compare:
-        dirs = [d.strip() for d in args.compare.split(',')]
-        missing = [d for d in dirs if not os.path.isfile(os.path.join(d, 'results.json'))]
-        if missing:
-            raise ValueError(f"--compare {missing[0]!r}: no results.json there (not a finished train_lra.py run?)")
-        prepare_out_dir(args.out_dir)
-        return compare(dirs, os.path.join(args.out_dir, 'lra_compare.png'))
+        return compare(args)
     if args.bench:
-        prepare_out_dir(args.out_dir)
         return bench(args)
     return train(args)
 

