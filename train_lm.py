@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
-                       Transformer, optimizer_groups)
+                       Transformer, optimizer_groups, paper_logit_scale)
 from runs import (FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
                   content_digest, ctrl_c_finishes_step, given_flags, load_checkpoint, longest_first_wall, mean_std,
                   model_config, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, pick_device,
@@ -117,7 +117,7 @@ PRESETS = {
         ranks='32|8|6|4|4|4|4|2',     # submit script: mlr_rank_list
         mlr_divide_levels=True,       # submit script: mlr_block_divide_by_num_levels=True (covering levels)
         qk_ln=True,                   # config: do_qk_ln = True (MLR: whole head, before the rank split)
-        logit_scale='paper',          # per --attn, see PAPER_LOGIT_SCALE: MLR 1/r_l, standard / SWA 8/d
+        logit_scale='paper',          # per --attn (attention.LOGIT_SCALE_DEFAULTS): MLR 1/r_l, standard / SWA 8/d
         mup_alpha=8.0,                # src/model.py: k * 8 / sqrt(d) when mha_SP_attn_logits_scaling=False
         mup_base_width=768,           # src/muP.py: base_width_factor = 768 (lr x 768 / fan_in)
         emb_std=0.02,                 # src/muP.py: wte and wpe N(0, 0.02^2), lr x 1
@@ -151,25 +151,6 @@ PRESETS['compare'] = {
     'eval_iters': 20,                 # official 200 x 32 sequences; 20 x 4 here, the same batches every time
 }
 
-# logit_scale 'paper': the scale each variant had in the official LM code (attention.logit_scales).
-PAPER_LOGIT_SCALE = {
-    'mlr': 'inv',                     # AttentionMLR: c_l = 1 / r_l
-    'standard': 'mup', 'swa': 'mup',  # mha_SP_attn_logits_scaling=False: 8 / d
-    'global_swa_split': 'mup',        # CausalSelfGlobalSlidingWindowAttention: 8 / r_global, 8 / r_local
-    'bilinear_mlr': 'mup',            # submit script's bilinear block: bilinear_mlr_muP_attn_logits_scaling=True
-}                                     # others (bilinear_btt, linear, brl): 'auto'
-
-
-def paper_logit_scale(attn, layer_pattern, n_layer, global_layers):
-    """logit_scale 'paper' resolved for this model: the one PAPER_LOGIT_SCALE value all its layers share."""
-    cfg = ModelConfig(n_layer=n_layer, attn=attn, layer_pattern=layer_pattern, global_layers=global_layers)
-    rules = {k: PAPER_LOGIT_SCALE.get(k, 'auto') for k in cfg.layer_kinds()}
-    if len(set(rules.values())) > 1:
-        raise ValueError(f"--logit_scale paper: the official code scales these layers differently ({rules}); "
-                         f"give --logit_scale auto, sqrt, mup or inv")
-    return next(iter(rules.values()))
-
-
 SWEEP_VARIANTS = ('standard', 'mlr', 'swa', 'global_swa', 'brl')
 # train_lm.py's defaults that differ from ModelConfig's (the presets set the rest; PRESETS['cpu'] is the default)
 LM_MODEL_DEFAULTS = dict(ranks='auto')
@@ -200,7 +181,7 @@ def build_parser():
     add_model_args(p, **LM_MODEL_DEFAULTS)
     flag = p._option_string_actions
     flag['--ranks'].help += "; auto: the paper's 32|8|6|4|4|4|4|2 scaled to d and T (default_ranks)"
-    flag['--logit_scale'].help += "; paper: the official LM run's scale for --attn (PAPER_LOGIT_SCALE)"
+    flag['--logit_scale'].help += "; paper: the official LM run's scale for --attn (attention.LOGIT_SCALE_DEFAULTS)"
 
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=positive_int, help='sequences per micro-step per process')
@@ -255,7 +236,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(parser, args)
     args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
-    if args.logit_scale == 'paper':  # the official LM run's scale for this --attn (PAPER_LOGIT_SCALE)
+    if args.logit_scale == 'paper':  # the official LM run's scale for this --attn
         args.logit_scale = paper_logit_scale(args.attn, args.layer_pattern, args.n_layer, args.global_layers)
     args._given = sorted(given_flags(parser, argv))  # the flags on the command line
     args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
