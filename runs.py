@@ -107,6 +107,45 @@ def check_ranges(parser, args, positive=(), non_negative=()):
                 parser.error(f"--{name} {v}: must be {'' if math.isfinite(v) else 'a finite number '}{valid}")
 
 
+CPUS = os.cpu_count() or 1
+INT64 = 2 ** 63 - 1
+# Every script holds these flags to these intervals: a number the code can use. --lr 1e300 overflows AdamW's
+# update, a seed must fit torch's 64-bit generator, and 100000 OpenMP threads crash the process.
+RANGES = dict(lr='(0, 10]', weight_decay='[0, 10]', seed=f'[0, {INT64}]', threads=f'[0, {4 * CPUS}]',
+              workers=f'[0, {4 * CPUS}]')
+
+
+def in_interval(v, interval):
+    """Whether v is a finite number in an interval written as '(0, 10]' ('inf' for no bound)."""
+    lo, hi = (int(s) if s.lstrip('-').isdigit() else float(s) for s in interval[1:-1].split(', '))
+    return (math.isfinite(v) and (lo < v if interval[0] == '(' else lo <= v)
+            and (v < hi if interval[-1] == ')' else v <= hi))
+
+
+def check_numbers(parser, args, ranges=None):
+    """parser.error (exit 2) at the first numeric flag that is not a finite number in its interval: RANGES, then
+    the script's own {flag: interval}; a flag named in neither must still be finite and fit in 64 bits."""
+    ranges = {**RANGES, **(ranges or {})}
+    for a in parser._actions:
+        v = getattr(args, a.dest, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            interval = ranges.get(a.dest, f'[-{INT64}, {INT64}]')
+            if not in_interval(v, interval):
+                parser.error(f"--{a.dest} {v}: must be a finite number in {interval}")
+
+
+def no_repeats(parser, name, items):
+    """parser.error (exit 2) when the list flag --name names an item twice."""
+    twice = [v for i, v in enumerate(items) if v in items[:i]]
+    if twice:
+        parser.error(f"--{name} names {twice[0]!r} twice: give each once")
+
+
+def physical_memory():
+    """Bytes of RAM on this machine: settings that surely need more are refused before any work."""
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
 def given_flags(parser, argv=None):
     """The dests of the flags written on the command line, a flag given with its default value too."""
     actions, defaults = [(a, a.default) for a in parser._actions], parser._defaults
@@ -164,6 +203,28 @@ def atomic_write(path, write):
         if isinstance(e, RuntimeError) and not isinstance(e, Diverged):   # torch.save's writer on a full disk
             raise OSError(f"cannot write {path}: {' '.join(str(e).split())[:160]}") from None
         raise
+
+
+@contextlib.contextmanager
+def io_errors(flag, path):
+    """An OS or torch I/O failure inside (disk full, a file in the way, no permission) becomes one OSError naming
+    the flag and its path (run_main: one line, exit 1)."""
+    try:
+        yield
+    except OSError as e:
+        if str(e).startswith('--'):                      # named already, by an inner io_errors
+            raise
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else e.strerror or str(e)
+        raise OSError(f"{flag} {path!r}: {what}") from None
+
+
+def check_writable(path, flag):
+    """The folder of the output file `path` can be created and written: checked before the work, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with io_errors(flag, path):
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
 
 
 def write_json(path, obj, **kw):
@@ -608,39 +669,3 @@ def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# -----------------------------------------------------------------------------
-# TO BE REMOVED once no script uses them (backward compatibility for runs of earlier versions)
-
-def upgrade_flags(saved, renamed, inverted=None):
-    inverted = inverted or {}
-    new = {renamed.get(k, k): v for k, v in saved.items() if k not in inverted}
-    new.update({inverted[k]: not v for k, v in saved.items() if k in inverted})
-    for f in fields(ModelConfig):
-        if f.name not in TASK_FIELDS:
-            new.setdefault(f.name, f.default)
-    return new
-
-
-class Deprecated(argparse.Action):
-    noted = set()
-
-    def __init__(self, option_strings, dest, new, **kw):
-        self.new = new
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string not in Deprecated.noted:
-            Deprecated.noted.add(option_string)
-            print(f"note: {option_string} is deprecated and will be removed; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def add_deprecated(parser, old, new, const=None):
-    action = parser._option_string_actions[new]
-    if const is None:
-        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, type=action.type,
-                            choices=action.choices)
-    else:
-        parser.add_argument(old, dest=action.dest, action=Deprecated, new=new, nargs=0, const=const)

@@ -54,10 +54,10 @@ import attention  # noqa: E402
 import runs  # noqa: E402
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
 # the run plumbing the four train scripts share (runs.py)
-from runs import (owns_run_folders, add_deprecated, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
+from runs import (FORMAT, check_format, check_numbers, owns_run_folders, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
                  given_flags, guarded_update, Interrupted, load_checkpoint, pick_device,
                  prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
-                 save_checkpoint, set_rng_state, upgrade_flags, write_json)  # noqa: E402
+                 save_checkpoint, set_rng_state, write_json)  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_icl.py'
@@ -108,8 +108,7 @@ DEFAULTS = dict(
 
 
 def build_parser():
-    """The command line, one group per function below, in the order of --help. The old spellings of renamed
-    flags still work for one release (add_deprecated: hidden, with a one-line note)."""
+    """The command line, one group per function below, in the order of --help."""
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_task_args(p)
@@ -120,15 +119,8 @@ def build_parser():
     add_eval_args(p)
     add_icl_sweep_args(p)
     add_system_args(p)
-    for old, new in RENAMED_FLAGS.items():
-        add_deprecated(p, f'--{old}', f'--{new}')
     p.set_defaults(**DEFAULTS)   # the official settings at CPU scale, in one place (DEFAULTS)
     return p
-
-
-# old flag (and saved-config key) -> today's name, the same vocabulary in every train script (kept for one release)
-RENAMED_FLAGS = {'steps': 'max_iters', 'warmup': 'warmup_iters', 'schedule': 'lr_schedule',
-                 'mlr_ranks': 'compute_ranks', 'bottleneck_mlr_ranks': 'bottleneck_ranks'}
 
 
 def add_task_args(p):
@@ -242,34 +234,13 @@ def add_system_args(p):
                    help='write <out_dir>/<run>.pt at every evaluation and at the end')
 
 
-def upgrade_run_config(cfg):
-    """A run's saved settings (the 'config' of its JSON or checkpoint) in today's names, so that runs and
-    checkpoints from before the renames are still reused and resumed: an old key takes its new name
-    (RENAMED_FLAGS), and a model flag the script did not have then takes ModelConfig's default, with which the
-    old script built its models (it passed only its own flags to ModelConfig)."""
-    cfg = upgrade_flags(cfg, RENAMED_FLAGS)
-    cfg.setdefault('bilinear_init', 1 if cfg.get('attn', '').startswith('bilinear') else BILINEAR_INIT)
-    cfg.setdefault('full_rank_widths', '')       # sweep flags since 2026-11-24 (not training settings)
-    cfg.setdefault('full_rank_models', ','.join(FULL_RANK_MODELS))
-    cfg.setdefault('width_lrs', '')
-    return cfg
-
-
-# The bilinear layers' init changed on 2026-11-23: they no longer build, then delete, the q/k projections of
-# standard attention, whose random draws shifted the stream. A bilinear run saved before (bilinear_init 1) is
-# not reused by a sweep: the same command and seed now train another model.
-BILINEAR_INIT = 2
-
-
 def resolve(args):
     """Fill the derived defaults and check the task settings (the backbone checks its own)."""
     args = copy.copy(args)
-    args.bilinear_init = BILINEAR_INIT          # saved with the run (upgrade_run_config: old bilinear runs are 1)
+    args.format = FORMAT                        # saved with the run: a run of another version is refused
     for name in ('d', 'max_iters', 'batch_size', 'n_eval', 'n_eval_during', 'n_layer', 'n_head', 'n_embd'):
         if getattr(args, name) < 1:
             raise ValueError(f'--{name} must be >= 1, got {getattr(args, name)}')
-    if args.attn not in ATTN_NAMES:
-        raise ValueError(f'--attn {args.attn!r} is not in the registry; valid: {", ".join(ATTN_NAMES)}')
     args.n_points = args.n_points or 2 * args.d      # official: n_positions = 2 * n_dims
     if args.n_points < 2 * args.d:
         raise ValueError(f'--n_points {args.n_points} with --d {args.d}: the error at N = 2d needs N >= 2d = '
@@ -569,9 +540,8 @@ def resume_run(ckpt_path, model, opt, gen, args, run_name):
     """--resume: load <run_name>.pt into model, optimizer and the RNGs; every training setting of the checkpoint
     must agree with args, or continue it (check_resume). -> the run state to continue from."""
     ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
-    saved = upgrade_run_config(ck['config'])
-    # every training setting must agree; bilinear_init is carried over (the weights come from the checkpoint)
-    check_resume(saved, args, set(saved) - {'bilinear_init'}, ck['state']['step'])
+    saved = ck['config']
+    check_resume(saved, args, set(saved) - {'format'}, ck['state']['step'])   # every training setting must agree
     model.load_state_dict(ck['model'])
     opt.load_state_dict(ck['optimizer'])
     gen.set_state(ck['data_rng'])
@@ -848,17 +818,16 @@ NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_in
 
 
 def finished_run(args):
-    """A run in out_dir whose training settings equal these (another sweep may have trained it already), its
-    config in today's names (upgrade_run_config: runs saved before the renames count too)."""
+    """A run in out_dir whose training settings equal these (another sweep may have trained it already); a run
+    of another version in out_dir is refused (ValueError)."""
     want = {k: v for k, v in vars(resolve(args)).items() if k not in NOT_TRAINING}
+    runs = []
     for name in sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []:
         if name.endswith('.json') and not name.startswith('sweep_'):
             with open(os.path.join(args.out_dir, name)) as f:
-                r = json.load(f)
-            config = upgrade_run_config(r.get('config', {}))
-            if {k: v for k, v in config.items() if k not in NOT_TRAINING} == want:
-                return dict(r, config=config)
-    return None
+                runs.append(json.load(f))
+            check_format(runs[-1].get('config', {}), os.path.join(args.out_dir, name))
+    return next((r for r in runs if {k: v for k, v in r['config'].items() if k not in NOT_TRAINING} == want), None)
 
 
 def _train_job(job):
@@ -881,8 +850,7 @@ def sweep_preflight(todo, a):
         path = os.path.join(a.out_dir, f'{name}.pt')
         if os.path.exists(path):
             ck = load_checkpoint(path, SCRIPT, ('config', 'step'))
-            saved = upgrade_run_config(ck['config'])
-            check_resume(saved, resolve(args), set(saved) - {'bilinear_init'}, ck['step'])
+            check_resume(ck['config'], resolve(args), set(ck['config']) - {'format'}, ck['step'])
             done[name] = ck['step']
     return done
 
@@ -1341,6 +1309,9 @@ def print_table(rows, cols):
 
 def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
+    if args.attn not in ATTN_NAMES:
+        parser.error(f'--attn {args.attn!r} is not in the registry; valid: {", ".join(ATTN_NAMES)}')
+    check_numbers(parser, args)
     check_ranges(parser, args, positive=[
         'd', 'max_iters', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
         'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'workers', 'compute_width', 'linear_width',
@@ -1409,7 +1380,7 @@ def main(argv=None):
     run_name = f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
     if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
         ck = load_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'), SCRIPT, ('config', 'state'))
-        check_resume(upgrade_run_config(ck['config']), args, given_flags(parser, argv), ck['state']['step'])
+        check_resume(ck['config'], args, given_flags(parser, argv), ck['state']['step'])
     results = train(args, run_name=run_name)
     plot = os.path.join(args.out_dir, 'icl_position.png')
     plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results}, plot, 'error per position')

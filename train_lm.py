@@ -26,7 +26,6 @@ by file, so the validation code is never seen in training.
 """
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
@@ -34,7 +33,6 @@ import os
 import re
 import sys
 import sysconfig
-import tempfile
 import time
 from contextlib import nullcontext
 
@@ -53,7 +51,7 @@ from tqdm import tqdm
 
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups, paper_logit_scale)
-from runs import (FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
+from runs import (check_numbers, check_writable, io_errors, no_repeats, physical_memory, FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
                   content_digest, ctrl_c_finishes_step, given_flags, load_checkpoint, longest_first_wall, mean_std,
                   model_config, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, pick_device,
                   plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
@@ -62,26 +60,6 @@ from runs import (FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_lm.py'
-
-
-@contextlib.contextmanager
-def io_errors(flag, path):
-    """An OS or torch I/O failure inside (disk full, a file in the way, no permission) becomes one OSError
-    naming the flag and its path (runs.run_main prints it as one line, exit 1)."""
-    try:
-        yield
-    except OSError as e:
-        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else e.strerror or str(e)
-        raise OSError(f"{flag} {path!r}: {what}") from None
-
-
-def check_writable(path, flag):
-    """The folder of output file `path` can be created and written: before the work, not after it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    with io_errors(flag, path):
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
 
 
 # -----------------------------------------------------------------------------
@@ -243,22 +221,12 @@ def parse_args(argv=None):
     return args
 
 
-# The values every numeric flag may take, as intervals: always a finite number, and one the code can use
-# (--lr 1e300 overflows AdamW, a seed must fit torch's generator). Sizes are also held to the memory there is.
-CPUS = os.cpu_count() or 1
+# train_lm.py's own intervals for its numeric flags (runs.RANGES holds lr, seed, threads, ...); every other
+# numeric flag must still be a finite number (runs.check_numbers).
 RANGES = {**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
           'window': '(0, inf)', 'mlp_hidden': '[0, inf)', 'mup_alpha': '(0, 1000]', 'brl_beta': '[0, 1]',
-          'brl_lambda_init': '(-inf, inf)', 'emb_std': '[0, 100]',
-          'lr': '(0, 10]', 'weight_decay': '[0, 10]', 'beta2': '[0, 1)', 'adam_eps': '(0, 1]', 'grad_clip': '[0, inf)',
-          'warmup_iters': '[0, inf)', 'max_flops': '[0, inf)', 'temperature': '[0, inf)', 'top_k': '[0, inf)',
-          'seed': f'[0, {2 ** 63 - 1}]', 'threads': f'[0, {4 * CPUS}]', 'workers': f'[0, {4 * CPUS}]'}
-
-
-def in_interval(v, interval):
-    """Whether the finite number v lies in an interval written as '(0, 10]' ('inf' for no bound)."""
-    lo, hi = (int(s) if s.lstrip('-').isdigit() else float(s) for s in interval[1:-1].split(', '))
-    return (math.isfinite(v) and (lo < v if interval[0] == '(' else lo <= v)
-            and (v < hi if interval[-1] == ')' else v <= hi))
+          'emb_std': '[0, 100]', 'beta2': '[0, 1)', 'adam_eps': '(0, 1]', 'grad_clip': '[0, inf)',
+          'warmup_iters': '[0, inf)', 'max_flops': '[0, inf)', 'temperature': '[0, inf)', 'top_k': '[0, inf)'}
 
 
 def memory_needed(a):
@@ -273,10 +241,8 @@ def memory_needed(a):
 def check_args(parser, args):
     """parser.error (one line, exit 2) at the first flag value train_lm.py cannot run; the model's own
     consistency (ranks summing to d, ...) is checked when it is built (attention.check_config)."""
-    for name, interval in RANGES.items():
-        if not in_interval(getattr(args, name), interval):
-            parser.error(f"--{name} {getattr(args, name)}: must be a finite number in {interval}")
-    ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    check_numbers(parser, args, RANGES)
+    ram = physical_memory()
     if memory_needed(args) > ram:
         parser.error(f"--batch_size {args.batch_size} --block_size {args.block_size} --n_embd {args.n_embd} "
                      f"--n_layer {args.n_layer} --mlp_hidden {args.mlp_hidden}: a training step needs at least "
@@ -293,12 +259,9 @@ def check_args(parser, args):
     if bad:
         parser.error(f"--variants {args.variants!r}: {bad[0]!r} is not an attention variant; valid (comma "
                      f"list): {', '.join(valid)}")
-    lists = dict(variants=args.variants.split(','), global_layers=[s.strip() for s in args.global_layers.split(',')],
-                 compare=args.compare or [])
-    for name, items in lists.items():
-        twice = [x for x in items if items.count(x) > 1]
-        if twice:
-            parser.error(f"--{name} {getattr(args, name)!r}: {twice[0]!r} is named twice")
+    no_repeats(parser, 'variants', args.variants.split(','))
+    no_repeats(parser, 'global_layers', [s.strip() for s in args.global_layers.split(',')])
+    no_repeats(parser, 'compare', args.compare or [])
 
 
 # -----------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
-from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,  # noqa: E402
+from runs import (check_numbers, io_errors, no_repeats, physical_memory, FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,  # noqa: E402
                   atomic_write, check_format, check_ranges, content_digest, ctrl_c_finishes_step, given_flags,
                   guarded_update, load_checkpoint, longest_first_wall, mean_std, model_config, one_thread_seconds,
                   owns_run_folders, paired_difference, paired_rows, pick_device, plot_seed_bands, pm,
@@ -553,16 +553,6 @@ def task_meta(task):
     pixels = task in ('image', 'pathfinder')
     return dict(vocab=256 if pixels else (len(LISTOPS_VOCAB) if task == 'listops' else 257),
                 classes={'listops': 10, 'image': 10}.get(task, 2), pixels=pixels, dual=task == 'retrieval')
-
-
-@contextlib.contextmanager
-def io_errors(flag, path):
-    """An OSError inside is one line naming the flag and its path (run_main: exit 1)."""
-    try:
-        yield
-    except OSError as e:
-        where = f" ({e.filename})" if getattr(e, 'filename', None) else ''
-        raise OSError(f"{flag} {path!r}: {e.strerror or e}{where}") from None
 
 
 def load_task(args):
@@ -1252,21 +1242,12 @@ POSITIVE = ('n_layer', 'n_embd', 'n_head', 'window', 'n_compressed', 'max_len', 
             'max_iters', 'batch_size', 'lr', 'eval_interval', 'eval_batch_size', 'log_interval', 'bench_batch', 'bench_reps', 'bench_max_sec', 'bench_max_gb')
 NON_NEGATIVE = ('mlp_hidden', 'min_len', 'warmup_iters', 'weight_decay', 'grad_clip', 'trim', 'seed', 'threads',
                 'workers')
-UPPER = dict(lr=10.0,                         # beyond it AdamW's update overflows float32
-             weight_decay=1.0,                # AdamW decays weights by lr * weight_decay per step
-             threads=4 * (os.cpu_count() or 1), workers=4 * (os.cpu_count() or 1), seeds=1000)
-INT64_MAX = 2 ** 63 - 1
+LRA_RANGES = dict(weight_decay='[0, 1]', seeds='(0, 1000]')   # AdamW decays weights by lr * weight_decay per step
 
 
-def check_numbers(p, args):
+def check_numbers_lra(p, args):
     """parser.error (exit 2) at the first numeric flag outside the range the code can use."""
-    for a in p._actions:
-        v = getattr(args, a.dest, None)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        hi = UPPER.get(a.dest, INT64_MAX)
-        if (abs(v) > INT64_MAX if isinstance(v, int) else not math.isfinite(v)) or v > hi:
-            p.error(f"--{a.dest} {v}: must be a finite number <= {hi:g}")
+    check_numbers(p, args, LRA_RANGES)
     check_ranges(p, args, POSITIVE, NON_NEGATIVE)
     if args.data_seed < -1:
         p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
@@ -1284,8 +1265,7 @@ def comma_list(p, args, name, kind=str, valid=None):
     if bad:
         p.error(f"--{name} {text!r}: {bad[0]!r} is not valid; expected a comma list of "
                 + (', '.join(valid) if valid is not None else 'positive integers' if kind is int else 'names'))
-    if len(set(items)) < len(items):
-        p.error(f"--{name} {text!r}: {next(t for t in items if items.count(t) > 1)!r} is named twice")
+    no_repeats(p, name, items)
     return items
 
 
@@ -1298,7 +1278,7 @@ def check_memory(p, args, model):
     data = 0 if args.data else 8 * (args.n_train + args.n_val + args.n_test) * args.max_len * docs
     cpu = args.device == 'cpu' or (args.device == 'auto' and not torch.cuda.is_available())
     acts = 4 * 4 * args.batch_size * args.max_len * docs * args.n_embd * args.n_layer if cpu else 0
-    need, have = 16 * n_params + data + acts, os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    need, have = 16 * n_params + data + acts, physical_memory()
     if need > have:
         p.error(f"this run needs at least {need / 2 ** 30:.1f} GiB of memory ({n_params:,} parameters, "
                 f"{data / 2 ** 30:.1f} GiB of data), this machine has {have / 2 ** 30:.1f} GiB: make the model, "
@@ -1307,7 +1287,7 @@ def check_memory(p, args, model):
 
 def check_args(p, args):
     """One-line errors (exit 2) for flags out of range or in conflict, before any work."""
-    check_numbers(p, args)
+    check_numbers_lra(p, args)
     if args.attn not in ATTENTION and args.attn != 'global_swa':
         p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}, global_swa")
     if args.task in ('image', 'pathfinder') and args.max_len != 1024:

@@ -32,7 +32,6 @@ per seed in <out_dir>/seed<k>, then results_<task>_seeds.json and a plot. --attn
 each trained in turn with the same model flags (attention.ModelConfig's, as in every train script).
 """
 import argparse
-import contextlib
 import csv
 import dataclasses
 import glob
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
-from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_ranges,
+from runs import (check_numbers, io_errors, no_repeats, physical_memory, FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_ranges,
                   ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, mean_std, model_config,
                   owns_run_folders, paired_difference, pick_device, plot_seed_bands, prepare_out_dir,
                   remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state,
@@ -184,19 +183,12 @@ def parse_args(argv=None, parser=None):
     if bad or not args.attn:
         parser.error(f"--attn: unknown attention {bad or args.attn!r}; valid: {', '.join(ATTENTION)}, global_swa")
     check_ranges(parser, args, POSITIVE, NON_NEGATIVE)
-    highest = dict(lr=10, dlinear_lr=10, emb_lr_mult=1e4, grad_clip=1e6, weight_decay=10, max_flops=1e30,
-                   threads=4 * (os.cpu_count() or 1), workers=4 * (os.cpu_count() or 1), seed=SEED_MAX,
-                   data_seed=SEED_MAX)
-    for name, high in highest.items():
-        if getattr(args, name) > high:
-            parser.error(f"--{name} {getattr(args, name)}: must be <= {high}")
+    check_numbers(parser, args, dict(dlinear_lr='(0, 10]', emb_lr_mult='(0, 1e4]', grad_clip='(0, 1e6]',
+                                     max_flops='[0, 1e30]', seed=f'[0, {SEED_MAX}]', data_seed=f'[0, {SEED_MAX}]'))
     if not (math.isfinite(args.low) and math.isfinite(args.high) and args.low < args.high):
         parser.error(f"--low {args.low} --high {args.high}: the bin range must be finite with low < high")
     for name in ('seeds', 'attn', 'horizons'):
-        values = getattr(args, name)
-        twice = [v for i, v in enumerate(values) if v in values[:i]]
-        if twice:
-            parser.error(f"--{name} {','.join(map(str, values))!r}: {twice[0]} is given twice")
+        no_repeats(parser, name, getattr(args, name))
     if any(not 0 <= s <= SEED_MAX for s in args.seeds):
         parser.error(f"--seeds {','.join(map(str, args.seeds))!r}: seeds must be in 0 .. {SEED_MAX}")
     if not args.horizons or min(args.horizons) <= 0:
@@ -219,23 +211,12 @@ def check_memory(parser, args):
         T, B = (args.seq_len + max(args.horizons)) // args.patch, max(args.batch_size * 3 * args.n_layer, 256)
         need = {}
     need['--batch_size x --n_head x T^2 attention scores'] = 4 * B * args.n_head * T * T
-    have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    have = physical_memory()
     for what, n in need.items():
         if n > have:
             parser.error(f"{what} would need {n / 2 ** 30:.3g} GiB, more than the {have / 2 ** 30:.3g} GiB of "
                          f"memory here")
 
-
-@contextlib.contextmanager
-def io_errors(flag, path):
-    """An OS or torch I/O failure inside (disk full, no permission): one OSError line naming the flag and path."""
-    try:
-        yield
-    except OSError as e:
-        if str(e).startswith('--'):
-            raise
-        why = (f"{e.strerror}: {e.filename}" if e.filename else e.strerror) if e.strerror else str(e)
-        raise OSError(f"{flag} {path!r}: {why}") from None
 
 # -----------------------------------------------------------------------------
 # data 1: KernelSynth (Ansari et al. 2024, Alg. 2): GP prior samples with a random kernel composition
