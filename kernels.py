@@ -29,7 +29,6 @@ hold each of them equal to its reference, forward and gradients:
     python kernels.py --compile-check                  # compile the kernels for sm_80 / sm_90, no GPU needed
 """
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -1435,8 +1434,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps {args.reps}: must be at least 1")
-    if args.threads < 0:
-        p.error(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
+    if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):      # 100000 OpenMP threads crash the process
+        p.error(f"--threads {args.threads}: must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default)")
+    if args.out_dir:                                               # checked before the benchmark, not after it
+        from runs import check_writable
+        try:
+            check_writable(os.path.join(args.out_dir, 'kernels_bench.json'), '--out_dir')
+        except OSError as e:
+            sys.exit(f"kernels.py: error: {e}")                  # an I/O problem: one line, exit 1
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
     if device == 'cuda' and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible to torch here; use --device cpu")
@@ -1470,11 +1475,9 @@ def main(argv=None):
     print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks, SWA window 127):")
     ok = accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16])
     if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
+        from runs import write_json
         path = os.path.join(args.out_dir, 'kernels_bench.json')
-        with open(path, 'w') as f:
-            json.dump(dict(device=torch.cuda.get_device_name() if device == 'cuda' else 'cpu', rows=rows), f,
-                      indent=1)
+        write_json(path, dict(device=torch.cuda.get_device_name() if device == 'cuda' else 'cpu', rows=rows))
         print(f"rows written to {path}")
     sys.exit(0 if ok else 1)
 

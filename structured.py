@@ -544,17 +544,28 @@ if __name__ == '__main__':
     args = parser.parse_args()
     if args.device != 'cpu':
         parser.error(f"--device={args.device!r}: this table runs in float64 on cpu; use --device cpu")
+    if args.out_dir:    # checked before the work, not after it
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out_dir {args.out_dir!r} cannot be created: {e.strerror}")
+        if not os.access(args.out_dir, os.W_OK):
+            parser.error(f"--out_dir {args.out_dir!r} cannot be written")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
+    try:    # a size the families refuse (e.g. --p not dividing --d) is one line, not a traceback
+        rows = {(d_in, d_out): table_rows(d_in, d_out, args.r, args.p, parse_ranks(args.mlr_ranks))
+                for d_in, d_out in [(args.d, args.d), (args.d, args.d_out_rect)]}
+    except ValueError as e:
+        parser.error(str(e))
 
     results = []
-    for d_in, d_out in [(args.d, args.d), (args.d, args.d_out_rect)]:
+    for (d_in, d_out), table in rows.items():
         print(f"\n{d_in} -> {d_out}   (FLOPs = multiply-adds of one matvec; FlopCounterMode/2;"
               f" rank = torch.linalg.matrix_rank in float64)")
         print(f"{'family':<34}{'params':>8}{'formula':>9}{'MACs':>8}{'measured':>9}{'rank':>6}"
               f"{'formula':>8}{'measured':>9}")
-        for name, m, params_formula, rank_formula in table_rows(d_in, d_out, args.r, args.p,
-                                                                parse_ranks(args.mlr_ranks)):
+        for name, m, params_formula, rank_formula in table:
             m = m.double()
             with torch.no_grad():
                 W = m.to_dense()
@@ -568,7 +579,6 @@ if __name__ == '__main__':
     print("\nKronecker: 'params' counts what the BTT stores (A repeated per i, B per k); 'formula' "
           "counts the free numbers of A and B.")
     if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, 'table.json')
         with open(path + '.tmp', 'w') as f:
             json.dump(results, f, indent=1)

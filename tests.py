@@ -3657,6 +3657,20 @@ def test_attention_benchmark_cli_bad_lengths(argv, words, capsys):
     assert_one_line_error(code, err, 2, words, 'attention.py')
 
 
+@pytest.mark.parametrize('script,argv,code,words', [
+    ('structured.py', ['--p', '3'], 2, ['n_blocks=3 must divide']),
+    ('structured.py', ['--out_dir', '/proc/no/such'], 2, ["--out_dir '/proc/no/such'"]),
+    ('kernels.py', ['--threads', '100000'], 2, ['--threads 100000', 'must be in [0, ']),
+    ('kernels.py', ['--bench', '--out_dir', '/proc/no/such'], 1, ["--out_dir '/proc/no/such/kernels_bench.json'"])])
+def test_structured_and_kernels_cli_bad_input_ends_in_one_error_line(script, argv, code, words):
+    """The two library CLIs check their flags before any work: an error line, never a traceback."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, script), *argv], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == code and 'Traceback' not in r.stderr and last.startswith(f'{script}: error: '), r.stderr
+    assert all(w in last for w in words), last
+
+
 def test_help_shows_defaults(capsys, monkeypatch):
     """Every script's --help shows the defaults (the four train scripts' parsers are checked at the end)."""
     monkeypatch.setenv('COLUMNS', '200')
