@@ -3671,6 +3671,29 @@ def test_structured_and_kernels_cli_bad_input_ends_in_one_error_line(script, arg
     assert all(w in last for w in words), last
 
 
+# One exit-code rule for the four scripts (runs.py): a bad flag value exits 2 before any work; a file, a conflict
+# or an I/O failure exits 1; each in one line naming the value.
+EXIT_RULE_CASES = [('unknown_attn', ['--attn', 'nope'], 2, ["--attn", "'nope'"]),
+                   ('lr_not_finite', ['--lr', 'nan'], 2, ['--lr nan']),
+                   ('lr_overflows_adam', ['--lr', '1e300'], 2, ['--lr 1e+300', '(0, 10]']),
+                   ('threads', ['--threads', '100000'], 2, ['--threads 100000', '[0, ']),
+                   ('seed_beyond_64_bits', ['--seed', str(2 ** 64)], 2, [f'--seed {2 ** 64}']),
+                   ('resume_nothing', ['--resume'], 1, ['no checkpoint'])]
+
+
+@pytest.mark.parametrize('case,argv,code,words', EXIT_RULE_CASES, ids=[c[0] for c in EXIT_RULE_CASES])
+@pytest.mark.parametrize('script', ['train_lm', 'train_icl', 'train_lra', 'train_ts'])
+def test_one_exit_code_rule_in_every_script(script, case, argv, code, words, tmp_path, capsys):
+    corpus = tmp_path / 'corpus.txt'
+    corpus.write_text('def f(x):\n    return x + 1\n' * 200)
+    small = dict(train_lm=['--data', str(corpus)], train_lra=['--n_train', '32', '--n_val', '8', '--n_test', '8'],
+                 train_icl=[], train_ts=[])[script]
+    module = dict(train_lm=train_lm, train_icl=icl, train_lra=lra, train_ts=ts)[script]
+    cache = [] if script == 'train_icl' else ['--cache_dir', str(tmp_path / 'cache')]
+    err_code, err = run_cli(module.main, [*small, *cache, '--out_dir', str(tmp_path / 'run'), *argv], capsys)
+    assert_one_line_error(err_code, err, code, words, f'{script}.py')
+
+
 def test_help_shows_defaults(capsys, monkeypatch):
     """Every script's --help shows the defaults (the four train scripts' parsers are checked at the end)."""
     monkeypatch.setenv('COLUMNS', '200')
