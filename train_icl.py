@@ -54,7 +54,7 @@ import attention  # noqa: E402
 import runs  # noqa: E402
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
 # the run plumbing the four train scripts share (runs.py)
-from runs import (FORMAT, check_format, check_numbers, owns_run_folders, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
+from runs import (FORMAT, check_format, check_numbers, owns_run_folders, physical_memory, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
                  given_flags, guarded_update, Interrupted, load_checkpoint, pick_device,
                  prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
                  save_checkpoint, set_rng_state, write_json)  # noqa: E402
@@ -1311,7 +1311,13 @@ def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
     if args.attn not in ATTN_NAMES:
         parser.error(f'--attn {args.attn!r} is not in the registry; valid: {", ".join(ATTN_NAMES)}')
-    check_numbers(parser, args)
+    check_numbers(parser, args, dict(read_in_std='[0, 100]', pos_std='[0, 100]', noise_std='[0, 100]'))
+    n_tokens = 2 * max(args.n_points, 2 * args.d)               # a prompt: (x, y) tokens, n_points 0 = 2d pairs
+    scores = 4 * args.batch_size * args.n_head * n_tokens ** 2  # one layer's fp32 attention scores: a lower bound
+    if scores > physical_memory():
+        parser.error(f"--n_points {args.n_points} with --batch_size {args.batch_size} --n_head {args.n_head}: one "
+                     f"layer's attention scores alone need {scores / 2 ** 30:.0f} GiB, this machine has "
+                     f"{physical_memory() / 2 ** 30:.0f} GiB")
     check_ranges(parser, args, positive=[
         'd', 'max_iters', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
         'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'workers', 'compute_width', 'linear_width',
