@@ -4024,6 +4024,8 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
     ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
+    ('prompt_beyond_memory', ['--n_points', '100000000'], None, 2, ['--n_points 100000000', 'GiB']),
+    ('read_in_std_nan', ['--read_in_std', 'nan'], None, 2, ['--read_in_std nan', '[0, 100]']),
     ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'"]),
     ('n_head', ['--n_head', '3'], None, 1, ['3']),
     ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
