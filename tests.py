@@ -4022,6 +4022,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
+    ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('prompt_beyond_memory', ['--n_points', '100000000'], None, 2, ['--n_points 100000000', 'GiB']),

@@ -54,7 +54,7 @@ import attention  # noqa: E402
 import runs  # noqa: E402
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
 # the run plumbing the four train scripts share (runs.py)
-from runs import (FORMAT, check_format, check_numbers, owns_run_folders, physical_memory, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
+from runs import (FORMAT, check_format, check_numbers, no_repeats, owns_run_folders, physical_memory, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
                  given_flags, guarded_update, Interrupted, load_checkpoint, pick_device,
                  prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
                  save_checkpoint, set_rng_state, write_json)  # noqa: E402
@@ -1333,6 +1333,7 @@ def check_args(parser, args):
             values = []
         if not values or min(values) <= 0:
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
+        no_repeats(parser, name, values)
     bad = [m for m in args.full_rank_models.split(',') if m not in FULL_RANK_MODELS]
     if bad:
         parser.error(f"--full_rank_models {args.full_rank_models!r}: {bad[0]!r} is not a model here; expected "
