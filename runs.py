@@ -118,7 +118,7 @@ RANGES = dict(lr='(0, 10]', weight_decay='[0, 10]', seed=f'[0, {INT64}]', thread
 def in_interval(v, interval):
     """Whether v is a finite number in an interval written as '(0, 10]' ('inf' for no bound)."""
     lo, hi = (int(s) if s.lstrip('-').isdigit() else float(s) for s in interval[1:-1].split(', '))
-    return (math.isfinite(v) and (lo < v if interval[0] == '(' else lo <= v)
+    return ((isinstance(v, int) or math.isfinite(v)) and (lo < v if interval[0] == '(' else lo <= v)
             and (v < hi if interval[-1] == ')' else v <= hi))
 
 
