@@ -103,8 +103,10 @@ def check_ranges(parser, args, positive=(), non_negative=()):
     for names, ok, valid in ((positive, lambda v: v > 0, '> 0'), (non_negative, lambda v: v >= 0, '>= 0')):
         for name in names:
             v = getattr(args, name)
+            if v is None:
+                continue
             finite = isinstance(v, int) or math.isfinite(v)     # an int too large for a float is still finite
-            if v is not None and not (finite and ok(v)):
+            if not (finite and ok(v)):
                 parser.error(f"--{name} {v}: must be {'' if finite else 'a finite number '}{valid}")
 
 
