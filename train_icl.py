@@ -763,7 +763,7 @@ MLR_SMALL_HEADS = dict(bilinear_mlr_ln='head')
 SWEEP_RECIPE = {
     # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
     # widths 2 and 3 fail, 4 learns). The full-rank models at D = 24 only, where 8 heads fail (as the d = 8 recipe
-    # does): the 15 runs fit the 60-min budget (31.7 min wall from scratch, session 10; all four models at both
+    # does): the 15 runs fit the 60-min budget (31.7 min wall from scratch on the 2-core VM; all four models at both
     # widths would hold ~1.8x the CPU, by its per-run CPU times, not run; --full_rank_widths 24,32 trains them).
     # Bilinear MLR 1|1|1 at head width 3 (levels of 1, 2, 4 features: score rank 7 >= d once every level learns);
     # 1|1|2 at head width 4 (1, 2, 8 features: rank 11) with --full_rank_widths
