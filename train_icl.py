@@ -22,10 +22,11 @@ d = 5, D = 32, 2000 steps.
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
   python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
   python train_icl.py --help
-Results land in --out_dir (a JSON and a checkpoint per run); sweeps also copy their PNG and JSON to
---assets_dir, and reuse finished runs with the same training settings (--no-reuse to retrain). Every sweep
-point is trained with --seeds seeds (default 3; tables give mean ± std); a sweep prints its time estimate
-first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and resumes from finished (run, seed) pairs.
+Results land in --out_dir (a JSON and a checkpoint per run). A sweep trains each (point, seed) as its own
+`python train_icl.py` run in <out_dir>/<run>/ (runs.sweep: --workers processes of 1 thread, the longest first),
+reuses finished runs with the same training settings and resumes cut-off ones (--no-reuse to retrain), prints
+its time estimate first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and copies its PNG and
+JSON to --assets_dir. Every sweep point is trained with --seeds seeds (default 3; tables give mean ± std).
 """
 import argparse
 import collections
@@ -210,8 +211,8 @@ def add_icl_sweep_args(p):
                    help='sweeps: the short version for readers (QUICK: fewer steps and points, same ordering at '
                         'lower precision, <= 8 min with --workers 2); flags given explicitly still win')
     g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
-                   help='sweeps: take a run from --out_dir instead of retraining when its training settings match '
-                        '(per seed: a cut-off sweep resumes from its finished (run, seed) pairs)')
+                   help='sweeps: keep a finished run in <out_dir>/<run>/ of the same training settings and resume a '
+                        'cut-off one (--no-reuse trains every run again)')
 
 
 def add_system_args(p):
