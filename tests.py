@@ -2060,7 +2060,7 @@ def test_icl_bad_input_is_a_clear_error(tmp_path):
 
 def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
     argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1',
-                         '--max_iters', '2', '--workers', '1', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
+                         '--max_iters', '2', '--workers', '0', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
     first = icl.main(argv)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
     assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
@@ -2091,7 +2091,7 @@ def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
                                   '--bottleneck_ranks', '', '--seeds', '1'))
     assert sorted(t['model'] for t in out['table']) == ['bilinear BTT, 8 heads, D=8', 'standard, 1 head, D=8',
                                                         'standard, 8 heads, D=16', 'standard, 8 heads, D=8']
-    assert {f[:-5] for f in os.listdir(tmp_path) if f.startswith('bottleneck_') and f.endswith('.json')} == {
+    assert {f for f in os.listdir(tmp_path) if (tmp_path / f / f'{f}.json').exists()} == {   # a folder per run
         'bottleneck_standard_H8_D16_d4_s0', 'bottleneck_standard_H8_D8_d4_s0', 'bottleneck_standard_H1_D8_d4_s0',
         'bottleneck_bilinear_btt_H8_D8_d4_s0'}
     got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_widths',
@@ -2172,31 +2172,33 @@ def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
 # train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
 
 def icl_sweep_argv(tmp_path, sweep, *extra):
-    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--max_iters', '2', '--workers', '1', *extra)
+    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--max_iters', '2', '--workers', '0', *extra)
 
 
 def test_quick_sweep_files_lie_beside_the_full_sweeps(tmp_path):
     """--quick tags its runs, sweep JSON and plots '_quick': run in the full sweep's --out_dir / --assets_dir it
-    neither collides with the full runs (refused, or asked to --overwrite them) nor replaces their plots."""
+    neither collides with the full runs (refused, or asked to --overwrite them) nor replaces their plots. Its runs
+    train as `python train_icl.py` processes (--workers 2), each logging into its own folder."""
     assets = tmp_path / 'assets'
     argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
                           '--seeds', '1', '--assets_dir', str(assets))
     icl.main(argv + ['--max_iters', '3'])                                 # the "full" sweep: other settings
-    quick = icl.main(argv + ['--quick'])
+    quick = icl.main(argv + ['--quick', '--workers', '2'])
     assert not quick['reused'] and all(r['run'].endswith('_d4_quick_s0') for r in quick['runs'].values())
+    assert all(os.path.exists(tmp_path / r['run'] / 'train.log') for r in quick['runs'].values())
     for name in ('sweep_bottleneck_d4', 'sweep_bottleneck_d4_quick'):
         with open(tmp_path / f'{name}.json') as f:
             assert json.load(f)['runs']                                   # both summaries kept
     for name in ('icl_bottleneck_d4', 'icl_bottleneck_d4_quick', 'icl_position_d4', 'icl_position_d4_quick'):
         assert os.path.exists(assets / f'{name}.png')
-    runs = {p.name for p in tmp_path.glob('bottleneck_*.json')}
+    runs = {p.name for p in tmp_path.glob('bottleneck_*/*.json')}
     assert runs == {f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
 
 
 def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
     first = icl.main(argv)
-    assert 'estimate: 8 of 8 runs to train' in capsys.readouterr().out
+    assert 'icl: 0 finished run(s) reused, 8 to train' in capsys.readouterr().out
     assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
     with open(tmp_path / 'sweep_bottleneck_d4.json') as f:
         saved = json.load(f)
@@ -2213,7 +2215,7 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
         assert os.path.exists(tmp_path / name)
 
     again = icl.main(argv)                                                # nothing retrained
-    assert 'all 8 runs are finished' in capsys.readouterr().out
+    assert 'icl: 8 finished run(s) reused, 0 to train' in capsys.readouterr().out
     assert len(again['reused']) == 8
     assert again['wall_s_when_trained'] == first['wall_s']               # a replot keeps the training's wall time
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
@@ -2225,78 +2227,60 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
     assert 'wall_s_when_trained' not in icl.main(argv)                   # then it is not their wall time
 
     more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
-    assert 'estimate: 4 of 12 runs to train' in capsys.readouterr().out
+    assert 'icl: 8 finished run(s) reused, 4 to train' in capsys.readouterr().out
     assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
     assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
 
 
 def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
+    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained."""
     argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
-    icl.main(argv)
-    gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1.json'))[:2]
-    for p in gone:                                 # as if the sweep had been killed before these two finished
-        os.remove(tmp_path / p)
-        os.remove(tmp_path / p.replace('.json', '.pt'))
+    first = icl.main(argv)
+    gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1'))[:3]
+    for p in gone[:2]:                             # as if the sweep had been killed before these two started
+        os.remove(tmp_path / p / f'{p}.json')
+        os.remove(tmp_path / p / f'{p}.pt')
+    os.remove(tmp_path / gone[2] / f'{gone[2]}.json')   # ...and this one cut off after its last checkpoint
     capsys.readouterr()
     again = icl.main(argv)
-    assert 'estimate: 2 of 8 runs to train' in capsys.readouterr().out
-    assert len(again['reused']) == 6
+    out = capsys.readouterr().out
+    assert 'icl: 5 finished run(s) reused, 3 to train' in out and out.count('resumed from') == 1
+    assert len(again['reused']) == 5
+    assert [t['err_at_2d_seeds'] for t in again['table']] == [t['err_at_2d_seeds'] for t in first['table']]
 
 
-def test_estimate_counts_only_the_steps_a_resumed_run_has_left(tmp_path, monkeypatch):
-    """--resume continues a run's checkpoint: the preflight hands its step to the estimate, which counts only the
-    steps (and evaluations) left (it counted whole runs: 110 min printed for 37 min of work)."""
+def test_estimate_counts_the_steps_left_at_each_prompt_length(tmp_path, monkeypatch):
+    """A run's estimated seconds: the curriculum's steps at each prompt length N x one step's time at N (timing
+    every step at the full N read ~40 % high), its evaluations, and for a resumed run only the steps (and
+    evaluations) left after its checkpoint (whole runs were counted: 110 min printed for 37 min of work)."""
+    lengths = []                                   # each step timed at its N: 10 ms per point
+    real = icl.sample_prompts
+    monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
+    monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01 * lengths[-1])
+    a = icl.variant(icl.build_parser().parse_args(icl_tiny_argv(
+        'standard', tmp_path, '--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')), seed=0)
+    assert icl.curriculum(0, icl.resolve(a)) == (2, 4) and icl.curriculum(1, icl.resolve(a)) == (4, 8)
+    ms = {}
+    fresh, resumed = icl.run_seconds(a, 0, ms), icl.run_seconds(a, 2, ms)
+    assert sorted(lengths) == [4, 8]               # measured once per model and length
+    # steps at their lengths + evaluations (at N = 8) / 3 + baselines
+    assert fresh == pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
+    assert resumed == pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
+    monkeypatch.undo()
+    # in a sweep: a run cut off at step 2 of 4 is estimated from its checkpoint's step
     argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
                           '--seeds', '1')
     icl.main(argv)                                                        # 2 steps per run
     name = 'bottleneck_standard_H8_D8_d4_s0'
-    os.remove(tmp_path / f'{name}.json')                                  # as if cut off at step 2 of 4
-    ck = torch.load(tmp_path / f'{name}.pt', weights_only=True)
+    os.remove(tmp_path / name / f'{name}.json')                           # as if cut off at step 2 of 4
+    ck = torch.load(tmp_path / name / f'{name}.pt', weights_only=True)
     ck['config']['max_iters'] = 4
-    torch.save(ck, tmp_path / f'{name}.pt')
-    seen = {}
-    real = icl.print_estimate
-    monkeypatch.setattr(icl, 'print_estimate', lambda todo, w, n, done: (seen.update(done=done),
-                                                                         real(todo, w, n, done))[1])
+    torch.save(ck, tmp_path / name / f'{name}.pt')
+    starts = {}
+    monkeypatch.setattr(icl, 'run_seconds', lambda a, start, ms: starts.setdefault((a.attn, a.n_head), start) or 1.0)
     out = icl.main(argv + ['--max_iters', '4', '--resume', '--full_rank_models', 'bilinear_btt'])
-    assert seen['done'] == {name: 2} and out['runs']['standard, 8 heads, D=8, seed=0']['config']['max_iters'] == 4
-    # each step timed at its prompt length N (the curriculum's): 10 ms per point, N = 4 at step 0 and 8 after
-    monkeypatch.setattr(icl, 'measured_ms_per_step', lambda a, n: 10.0 * n)
-    a = icl.variant(icl.build_parser().parse_args(icl_tiny_argv(
-        'standard', tmp_path, '--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')), seed=0)
-    assert icl.steps_per_length(a) == {4: 1, 8: 3} and icl.steps_per_length(a, 2) == {8: 2}
-    fresh, resumed = real([(a, 'r')], 1, 1), real([(a, 'r')], 1, 1, {'r': 2})
-    # steps at their lengths + evaluations (at N = 8) / 3 + baselines
-    assert fresh == [pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)]
-    assert resumed == [pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)]
-
-
-def test_sweep_jobs_run_longest_first_and_return_in_order(monkeypatch):
-    # the compute quick mode's four runs (CPU s): in the jobs' order two workers would take 538 s, longest first 456
-    assert icl.longest_first_wall([366, 284, 67, 172], 2) == 456
-    assert icl.longest_first_wall([366, 284, 67, 172], 1) == 366 + 284 + 67 + 172
-    submitted = []
-
-    class InProcess:                               # stands in for the process pool: records what it is given
-        def __init__(self, *a, **k): pass
-        def __enter__(self): return self
-        def __exit__(self, *a): return False
-        def map(self, f, jobs):
-            submitted.extend(name for _, name in jobs)
-            return [f(j) for j in jobs]
-
-    import concurrent.futures
-    monkeypatch.setattr(concurrent.futures, 'ProcessPoolExecutor', InProcess)
-    scans = []                                     # the out_dir is scanned once per job, before anything trains
-    monkeypatch.setattr(icl, 'finished_run', lambda a: scans.append(a.s) or ({'run': 'e'} if a.s == 0 else None))
-    monkeypatch.setattr(icl, 'sweep_preflight', lambda todo, a: submitted.append(('preflight', len(todo))))
-    monkeypatch.setattr(icl, 'print_estimate', lambda todo, w, n, done: [a.s for a, _ in todo])
-    monkeypatch.setattr(icl, '_train_job', lambda job: {'run': job[1]})
-    jobs = [(SimpleNamespace(s=s, reuse=True), name) for s, name in [(67, 'a'), (366, 'b'), (0, 'e'), (172, 'c'),
-                                                                      (284, 'd')]]
-    assert icl.run_jobs(jobs, 2) == [{'run': 'a'}, {'run': 'b'}, {'run': 'e', 'reused': True}, {'run': 'c'},
-                                     {'run': 'd'}]
-    assert submitted == [('preflight', 4), 'b', 'd', 'c', 'a'] and scans == [67, 366, 0, 172, 284]
+    assert starts == {('standard', 8): 2, ('bilinear_btt', 8): 0}
+    assert out['runs']['standard, 8 heads, D=8, seed=0']['config']['max_iters'] == 4
 
 
 @pytest.mark.parametrize('sweep', ['compute', 'linear'])
@@ -2384,23 +2368,56 @@ def job_args(out, argv):
     return icl.variant(a, seed=0, eval_seed=1000003)
 
 
-def write_run(out, name, config):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f'{name}.json'), 'w') as f:
-        json.dump({'run': name, 'config': config, 'model': {'at_2d': 0.5}}, f)
-
-
-def test_finished_run_reused_by_its_training_settings_and_another_version_refused(tmp_path):
+def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
+    """A sweep run's folder is 'done' when its results JSON holds the same training settings (sweep flags aside),
+    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too."""
+    args = icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path)])
     config = vars(icl.resolve(job_args(tmp_path, JOB_ARGV)))
     assert config['format'] == R.FORMAT
-    write_run(tmp_path, 'bottleneck_standard_H8_D32_s0', config)
-    assert icl.finished_run(job_args(tmp_path, JOB_ARGV))['run'] == 'bottleneck_standard_H8_D32_s0'
+    name, run_dir = 'bottleneck_standard_H8_D32_s0', str(tmp_path / 'bottleneck_standard_H8_D32_s0')
+    state = lambda argv, a=args: icl.run_status(a, job_args(tmp_path, argv), name, run_dir)[0]
+    assert state(JOB_ARGV) == 'new'
+    os.makedirs(run_dir)
+    torch.save({'script': 'train_icl.py', 'config': config, 'step': 7, 'format': R.FORMAT}, f'{run_dir}/{name}.pt')
+    assert icl.run_status(args, job_args(tmp_path, JOB_ARGV), name, run_dir) == ('partial', 7)
+    with open(f'{run_dir}/{name}.json', 'w') as f:
+        json.dump({'run': name, 'config': config}, f)
+    assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5']) == 'done'  # sweep flags
     for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--rope']):     # a training setting
-        assert icl.finished_run(job_args(tmp_path, JOB_ARGV + other)) is None
-    assert icl.finished_run(job_args(tmp_path, JOB_ARGV + ['--compute_ranks', '4|4'])) is not None  # a sweep flag
-    write_run(tmp_path, 'old', {k: v for k, v in config.items() if k != 'format'})
-    with pytest.raises(ValueError, match='old.json was written by another version of this code'):
-        icl.finished_run(job_args(tmp_path, JOB_ARGV))
+        with pytest.raises(ValueError, match='holds a run with --.*--overwrite'):
+            state(JOB_ARGV + other)
+        assert state(JOB_ARGV + other, icl.build_parser().parse_args(JOB_ARGV + ['--overwrite'])) == 'new'
+    assert state(JOB_ARGV, icl.build_parser().parse_args(JOB_ARGV + ['--no-reuse'])) == 'new'
+    with open(f'{run_dir}/{name}.json', 'w') as f:
+        json.dump({'run': name, 'config': {k: v for k, v in config.items() if k != 'format'}}, f)
+    with pytest.raises(ValueError, match='written by another version of this code'):
+        state(JOB_ARGV)
+
+
+def test_run_argv_reads_back_as_the_same_settings(tmp_path):
+    """A sweep run's command line (run_argv) parses back to the settings it was built from, its folder its own."""
+    a = job_args(tmp_path, JOB_ARGV + ['--test_cov', '', '--no-mup', '--ranks', '2|1|1', '--lr', '5e-5'])
+    argv = icl.run_argv(a, 'r', str(tmp_path / 'r'))
+    back = icl.build_parser().parse_args(argv)
+    same = lambda ns: {k: v for k, v in vars(icl.resolve(ns)).items() if k not in icl.NOT_TRAINING}
+    assert same(back) == same(a) and back.out_dir == str(tmp_path / 'r') and back.run_name == 'r'
+    assert not any(f.startswith(('--sweep', '--workers', '--widths', '--seeds')) for f in argv)
+
+
+def test_committed_sweep_jsons_replot(tmp_path):
+    """The bottleneck figure redrawn from the committed assets/icl_bottleneck*.json (the sweep JSON's format)."""
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets',
+                                              'icl_bottleneck*.json'))):
+        with open(path) as f:
+            saved = json.load(f)
+        config = next(iter(saved['runs'].values()))['config']
+        args = icl.build_parser().parse_args([])
+        for k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
+            setattr(args, k, config.get(k, getattr(args, k)))
+        widths = sorted({t['D'] for t in saved['table']})
+        out = tmp_path / (os.path.basename(path) + '.png')
+        icl.plot_bottleneck(str(out), saved['table'], saved['baselines'], widths, args)
+        assert out.stat().st_size > 1000, path
 
 
 def test_resume_below_the_checkpoints_step_is_refused(tmp_path, capsys):
@@ -2440,7 +2457,7 @@ def test_sweep_resume_with_a_larger_max_iters_continues_every_run(tmp_path, caps
     capsys.readouterr()
     longer = icl.main(argv + ['--max_iters', '4', '--resume'])
     out = capsys.readouterr().out
-    assert 'estimate: 2 of 2 runs to train' in out and out.count('resumed from') == 2
+    assert 'icl: 0 finished run(s) reused, 2 to train' in out and out.count('resumed from') == 2
     scratch = icl.main(icl_sweep_argv(tmp_path / 'b', 'bottleneck', '--widths', '8', '--full_rank_models',
                                       'standard_1head', '--seeds', '1', '--max_iters', '4'))
     assert [t['err_at_2d_seeds'] for t in longer['table']] == [t['err_at_2d_seeds'] for t in scratch['table']]
@@ -4077,7 +4094,7 @@ def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys,
 
 def test_icl_sweep_writes_no_assets_by_default(tmp_path, capsys):
     argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1',
-                                '--max_iters', '2', '--workers', '1')]
+                                '--max_iters', '2', '--workers', '0')]
     i = argv.index('--assets_dir')
     del argv[i:i + 2]
     assert icl.build_parser().parse_args(argv).assets_dir == ''

@@ -22,10 +22,11 @@ d = 5, D = 32, 2000 steps.
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
   python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
   python train_icl.py --help
-Results land in --out_dir (a JSON and a checkpoint per run); sweeps also copy their PNG and JSON to
---assets_dir, and reuse finished runs with the same training settings (--no-reuse to retrain). Every sweep
-point is trained with --seeds seeds (default 3; tables give mean ± std); a sweep prints its time estimate
-first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and resumes from finished (run, seed) pairs.
+Results land in --out_dir (a JSON and a checkpoint per run). A sweep trains each (point, seed) as its own
+`python train_icl.py` run in <out_dir>/<run>/ (runs.sweep: --workers processes of 1 thread, the longest first),
+reuses finished runs with the same training settings and resumes cut-off ones (--no-reuse to retrain), prints
+its time estimate first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and copies its PNG and
+JSON to --assets_dir. Every sweep point is trained with --seeds seeds (default 3; tables give mean ± std).
 """
 import argparse
 import collections
@@ -54,10 +55,10 @@ import attention  # noqa: E402
 import runs  # noqa: E402
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
 # the run plumbing the four train scripts share (runs.py)
-from runs import (FORMAT, check_format, check_numbers, no_repeats, owns_run_folders, physical_memory, add_model_args, ArgParser, check_ranges, ctrl_c_finishes_step,
-                 given_flags, guarded_update, Interrupted, load_checkpoint, pick_device,
-                 prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
-                 save_checkpoint, set_rng_state, write_json)  # noqa: E402
+from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges,  # noqa: E402
+                  ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, no_repeats, owns_run_folders,
+                  physical_memory, pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state,
+                  run_main, save_checkpoint, set_rng_state, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_icl.py'
@@ -201,7 +202,8 @@ def add_icl_sweep_args(p):
     g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1',
                    help="bottleneck sweep: bilinear-MLR ranks per head width, 'width:ranks,...'; at a head width not "
                         "listed no bilinear MLR is trained (see bottleneck_mlr_ranks)")
-    g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes')
+    g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes, 1 thread '
+                   'each, the longest first (0 = one after another in this process)')
     g.add_argument('--seeds', type=int, default=3,
                    help='sweeps: training seeds per sweep point (--seed, --seed + 1, ...; the held-out prompts stay '
                         'the same); tables give mean ± std over them, plots mean and spread')
@@ -209,13 +211,16 @@ def add_icl_sweep_args(p):
                    help='sweeps: the short version for readers (QUICK: fewer steps and points, same ordering at '
                         'lower precision, <= 8 min with --workers 2); flags given explicitly still win')
     g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
-                   help='sweeps: take a run from --out_dir instead of retraining when its training settings match '
-                        '(per seed: a cut-off sweep resumes from its finished (run, seed) pairs)')
+                   help='sweeps: keep a finished run in <out_dir>/<run>/ of the same training settings and resume a '
+                        'cut-off one (--no-reuse trains every run again)')
 
 
 def add_system_args(p):
     g = p.add_argument_group('system / io')
-    g.add_argument('--out_dir', type=str, default='out/icl', help='where JSON results and checkpoints go')
+    g.add_argument('--out_dir', type=str, default='out/icl', help="where the run's JSON results and checkpoint go "
+                   '(a sweep: its JSON and plots, and a folder <out_dir>/<run> per run)')
+    g.add_argument('--run_name', type=str, default='', help="the run's file names <run_name>.json / .pt ('' = "
+                   'icl_<attn>_H<n_head>_D<n_embd>)')
     g.add_argument('--assets_dir', type=str, default='',
                    help="sweeps copy their PNG and JSON here, e.g. 'assets' for the README's figures ('' = don't)")
     g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt where it stopped (a sweep: '
@@ -558,7 +563,7 @@ def curve_point(model, xs, ys, args, device, step, st):
             'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']}
 
 
-def train(args, run_name='run', lock=True):
+def train(args, run_name='run'):
     """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json). In nanoGPT's
     order: config, data, model, optimizer, (resume), the loop with its evaluations and checkpoints, the final
     evaluation."""
@@ -572,8 +577,7 @@ def train(args, run_name='run', lock=True):
     model = ICLModel(model_config(args), args.d, args.pos_std, args.read_in_std).to(device)   # model
     opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
-    prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite,
-                    lock=lock)
+    prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
     resuming = args.resume and os.path.exists(ckpt_path)        # resume, or a fresh run state
     st = resume_run(ckpt_path, model, opt, gen, args, run_name) if resuming else new_state()
 
@@ -811,73 +815,10 @@ QUICK = {
 }
 
 
-NOT_TRAINING = {'sweep', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
+NOT_TRAINING = {'sweep', 'run_name', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
                 'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
                 'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths', 'full_rank_models',
                 'width_lrs'}
-
-
-def finished_run(args):
-    """A run in out_dir whose training settings equal these (another sweep may have trained it already); a run
-    of another version in out_dir is refused (ValueError)."""
-    want = {k: v for k, v in vars(resolve(args)).items() if k not in NOT_TRAINING}
-    runs = []
-    for name in sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []:
-        if name.endswith('.json') and not name.startswith('sweep_'):
-            with open(os.path.join(args.out_dir, name)) as f:
-                runs.append(json.load(f))
-            check_format(runs[-1].get('config', {}), os.path.join(args.out_dir, name))
-    return next((r for r in runs if {k: v for k, v in r['config'].items() if k not in NOT_TRAINING} == want), None)
-
-
-def _train_job(job):
-    args, name = job
-    r = train(args, run_name=name, lock=False)   # a sweep's runs share the folder its process owns
-    r.pop('_model')          # results only: they cross a process boundary
-    return r
-
-
-def sweep_preflight(todo, a):
-    """A sweep's start-up checks, before any run trains: --out_dir (and --assets_dir) can be written, and no run
-    to train (`todo`, the jobs not reused; `a` any job's args) replaces an earlier run's files, or resumes a
-    checkpoint of other settings. -> {run name: its checkpoint's step} for the runs --resume continues."""
-    files = [os.path.join(a.out_dir, f'{name}.{ext}') for _, name in todo for ext in ('pt', 'json')]
-    prepare_out_dir(a.out_dir, files, a.resume, a.overwrite)
-    if a.assets_dir:
-        prepare_out_dir(a.assets_dir, flag='--assets_dir')
-    done = {}
-    for args, name in todo if a.resume else []:
-        path = os.path.join(a.out_dir, f'{name}.pt')
-        if os.path.exists(path):
-            ck = load_checkpoint(path, SCRIPT, ('config', 'step'))
-            check_resume(ck['config'], resolve(args), set(ck['config']) - {'format'}, ck['step'])
-            done[name] = ck['step']
-    return done
-
-
-def run_jobs(jobs, workers):
-    """Train each (args, name) that has no finished run in --out_dir (with --reuse; one scan of the folder for
-    all the jobs); with workers > 1, in that many fresh processes (1 torch thread each), the longest runs first
-    (by the estimate), so that the short ones fill the gaps at the end. -> results in the jobs' order."""
-    results = [finished_run(a) if a.reuse else None for a, _ in jobs]
-    for i, (_, name) in enumerate(jobs):
-        if results[i] is not None:
-            print(f'[{name}] reusing the finished run {results[i]["run"]} (same training settings)')
-            results[i] = dict(results[i], reused=True)
-    todo = [i for i, r in enumerate(results) if r is None]
-    done = sweep_preflight([jobs[i] for i in todo], jobs[0][0])
-    seconds = print_estimate([jobs[i] for i in todo], workers, len(jobs), done)
-    order = [todo[i] for i in sorted(range(len(todo)), key=lambda i: -seconds[i])]
-    if workers <= 1:
-        trained = [_train_job(jobs[i]) for i in order]
-    else:
-        import concurrent.futures
-        import multiprocessing
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn')) as ex:
-            trained = list(ex.map(_train_job, [jobs[i] for i in order]))
-    for i, r in zip(order, trained):
-        results[i] = r
-    return results
 
 
 def variant(args, **overrides):
@@ -892,86 +833,97 @@ def variant(args, **overrides):
     return a
 
 
-def measured_ms_per_step(args, n_points=None, reps=3):
-    """Wall ms of one training step (forward, backward, AdamW) of this run's model at prompt length n_points (None:
-    the full one), measured here on 1 thread: the median of `reps` steps after one warm-up step."""
-    a = resolve(args)
-    torch.manual_seed(0)
-    model = ICLModel(model_config(a), a.d, a.pos_std, a.read_in_std)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    xs, ys, _ = sample_prompts(torch.Generator().manual_seed(0), a.batch_size, a.d, n_points or a.n_points)
-    times = []
-    for _ in range(reps + 1):
-        t = time.time()
-        F.mse_loss(model(xs, ys), ys).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.time() - t)
-    return 1e3 * float(np.median(times[1:]))
-
-
-def longest_first_wall(seconds, workers):
-    """Wall time of jobs taking these seconds on `workers` processes, each taking the next job when it is free,
-    the longest job first (as run_jobs submits them)."""
-    free = [0.0] * workers
-    for s in sorted(seconds, reverse=True):
-        free[free.index(min(free))] += s
-    return max(free)
-
-
-def steps_per_length(args, start=0):
-    """{prompt length N: training steps at it} over steps start .. max_iters - 1, as the curriculum grows N."""
-    a = resolve(args)
-    return collections.Counter(curriculum(s, a)[1] for s in range(start, a.max_iters))
-
-
-def print_estimate(todo, workers, n_jobs, done=None):
-    """Before a sweep trains the jobs `todo` (of n_jobs; the rest reuse finished runs): its expected wall time
-    from a ms/step measured per distinct model and prompt length (the seeds of a point share one measurement).
-    Per run: the steps left (`done`: {run name: step of the checkpoint --resume continues}) at each prompt length
-    of the curriculum x that length's ms/step (timing every step at the full length read ~40 % high with a long
-    curriculum), plus their evaluations at the full length (a forward is ~1/3 of a step). -> the estimated
-    seconds of each job in todo."""
-    if not todo:
-        print(f'estimate: all {n_jobs} runs are finished in --out_dir; nothing to train')
-        return []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)                       # as the workers run
-    ms, seconds = {}, []
-    for a, name in todo:
-        key = (a.attn, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.n_points, a.batch_size)
-        lengths = steps_per_length(a, (done or {}).get(name, 0))
-        full = resolve(a).n_points
-        for n in {full, *lengths} - set(ms.get(key, {})):
-            ms.setdefault(key, {})[n] = measured_ms_per_step(a, n)
-        evals = (sum(lengths.values()) // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
-        train_ms = sum(ms[key][n] * k for n, k in lengths.items())
-        seconds.append((train_ms + ms[key][full] * evals / a.batch_size / 3) / 1e3 + 2.0)  # + ~2 s of baselines
-    torch.set_num_threads(threads)
-    n = len(todo)
-    w = max(1, min(workers, n))
-    print(f'estimate: {n} of {n_jobs} runs to train ({n_jobs - n} finished ones reused), '
-          f'{sum(seconds) / 60:.1f} min of training on 1 thread each -> about '
-          f'{longest_first_wall(seconds, w) / 60:.1f} min wall with {w} worker(s), longest runs first, on an idle '
-          'machine (ms/step measured now: '
-          + ', '.join(f'{k[0]}{" " + k[4] if k[4] else ""} H{k[1]} D{k[2]} L{k[3]} {v[max(v)]:.0f}'
-                      for k, v in ms.items()) + ' at the full prompt length)')
-    return seconds
-
-
 def training_seeds(args):
     return list(range(args.seed, args.seed + args.seeds))
 
 
+def run_argv(a, name, run_dir):
+    """One sweep run's command line: every training setting of `a` as a flag (resolve() reads them back the same),
+    its own folder <out_dir>/<name>, one thread, no progress bar."""
+    argv = [f'--run_name={name}', f'--out_dir={run_dir}', '--no-progress', '--threads=1',
+            f'--log_interval={a.log_interval}', f'--device={a.device}', '--save' if a.save else '--no-save']
+    for act in build_parser()._actions:
+        k, v = act.dest, getattr(a, act.dest, None)
+        if k in NOT_TRAINING or v is None or not act.option_strings:
+            continue
+        if isinstance(act, argparse.BooleanOptionalAction):
+            argv.append(f'--{k}' if v else f'--no-{k}')
+        elif act.nargs != 0:
+            argv.append(f'--{k}={v}')
+    return argv
+
+
+def run_status(args, a, name, run_dir):
+    """-> (runs.run_state of the run folder, the step its checkpoint reached): 'done' when <name>.json holds these
+    training settings (the config less NOT_TRAINING), 'partial' when only <name>.pt does, else 'new'. A folder of
+    other settings is refused, unless --overwrite (then retrained); with --resume a checkpoint may continue to a
+    larger --max_iters (check_resume); --no-reuse: every run is 'new'."""
+    json_path, ckpt_path = (os.path.join(run_dir, f'{name}.{ext}') for ext in ('json', 'pt'))
+    want = resolve(a)
+    if not args.reuse:
+        return 'new', 0
+    ck = load_checkpoint(ckpt_path, SCRIPT, ('config', 'step')) if os.path.exists(ckpt_path) else None
+    if args.resume and ck:
+        check_resume(ck['config'], want, set(ck['config']) - {'format'}, ck['step'])
+        return ('done' if ck['step'] == want.max_iters and os.path.exists(json_path) else 'partial'), ck['step']
+    saved = ck and ck['config']
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            saved = json.load(f)['config']
+    try:
+        return runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path)), ck['step'] if ck else 0
+    except ValueError as e:
+        if args.overwrite:
+            return 'new', 0
+        raise ValueError(f'{e}'.replace('--sweep_dir', '--out_dir') + ' (or --overwrite: retrain these)') from None
+
+
+def run_seconds(a, start, ms):
+    """The estimate of a run's 1-thread seconds: the steps left (from `start`) at each prompt length N of the
+    curriculum x one step's time at N (measured once per model and N, kept in ms; timing every step at the full
+    length read ~40 % high with a long curriculum), plus its evaluations at the full length (a forward ~ 1/3 step)
+    and ~2 s of baselines."""
+    a = resolve(a)
+    lengths = collections.Counter(curriculum(s, a)[1] for s in range(start, a.max_iters))
+    model = (a.attn, a.layer_pattern, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.batch_size)
+    for n in {a.n_points, *lengths} - {n for m, n in ms if m == model}:
+        torch.manual_seed(0)
+        net = ICLModel(model_config(a), a.d, a.pos_std, a.read_in_std)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
+        xs, ys, _ = sample_prompts(torch.Generator().manual_seed(0), a.batch_size, a.d, n)
+        ms[model, n] = runs.one_thread_seconds(
+            lambda: (F.mse_loss(net(xs, ys), ys).backward(), opt.step(), opt.zero_grad(set_to_none=True)))
+    evals = (sum(lengths.values()) // a.eval_interval if a.eval_interval else 0) * a.n_eval_during + 2 * a.n_eval
+    return sum(ms[model, n] * k for n, k in lengths.items()) + ms[model, a.n_points] * evals / a.batch_size / 3 + 2.0
+
+
 def run_points(args, points):
-    """Train every sweep point {label: (args, run name)} with --seeds training seeds (run names end in _s<seed>).
-    The held-out prompts are the same for every seed (eval_seed fixed from --seed), so the spread over seeds
-    is the training seed's. -> {label: [result of each seed]}, in the order of training_seeds."""
+    """Train every sweep point {label: (args, run name)} with --seeds training seeds, each (point, seed) a run in
+    its own folder <out_dir>/<name>_s<seed>, through runs.sweep: `python train_icl.py <argv>`, --workers processes,
+    finished runs reused and cut-off ones resumed. The held-out prompts are the same for every seed (eval_seed
+    fixed from --seed), so the spread over seeds is the training seed's. -> {label: [result of each seed]}."""
+    prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
+    if args.assets_dir:
+        prepare_out_dir(args.assets_dir, flag='--assets_dir')
     eval_seed = args.eval_seed if args.eval_seed >= 0 else args.seed + 1000003
-    jobs = {(label, s): (variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}')
-            for label, (a, name) in points.items() for s in training_seeds(args)}
-    results = dict(zip(jobs, run_jobs(list(jobs.values()), args.workers)))
-    return {label: [results[(label, s)] for s in training_seeds(args)] for label in points}
+    todo, states, ms = [], {}, {}
+    for label, (a, name) in points.items():
+        for s in training_seeds(args):
+            a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
+            run_dir = os.path.join(args.out_dir, run)
+            states[run], step = run_status(args, a_s, run, run_dir)
+            seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
+            todo.append(runs.Run(run, label, s, run_argv(a_s, run, run_dir), run_dir, seconds))
+    codes = runs.sweep(todo, states, os.path.join(HERE, SCRIPT), main, args.workers, tag='icl')
+    failed = [r.name for r in todo if codes.get(r.name, 0) != 0]
+    if failed:
+        raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their train.log)")
+    results = {}
+    for r in todo:
+        with open(os.path.join(r.out_dir, f'{r.name}.json')) as f:
+            results.setdefault(r.group, []).append(dict(json.load(f), **({'reused': True} if states[r.name] == 'done'
+                                                                          else {})))
+    return results
 
 
 def mean_std(values):
@@ -1320,10 +1272,10 @@ def check_args(parser, args):
                      f"{physical_memory() / 2 ** 30:.0f} GiB")
     check_ranges(parser, args, positive=[
         'd', 'max_iters', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
-        'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'workers', 'compute_width', 'linear_width',
+        'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'compute_width', 'linear_width',
         'curr_d_start', 'curr_n_start', 'seeds'], non_negative=[
         'n_points', 'warmup_iters', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval',
-        'curr_interval', 'threads'])
+        'curr_interval', 'threads', 'workers'])
     for name in ('widths', 'depths', 'full_rank_widths'):
         if name == 'full_rank_widths' and args.full_rank_widths == '':     # '' = every width
             continue
@@ -1381,10 +1333,10 @@ def main(argv=None):
         name = sweep_name(args)
         plots = [f'icl_{name}.png'] + ([position_plot_name(args)] if args.sweep == 'bottleneck' else [])
         report_outputs(results=os.path.join(args.out_dir, f'sweep_{name}.json'),
-                       runs=os.path.join(args.out_dir, '<run>.json and .pt'),
+                       runs=os.path.join(args.out_dir, '<run>', '<run>.json and .pt'),
                        plots=', '.join(os.path.join(args.out_dir, p) for p in plots), copies_in=args.assets_dir or None)
         return payload
-    run_name = f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
+    run_name = args.run_name or f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
     if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
         ck = load_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'), SCRIPT, ('config', 'state'))
         check_resume(ck['config'], args, given_flags(parser, argv), ck['state']['step'])
