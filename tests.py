@@ -412,6 +412,12 @@ def _grads(fn, q, k, v, **kw):
     return out, q.grad, k.grad, v.grad
 
 
+def assert_grads_close(fast, ref, q, k, v, what, **kw):
+    """fast and ref give the same output and the same gradients of q, k, v."""
+    for a, b, name in zip(_grads(fast, q, k, v, **kw), _grads(ref, q, k, v, **kw), ['out', 'dq', 'dk', 'dv']):
+        assert_close(a, b, what=f"{what} {name}")
+
+
 MLR_CASES = [(64, [16], None), (96, [8, 4, 2, 2], None), (48, [4, 4, 4, 4], None), (120, [6, 5, 5], [120, 40, 8]),
              (64, [10, 6], [256, 32]), (72, [2, 6, 8], [72, 24, 12]), (256, [5, 3, 4, 2, 2], None)]
 
@@ -436,11 +442,9 @@ def test_mlr_fast_equals_reference(mlr_path, causal, T, ranks, level_sizes):
     mask = torch.rand(2, T, generator=g) > 0.3
     mask[1, :T // 3] = False                       # causal: the first rows of batch 1 see no key at all
     for divide, key_mask in ((False, None), (True, None), (False, mask), (True, mask)):
-        kw = dict(ranks=ranks, causal=causal, level_sizes=level_sizes, divide_by_levels=divide, key_mask=key_mask)
-        for a, b, name in zip(_grads(mlr_path, q, k, v, **kw), _grads(K.mlr_attention_reference, q, k, v, **kw),
-                              ['out', 'dq', 'dk', 'dv']):
-            assert_close(a, b, what=f"mlr {name} T={T} ranks={ranks} causal={causal} divide={divide} "
-                                    f"key_mask={key_mask is not None}")
+        assert_grads_close(mlr_path, K.mlr_attention_reference, q, k, v, f"mlr T={T} ranks={ranks} causal={causal} "
+                           f"divide={divide} key_mask={key_mask is not None}", ranks=ranks, causal=causal,
+                           level_sizes=level_sizes, divide_by_levels=divide, key_mask=key_mask)
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -491,11 +495,9 @@ def test_swa_fast_equals_reference(path, causal, T, window, monkeypatch):
     mask = torch.rand(2, T, generator=g) > 0.2
     mask[1, :T // 3] = False                       # causal: the first rows of batch 1 see no key at all
     for key_mask in (None, mask):
-        kw = dict(window=window, causal=causal, key_mask=key_mask)
-        for a, b, name in zip(_grads(fast, q, k, v, **kw), _grads(K.sliding_window_attention_reference, q, k, v, **kw),
-                              ['out', 'dq', 'dk', 'dv']):
-            assert_close(a, b, what=f"swa {path} {name} T={T} w={window} causal={causal} "
-                                    f"key_mask={key_mask is not None}")
+        assert_grads_close(fast, K.sliding_window_attention_reference, q, k, v, f"swa {path} T={T} w={window} "
+                           f"causal={causal} key_mask={key_mask is not None}", window=window, causal=causal,
+                           key_mask=key_mask)
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -503,9 +505,8 @@ def test_swa_fast_equals_reference(path, causal, T, window, monkeypatch):
 def test_linear_fast_equals_reference(causal, T):
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    for a, b, name in zip(_grads(K.linear_attention, q, k, v, causal=causal),
-                          _grads(K.linear_attention_reference, q, k, v, causal=causal), ['out', 'dq', 'dk', 'dv']):
-        assert_close(a, b, what=f"linear {name} T={T} causal={causal}")
+    assert_grads_close(K.linear_attention, K.linear_attention_reference, q, k, v, f"linear T={T} causal={causal}",
+                       causal=causal)
 
 
 def test_mlr_measured_flops_equal_formula(monkeypatch):
@@ -863,10 +864,7 @@ def test_brl_first_block_does_not_compress_and_blocks_use_history():
 
 
 # -----------------------------------------------------------------------------
-# BRL: the causal recurrence over blocks, per-head gamma, b_rel, against a per-head, per-block reference
-
-# -----------------------------------------------------------------------------
-# a plain reference: one sequence, one head and one block at a time, softmax and norms by hand
+# BRL against a plain reference: one sequence, one head and one block at a time, softmax and norms by hand
 
 def t5_bucket(d, n_buckets, span):
     """T5's bucket of one distance, with Python floats."""
@@ -1374,7 +1372,7 @@ def test_unusable_scale_settings_are_refused():
         A.Transformer(small_config(attn='linear', logit_scale='mup'))
     with pytest.raises(ValueError, match='mup_alpha = 4.0 is only used'):
         A.Transformer(small_config(attn='mlr', mup_alpha=4.0))                 # 'auto' = 1/r_l: no alpha
-    with pytest.raises(ValueError, match='logit_scale must be one of'):
+    with pytest.raises(ValueError, match="logit_scale must be 'auto' or 'sqrt' or 'mup' or 'inv'"):
         A.Transformer(small_config(logit_scale='sp'))
 
 
