@@ -1159,26 +1159,20 @@ QK = ('q_proj', 'k_proj', 'q_ln', 'k_ln')
 @pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
 def test_bilinear_builds_no_query_key_projections(attn):
     """The bilinear layers score with their own feature maps: no q, k projection or q, k LayerNorm exists
-    (not even built and deleted), and values and outputs are the standard maps."""
-    layer = A.ATTENTION[attn](A.ModelConfig(attn=attn, qk_ln=True, **SMALL))
+    (not even built and deleted, so no hidden draw shifts the stream: v_proj is the first tensor drawn), and
+    values and outputs are the standard maps."""
+    cfg = A.ModelConfig(attn=attn, qk_ln=True, **SMALL)
+    torch.manual_seed(3)
+    layer = A.ATTENTION[attn](cfg)
+    torch.manual_seed(3)
+    v = A.MupLinear(cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.mup_base_width)
+    assert torch.equal(layer.v_proj.weight, v.weight)
     assert isinstance(layer, A.AttentionHeads) and not isinstance(layer, A.SelfAttention)
     assert not any(hasattr(layer, name) for name in QK)
     names = [n for n, _ in layer.named_parameters()]
     assert names[:2] == ['v_proj.weight', 'o_proj.weight']
     assert not any(n.split('.')[0] in QK for n in names)
     assert torch.count_nonzero(layer.o_proj.weight) == 0                 # zero-init output map
-
-
-@pytest.mark.parametrize('attn', ['bilinear_mlr', 'bilinear_btt'])
-def test_bilinear_init_draws_values_first(attn):
-    """For a given seed, v_proj is the first tensor drawn: no hidden q, k draws shift the stream (they did
-    when the q, k maps were built and then deleted)."""
-    cfg = A.ModelConfig(attn=attn, **SMALL)
-    torch.manual_seed(3)
-    layer = A.ATTENTION[attn](cfg)
-    torch.manual_seed(3)
-    v = A.MupLinear(cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.mup_base_width)
-    assert torch.equal(layer.v_proj.weight, v.weight)
 
 
 def test_self_attention_init_order_unchanged():
