@@ -126,18 +126,14 @@ def check_config(cfg):
         raise ValueError(f"brl_beta = {cfg.brl_beta}: must be in [0, 1] (the carry-over weight of the compressed tokens)")
     if cfg.n_embd % cfg.n_head != 0:
         raise ValueError(f"n_head = {cfg.n_head} must divide n_embd = {cfg.n_embd}")
-    if cfg.logit_scale not in LOGIT_SCALES:
-        raise ValueError(f"logit_scale must be one of {', '.join(LOGIT_SCALES)}, got {cfg.logit_scale!r}")
-    if cfg.bilinear_mlr_ln not in ('level', 'head'):
-        raise ValueError(f"bilinear_mlr_ln must be 'level' or 'head', got {cfg.bilinear_mlr_ln!r}")
-    if cfg.btt_factors not in ('sqrt', 'official'):
-        raise ValueError(f"btt_factors must be 'sqrt' or 'official', got {cfg.btt_factors!r}")
+    for name, valid in dict(logit_scale=LOGIT_SCALES, bilinear_mlr_ln=('level', 'head'),
+                            btt_factors=('sqrt', 'official'), brl_history=('global', 'block')).items():
+        if getattr(cfg, name) not in valid:
+            raise ValueError(f"{name} must be {' or '.join(map(repr, valid))}, got {getattr(cfg, name)!r}")
     if cfg.window <= 0:
         raise ValueError(f"window must be a positive look-back (query i sees keys i-w..i), got {cfg.window}")
     if cfg.mlp_hidden < 0:
         raise ValueError(f"mlp_hidden must be >= 0 (0 = 4 * n_embd), got {cfg.mlp_hidden}")
-    if cfg.brl_history not in ('global', 'block'):
-        raise ValueError(f"brl_history must be 'global' or 'block', got {cfg.brl_history!r}")
     kinds = cfg.layer_kinds()
     rules = {k: logit_scale_rule(cfg, k) for k in kinds}
     if cfg.mup_alpha != ModelConfig.mup_alpha and 'mup' not in rules.values():

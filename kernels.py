@@ -406,10 +406,8 @@ def _piece_backward(s, V, dO, Lse, Delta):
 #   product, plus one product per deeper level with that level's r_l features, multiplied by its same-block
 #   mask. This spends more multiply-adds than the exact count (the whole S×S square, all d features) --
 #   mlr_attention_flash_flops says how many, about 3% more at T = 1024 -- but runs at matrix-product speed.
-# - Why not PyTorch's fused CPU flash kernel per tile: it needs q, k and v of one width, and a level's R_l is
-#   below d. Zero-padding q and k to d makes it spend the full d on every score; measured on the level-0
-#   tile of T = 2048 (R = 8, 16 heads, one thread) it took 7.9 ns per (query, key) pair, forward and
-#   backward, where these pieces take 6.0.
+# - Not PyTorch's fused CPU flash kernel per tile: it needs q, k and v of one width, and a level's R_l is below
+#   d; padding q and k to d spends the full d on every score.
 
 BOTTOM = 32       # smallest block size scored by sibling tiles; smaller levels go into the dense bottom tiles
 
@@ -446,33 +444,35 @@ def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
     return groups, causal_keep, factor
 
 
-def _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles: every level-j block against itself. They hold every row's own block, so they write
-    o and lse first and the sibling tiles merge into them."""
+def _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
+    """The bottom tiles, every level-j block against itself, piece by piece: yields the piece (n, r), its
+    scaled queries Q, its rows of each deeper level's mask, its per-pair factor and its scores."""
     S = sizes[j]
     groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-    Qb, Kb, Vb, Ob, Lb = (_child(x, S, 0, S) for x in (q, k, v, o, lse))   # (N, S, f) views
+    Qb, Kb = _child(q, S, 0, S), _child(k, S, 0, S)                    # (N, S, d) views
     kk = _key_keep(key_mask, q.shape[1], S, 0, S)
     for n, r in _pieces(Qb.shape[0], S, S):
         keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-        rows = [(f0, f1, same[r]) for f0, f1, same in groups]          # this piece's rows of each mask
-        s = _piece_scores(Qb[n, r] * c, Kb[n], rows, None if factor is None else factor[r], keep)
+        f = None if factor is None else factor[r]
+        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
+        yield n, r, Q, rows, f, _piece_scores(Q, Kb[n], rows, f, keep)
+
+
+def _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels):
+    """The bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
+    into them."""
+    Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
+    for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
         _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
 
 
 def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
     """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
     contribution to each block's diagonal, and it touches every row, key and feature."""
-    S = sizes[j]
-    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-    R = groups[0][0] if groups else q.shape[-1]
-    Qb, Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (q, k, v, do, lse, delta, dq, dk, dv))
-    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
-    for n, r in _pieces(Qb.shape[0], S, S):
-        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-        f = None if factor is None else factor[r]
-        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
-        ds, dv_piece = _piece_backward(_piece_scores(Q, Kb[n], rows, f, keep), Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
+    S, R = sizes[j], sum(ranks[:j + 1])                                 # R: the prefix all pairs share
+    Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (k, v, do, lse, delta, dq, dk, dv))
+    for n, r, Q, rows, f, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
+        ds, dv_piece = _piece_backward(s, Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
         if f is not None:
             ds.mul_(f)
         first = r.start == 0                                            # later row pieces add to dk, dv
@@ -759,9 +759,18 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 # - SWA is the one-level case: FEAT = [0, d], so every tile uses all features, plus a window.
 # The per-level scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernel, as
 # mlr_attention_torch does, so autograd carries them and the kernels see plain prefix dot products.
-#
-# Verified here only under TRITON_INTERPRET=1 (numpy on CPU, float32 in tl.dot) and by compiling for
-# sm_80/sm_90 without running (`python kernels.py --compile-check`); never timed on a GPU.
+
+@triton.jit
+def _load_tile(P, rows, cols, T, W):
+    """Rows `rows`, columns `cols` of a (T, W) row-major matrix at P; zeros outside it."""
+    return tl.load(P + rows[:, None] * W + cols[None, :], mask=(rows[:, None] < T) & (cols[None, :] < W), other=0.0)
+
+
+@triton.jit
+def _store_tile(P, rows, cols, T, W, x):
+    tl.store(P + rows[:, None] * W + cols[None, :], x.to(P.dtype.element_ty),
+             mask=(rows[:, None] < T) & (cols[None, :] < W))
+
 
 @triton.jit
 def _shared_levels(start_m, start_n, T, SIZES, N_LEVELS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -869,12 +878,8 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)                          # (batch, head); int64: B*H*T*d may pass 2^31
-    Q += bh * T * D
-    K += bh * T * D
-    V += bh * T * DV
-    O += bh * T * DV
-    LSE += bh * T
-    KEEP += (bh // H) * T
+    Q, K, V, O = Q + bh * T * D, K + bh * T * D, V + bh * T * DV, O + bh * T * DV   # this head's rows
+    LSE, KEEP = LSE + bh * T, KEEP + (bh // H) * T
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)  # running row max
@@ -893,16 +898,14 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
         p = tl.exp(s - m_shift[:, None])                        # (BLOCK_M, BLOCK_N)
         alpha = tl.exp(m_i - m_shift)                           # rescales what was summed so far
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs_n[:, None] * DV + offs_dv[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)
+        v = _load_tile(V, offs_n, offs_dv, T, DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # rows with no key at all (every key masked) output 0 and get lse = +inf, so the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float('inf'), m_i + tl.log(l_safe))
-    tl.store(O + offs_m[:, None] * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < T) & (offs_dv[None, :] < DV))
+    _store_tile(O, offs_m, offs_dv, T, DV, out)
     tl.store(LSE + offs_m, lse, mask=offs_m < T)
 
 
@@ -914,20 +917,13 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     """dk, dv of one key tile: stream the query tiles that can see it, recompute p = exp(s - lse)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
-    Q += bh * T * D
-    K += bh * T * D
-    DK += bh * T * D
-    V += bh * T * DV
-    DO += bh * T * DV
-    DVAL += bh * T * DV
-    LSE += bh * T
-    DELTA += bh * T
-    KEEP += (bh // H) * T
+    Q, K, DK = Q + bh * T * D, K + bh * T * D, DK + bh * T * D                      # this head's rows
+    V, DO, DVAL = V + bh * T * DV, DO + bh * T * DV, DVAL + bh * T * DV
+    LSE, DELTA, KEEP = LSE + bh * T, DELTA + bh * T, KEEP + (bh // H) * T
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    v = tl.load(V + offs_n[:, None] * DV + offs_dv[None, :],
-                mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)        # (BLOCK_N, BLOCK_DV)
+    v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # queries that see these keys: i >= j (causal) or i >= j - w (bidirectional), and i <= j + w
@@ -938,10 +934,8 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     hi = tl.minimum(start_n + BLOCK_N + window, T)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :],
-                    mask=(offs_m[:, None] < T) & (offs_d[None, :] < D), other=0.0)      # (BLOCK_M, BLOCK_D)
-        do = tl.load(DO + offs_m[:, None] * DV + offs_dv[None, :],
-                     mask=(offs_m[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)   # (BLOCK_M, BLOCK_DV)
+        q = _load_tile(Q, offs_m, offs_d, T, D)  # (BLOCK_M, BLOCK_D)
+        do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
         n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
@@ -954,10 +948,8 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
         if DIVIDE:
             ds = ds / cover
         dk += _feature_grad(tl.trans(ds), q, offs_n, offs_m, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
-    tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < T) & (offs_d[None, :] < D))
-    tl.store(DVAL + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DVAL.dtype.element_ty),
-             mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV))
+    _store_tile(DK, offs_n, offs_d, T, D, dk)
+    _store_tile(DVAL, offs_n, offs_dv, T, DV, dv)
 
 
 @triton.jit
@@ -968,29 +960,21 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
     """dq of one query tile: stream the key tiles it sees, as the forward does."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
-    Q += bh * T * D
-    K += bh * T * D
-    DQ += bh * T * D
-    V += bh * T * DV
-    DO += bh * T * DV
-    LSE += bh * T
-    DELTA += bh * T
-    KEEP += (bh // H) * T
+    Q, K, DQ = Q + bh * T * D, K + bh * T * D, DQ + bh * T * D                      # this head's rows
+    V, DO = V + bh * T * DV, DO + bh * T * DV
+    LSE, DELTA, KEEP = LSE + bh * T, DELTA + bh * T, KEEP + (bh // H) * T
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    do = tl.load(DO + offs_m[:, None] * DV + offs_dv[None, :],
-                 mask=(offs_m[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)       # (BLOCK_M, BLOCK_DV)
+    do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
     lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + offs_n[:, None] * D + offs_d[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_d[None, :] < D), other=0.0)      # (BLOCK_N, BLOCK_D)
-        v = tl.load(V + offs_n[:, None] * DV + offs_dv[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_dv[None, :] < DV), other=0.0)    # (BLOCK_N, BLOCK_DV)
+        k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
+        v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
         n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
         s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
                                BLOCK_M, BLOCK_N, CHUNK)
@@ -1000,8 +984,7 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
         if DIVIDE:
             ds = ds / cover
         dq += _feature_grad(ds, k, offs_m, offs_n, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
-    tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < T) & (offs_d[None, :] < D))
+    _store_tile(DQ, offs_m, offs_d, T, D, dq)
 
 
 # -----------------------------------------------------------------------------
@@ -1175,6 +1158,14 @@ def _correctness_check():
     print()
 
 
+def _out_and_grads(fn, q, k, v, do, dtype, **kw):
+    """fn's output and the gradients of q, k, v for output gradient do, computed in dtype, returned in float64."""
+    x = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*x, **kw)
+    out.backward(do.to(dtype))
+    return [out.double()] + [t.grad.double() for t in x]
+
+
 def _selftest_interpret():
     """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients,
     at tiny shapes: tiles smaller and larger than the finest MLR block, T not a multiple of the tile."""
@@ -1201,13 +1192,10 @@ def _selftest_interpret():
         for causal in (True, False):
             q, k, v = (torch.randn(B, 2, T, n, dtype=torch.float64) for n in (d, d, dv))
             grad = torch.randn(B, 2, T, dv, dtype=torch.float64)
-            results, t0 = [], time.process_time()
-            for fn, dtype in ((fast, torch.float32), (ref, torch.float64)):
-                x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-                out = fn(*x, causal=causal, **kw)
-                out.backward(grad.to(dtype))
-                results.append([out] + [t.grad for t in x])
-            errs = [(a.double() - b).abs().max().item() for a, b in zip(*results)]
+            t0 = time.process_time()
+            results = [_out_and_grads(fn, q, k, v, grad, dtype, causal=causal, **kw)
+                       for fn, dtype in ((fast, torch.float32), (ref, torch.float64))]
+            errs = [(a - b).abs().max().item() for a, b in zip(*results)]
             ok = max(errs) < 1e-4
             failed += not ok
             print(f"  {name:42s} causal={causal!s:5s} max err o {errs[0]:.1e} dq {errs[1]:.1e} dk {errs[2]:.1e} "
@@ -1249,13 +1237,7 @@ def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), windo
     if device == 'cuda' and HAS_TRITON:
         checks += [('mlr_triton', mlr(mlr_attention_triton), mlr(mlr_attention_reference)),
                    ('swa_triton', swa(sliding_window_attention_triton), swa(sliding_window_attention_reference))]
-
-    def run(fn, dtype):
-        x = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*x)
-        out.backward(do.to(dtype))
-        return [out.double()] + [t.grad.double() for t in x]
-
+    run = lambda fn, dtype: _out_and_grads(fn, q, k, v, do, dtype)
     ok = True
     for name, fn, ref in checks:
         exact = run(ref, torch.float64)

@@ -473,16 +473,6 @@ class MLBTC(StructuredLinear):
         return min(sum(btt.rank for btt in self.levels), self.d_in, self.d_out)
 
 
-STRUCTURED = {
-    'dense': Dense,
-    'low_rank': LowRank,
-    'block_diagonal': BlockDiagonal,
-    'low_rank_block_diagonal': LowRankBlockDiagonal,
-    'mlr': MLR,
-    'btt': BTT,
-    'mlbtc': MLBTC,
-}
-
 # -----------------------------------------------------------------------------
 # Table 1, measured: python structured.py
 
