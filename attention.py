@@ -57,7 +57,8 @@ class ModelConfig:
     logit_scale: str = opt('auto', 'auto | sqrt | mup | inv: the scale of a score term of width R (logit_scales)')
     mup_alpha: float = opt(8.0, 'alpha of --logit_scale mup (alpha / R); the official code\'s 8')
     n_kv_head: int = opt(0, 'standard: grouped-query attention, key/value heads (0 = n_head)')
-    rope: bool = opt(False, 'standard / swa / brl (its local attention): rotary position embedding')
+    pos: str = opt('learned', "positions: 'learned' (absolute, added to the input), 'rope' (rotary, inside "
+                              "every variant's scores) or 'none'")
     # MLR and bilinear MLR
     ranks: str = opt('', 'MLR / bilinear MLR rank allocation, e.g. 32|8|6|4|4|4|4|2 (sums to the head width)')
     mlr_block_sizes: str = opt('', 'MLR level block sizes, e.g. 1024|256|64 (default block_size / 2^l)')
@@ -113,6 +114,7 @@ def parse_ints(text, name, sep='|'):
         raise ValueError(f"{name} must be integers separated by '{sep}', got {text!r}") from None
 
 
+POSITIONS = ('learned', 'rope', 'none')
 POSITIVE_FIELDS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'mup_alpha', 'btt_rank', 'n_compressed', 'mup_base_width')
 NON_NEGATIVE_FIELDS = ('n_kv_head', 'brl_block', 'brl_rel_buckets')   # (window, mlp_hidden: their own lines below)
 
@@ -126,7 +128,7 @@ def check_config(cfg):
         raise ValueError(f"brl_beta = {cfg.brl_beta}: must be in [0, 1] (the carry-over weight of the compressed tokens)")
     if cfg.n_embd % cfg.n_head != 0:
         raise ValueError(f"n_head = {cfg.n_head} must divide n_embd = {cfg.n_embd}")
-    for name, valid in dict(logit_scale=LOGIT_SCALES, bilinear_mlr_ln=('level', 'head'),
+    for name, valid in dict(logit_scale=LOGIT_SCALES, pos=POSITIONS, bilinear_mlr_ln=('level', 'head'),
                             btt_factors=('sqrt', 'official'), brl_history=('global', 'block')).items():
         if getattr(cfg, name) not in valid:
             raise ValueError(f"{name} must be {' or '.join(map(repr, valid))}, got {getattr(cfg, name)!r}")
@@ -218,14 +220,45 @@ def optimizer_groups(model, lr, weight_decay):
             for (mult, decay), ps in groups.items()]
 
 
-def rope(x, pos):
-    """Rotary embedding on (B, H, T, d) at integer positions pos (T,), half-split convention."""
-    d = x.shape[-1]
-    freq = 10000.0 ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2))
-    ang = pos.float()[:, None] * freq[None, :]                       # (T, d/2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+def rope(x, pos, widths=None):
+    """Rotary embedding (RoFormer) of x (B, H, T, f) at integer positions pos (T,). Each group of `widths`
+    features (default: one group of all f) is rotated on its own, half-split: in a group of n features, feature i
+    and i + n/2 turn by the angle pos * 10000^(-i / (n/2)), so a dot product within a group depends on the
+    positions only through their difference. An odd group keeps its last feature unrotated."""
+    out = []
+    for g in x.split(widths or [x.shape[-1]], -1):
+        h = g.shape[-1] // 2
+        freq = 10000.0 ** (-torch.arange(0, h, device=x.device, dtype=torch.float32) / max(h, 1))
+        ang = pos.float()[:, None] * freq[None, :]                   # (T, n/2)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        g1, g2, odd = g[..., :h], g[..., h:2 * h], g[..., 2 * h:]
+        out += [g1 * cos - g2 * sin, g1 * sin + g2 * cos, odd]
+    return torch.cat(out, dim=-1)
+
+
+def rope_flops(T, n_rotated):
+    """RoPE's cost: two products and one sum per rotated feature and position (cos, sin are per position)."""
+    return 3 * T * n_rotated
+
+
+# -----------------------------------------------------------------------------
+# FLOPs, one convention for every variant: 2 per multiply-add of the products its algorithm needs. A score of R
+# features costs R per scored (query, key) pair and the value product dv per pair; a causal variant scores only
+# the pairs j <= i, a window only its w + 1 keys, an MLR level only the pairs inside its blocks. Softmax, masks
+# and norms are not counted; RoPE is (rope_flops). These counts set the equal-FLOP budgets of the comparisons.
+
+def scored_pairs(T, w, causal):
+    """(query i, key j) pairs with i - w <= j <= i (bidirectional: |i - j| <= w) among T positions; w >= T - 1 is
+    full attention: T (T + 1) / 2 causal, T^2 bidirectional."""
+    w = min(w, T - 1)
+    one_side = T * w - w * (w + 1) // 2                              # pairs with 0 < i - j <= w
+    return T + one_side * (1 if causal else 2)
+
+
+def block_pairs(T, b, causal):
+    """Pairs inside the same block of b consecutive positions (b >= T: one block of T)."""
+    b = min(b, T)
+    return (T // b) * scored_pairs(b, b - 1, causal)
 
 
 class Cache:
@@ -247,7 +280,6 @@ class AttentionHeads(nn.Module):
     """What every variant on heads shares: H heads of width d, the settings checks, and the value map and
     zero-init output map (value_output_maps). How a head scores pairs is the subclass's: SelfAttention's
     q, k projections or BilinearAttention's feature maps. `kind` is the registry name."""
-    uses_rope = False
     kind = 'standard'
 
     def __init__(self, cfg):
@@ -260,8 +292,6 @@ class AttentionHeads(nn.Module):
             raise ValueError(f"n_kv_head = {self.n_kv} must divide n_head = {H}")
         if self.n_kv != H and type(self) is not StandardAttention:
             raise ValueError("grouped-query attention (n_kv_head) is only implemented for standard attention")
-        if cfg.rope and not self.uses_rope:
-            raise ValueError(f"rope is only implemented for standard and swa attention, not {type(self).__name__}")
 
     def value_output_maps(self):
         """v_proj (B, T, D) -> (B, T, n_kv d), init N(0, 1/D), and o_proj (B, T, H d) -> (B, T, D), zero init.
@@ -272,7 +302,10 @@ class AttentionHeads(nn.Module):
 
 class SelfAttention(AttentionHeads):
     """Shared q, k, v projections (B, T, D) -> (B, H, T, d) and the zero-init output map. A variant
-    defines attend() (whole sequence) and decode() (one token with a cache)."""
+    defines attend() (whole sequence) and decode() (one token with a cache). With pos 'rope', q and k are
+    rotated at their positions, each group of rope_widths features on its own (None: the whole head), before
+    attend / decode, which get the positions too (linear attention rotates its features instead)."""
+    rope_widths = None
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -290,17 +323,20 @@ class SelfAttention(AttentionHeads):
         k = self.k_ln(self.k_proj(x).view(B, T, self.n_kv, self.d)).transpose(1, 2)   # (B, Hkv, T, d)
         v = self.v_proj(x).view(B, T, self.n_kv, self.d).transpose(1, 2)
         t0 = 0 if cache is None else cache.t
-        if self.cfg.rope:
-            pos = torch.arange(t0, t0 + T, device=x.device)
-            q, k = rope(q, pos), rope(k, pos)
+        pos = torch.arange(t0, t0 + T, device=x.device) if self.cfg.pos == 'rope' else None
+        if pos is not None:
+            q, k = self.rotate(q, k, pos)
         if cache is None:
-            y = self.attend(q, k, v, key_mask)
+            y = self.attend(q, k, v, key_mask, pos)
         else:
             if T != 1:
                 raise ValueError(f"decoding with a cache takes one token at a time, got T = {T}")
-            y = self.decode(q, k, v, cache)
+            y = self.decode(q, k, v, cache, pos)
             cache.t += 1
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
+
+    def rotate(self, q, k, pos):
+        return rope(q, pos, self.rope_widths), rope(k, pos, self.rope_widths)
 
     def scale(self):
         """The logit scale of a whole-head dot product (R = d), from logit_scales()."""
@@ -314,45 +350,43 @@ class SelfAttention(AttentionHeads):
         return cache.k[0].numel()
 
     def flops(self, T):
-        D = self.cfg.n_embd
-        return 2 * T * D * self.d * (2 * self.H + 2 * self.n_kv) + self.core_flops(T)
+        D, rotated = self.cfg.n_embd, (self.H + self.n_kv) * self.d if self.cfg.pos == 'rope' else 0
+        return 2 * T * D * self.d * (2 * self.H + 2 * self.n_kv) + self.core_flops(T) + rope_flops(T, rotated)
 
 
 class StandardAttention(SelfAttention):
     """Softmax attention (SDPA); the scoring matrix W_Q W_K^T of each head has rank d (paper §2.2)."""
-    uses_rope = True
 
-    def attend(self, q, k, v, key_mask):
+    def attend(self, q, k, v, key_mask, pos=None):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.cfg.causal and mask is None,
                                               scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
-    def decode(self, q, k, v, cache):
+    def decode(self, q, k, v, cache, pos=None):
         cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(),
                                               enable_gqa=self.n_kv != self.H)
 
     def core_flops(self, T):
-        return 2 * self.H * T * T * 2 * self.d * (0.5 if self.cfg.causal else 1)
+        return 2 * self.H * scored_pairs(T, T, self.cfg.causal) * 2 * self.d
 
 
 class SWAAttention(SelfAttention):
     """Sliding-window attention at O(T w) cost (paper §2.3). window = w is a look-back, as the official
     sliding_block_size (its mask keeps i-w <= j <= i): query i sees the w + 1 keys i-w..i (bidirectional:
     |i - j| <= w)."""
-    uses_rope = True
     kind = 'swa'
 
-    def attend(self, q, k, v, key_mask):
+    def attend(self, q, k, v, key_mask, pos=None):
         return kernels.sliding_window_attention(q, k, v, self.cfg.window, self.cfg.causal, self.scale(), key_mask)
 
-    def decode(self, q, k, v, cache):
+    def decode(self, q, k, v, cache, pos=None):
         n = self.cfg.window + 1                                                # the keys a query sees
         cache.k, cache.v = _append(getattr(cache, 'k', None), k, n), _append(getattr(cache, 'v', None), v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
-        return self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, self.d, self.cfg.causal)
+        return 2 * self.H * scored_pairs(T, self.cfg.window, self.cfg.causal) * 2 * self.d
 
 
 class GlobalSWASplitAttention(SWAAttention):
@@ -361,7 +395,6 @@ class GlobalSWASplitAttention(SWAAttention):
     32|32); one softmax over all keys on the global part, one over the window w on the local part, the two
     weight matrices summed (each row sums to 2, as in the official code) and applied to one shared v.
     The layer-wise Global + SWA is the `global_swa` layer pattern instead (standard and swa layers)."""
-    uses_rope = False
     kind = 'global_swa_split'
 
     def __init__(self, cfg):
@@ -372,8 +405,9 @@ class GlobalSWASplitAttention(SWAAttention):
             raise ValueError(f"gswa_ranks {cfg.gswa_ranks!r} must be two positive widths 'global|local' summing "
                              f"to the head width {d}, e.g. '{d // 2}|{d - d // 2}'")
         self.scales = logit_scales(cfg, self.kind, self.split)               # [c_global, c_local]
+        self.rope_widths = self.split                    # RoPE rotates the global and the local part each on its own
 
-    def attend(self, q, k, v, key_mask):
+    def attend(self, q, k, v, key_mask, pos=None):
         (qg, ql), (kg, kl) = q.split(self.split, -1), k.split(self.split, -1)  # (B, H, T, r_g), (B, H, T, r_s)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         glob = F.scaled_dot_product_attention(qg, kg, v, attn_mask=mask, scale=self.scales[0],
@@ -382,7 +416,7 @@ class GlobalSWASplitAttention(SWAAttention):
                                                self.cfg.causal, self.scales[1], key_mask)
         return glob + loc                                                      # (B, H, T, d)
 
-    def decode(self, q, k, v, cache):
+    def decode(self, q, k, v, cache, pos=None):
         cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
         n = self.cfg.window + 1
         (qg, ql), (kg, kl) = q.split(self.split, -1), cache.k.split(self.split, -1)
@@ -390,17 +424,18 @@ class GlobalSWASplitAttention(SWAAttention):
                 F.scaled_dot_product_attention(ql, kl[:, :, -n:], cache.v[:, :, -n:], scale=self.scales[1]))
 
     def core_flops(self, T):
-        rg, rs = self.split
-        glob = 2 * self.H * T * T * (rg + self.d) * (0.5 if self.cfg.causal else 1)
-        return glob + self.H * kernels.sliding_window_attention_flops(T, self.cfg.window, rs, self.cfg.causal,
-                                                                       dv=self.d)
+        (rg, rs), causal = self.split, self.cfg.causal
+        glob, loc = scored_pairs(T, T, causal), scored_pairs(T, self.cfg.window, causal)
+        return 2 * self.H * (glob * (rg + self.d) + loc * (rs + self.d))
 
 
 class MLRAttention(SelfAttention):
     """MLR attention (paper §3.4, Eq. 9). Level l cuts positions into blocks of size block_size/2^l (fixed by the
     model, so a shorter causal sequence just has more global levels); a pair sharing a level-l block adds
     c_l q_l.k_l, c_l from logit_scales() with R = r_l (logit_scale 'auto': the official 1/r_l). QK-LN, when on,
-    normalizes the whole head before the rank split, as the official code."""
+    normalizes the whole head before the rank split, as the official code. RoPE (pos 'rope', not in the paper)
+    rotates each level's r_l features on their own, after QK-LN: q_l.k_l then depends on i - j only, at every
+    level; an odd r_l keeps one feature unrotated."""
     kind = 'mlr'
 
     def __init__(self, cfg):
@@ -419,9 +454,10 @@ class MLRAttention(SelfAttention):
                                  f"got {cfg.block_size}")
             self.level_sizes = [cfg.block_size // 2 ** l for l in range(L)]
         kernels.mlr_level_sizes(self.level_sizes[0], L, self.level_sizes)   # validates the list
+        self.rope_widths = self.ranks                    # RoPE per level: each level's score is relative
         self.scales = logit_scales(cfg, self.kind, self.ranks)                # c_l per level
 
-    def attend(self, q, k, v, key_mask):
+    def attend(self, q, k, v, key_mask, pos=None):
         T = q.shape[2]
         Tp = self.valid_length(T)
         if Tp != T:  # causal: padding on the right changes nothing before it
@@ -440,7 +476,7 @@ class MLRAttention(SelfAttention):
         raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.level_sizes}; valid: "
                          f"multiples of {min(self.level_sizes)} up to {self.level_sizes[0]}")
 
-    def decode(self, q, k, v, cache):
+    def decode(self, q, k, v, cache, pos=None):
         """Level l keeps only the r_l key features of the current level-l block (paper §3.4, key cache)."""
         t = cache.t
         if t >= self.level_sizes[0]:
@@ -466,36 +502,49 @@ class MLRAttention(SelfAttention):
         return sum(k_l[0].numel() for k_l in cache.keys)
 
     def core_flops(self, T):
-        Tp = self.valid_length(T)   # what attend() computes: a short causal sequence is padded; blocks >= Tp are global
-        return self.H * kernels.mlr_attention_flops(Tp, self.ranks, self.cfg.causal, self.level_sizes, self.d)
+        """Level l scores the pairs inside its blocks with r_l features; A V runs over the top level's pairs."""
+        Tp, causal = self.valid_length(T), self.cfg.causal   # attend() pads a short causal sequence to Tp
+        pairs = [block_pairs(Tp, b, causal) for b in self.level_sizes]
+        return 2 * self.H * (sum(r * p for r, p in zip(self.ranks, pairs)) + self.d * pairs[0])
 
 
 class LinearAttention(SelfAttention):
-    """Linear attention with phi = ReLU^2 (seed 003 §2.2.2); decoding keeps the d x d state S and the vector z."""
+    """Linear attention with phi = ReLU^2 (seed 003 §2.2.2); decoding keeps the d x d state S and the vector z.
+    RoPE takes RoFormer's linear form (Su et al. 2021, Eq. 19): the features phi(q), phi(k), not q and k, are
+    rotated, in the numerator only, so the denominator stays positive."""
     kind = 'linear'
 
-    def attend(self, q, k, v, key_mask):
-        return kernels.linear_attention(q, k, v, self.cfg.causal, key_mask=key_mask)
+    def rotate(self, q, k, pos):
+        return q, k                                                             # the features turn, in attend
 
-    def decode(self, q, k, v, cache):
+    def attend(self, q, k, v, key_mask, pos=None):
+        rotate = None if pos is None else lambda f: rope(f, pos)
+        return kernels.linear_attention(q, k, v, self.cfg.causal, key_mask=key_mask, rotate=rotate)
+
+    def decode(self, q, k, v, cache, pos=None):
         qf, kf = kernels.linear_feature_map(q), kernels.linear_feature_map(k)   # (B, H, 1, d)
+        qn, kn = (qf, kf) if pos is None else (rope(qf, pos), rope(kf, pos))    # the numerator's features
         if cache.t == 0:
             cache.S, cache.z = 0, 0
-        cache.S = cache.S + kf.transpose(-2, -1) @ v                            # (B, H, d, d)
+        cache.S = cache.S + kn.transpose(-2, -1) @ v                            # (B, H, d, d)
         cache.z = cache.z + kf                                                  # (B, H, 1, d)
-        return (qf @ cache.S) / ((qf * cache.z).sum(-1, keepdim=True) + 1e-6)
+        return (qn @ cache.S) / ((qf * cache.z).sum(-1, keepdim=True) + 1e-6)
 
     def cache_numel(self, cache):
         return cache.S[0].numel() + cache.z[0].numel()
 
     def core_flops(self, T):
-        return self.H * kernels.linear_attention_flops(T, self.d, self.cfg.causal)
+        """The chunked form's count (chunks of c = 64, quadratic inside); RoPE's numerator adds a second
+        intra-chunk score product."""
+        extra = 2 * T * min(64, T) * self.d if self.cfg.pos == 'rope' and self.cfg.causal else 0
+        return self.H * (kernels.linear_attention_flops(T, self.d, self.cfg.causal) + extra)
 
 
 class BilinearAttention(AttentionHeads):
     """Common part of the bilinear variants: per-head (query features, key features) of width e replace
     q and k, values and outputs stay standard; one batched product, W_h never formed (paper §3.2, App. D).
-    There are no q, k projections: a subclass builds its feature maps after these value and output maps."""
+    There are no q, k projections: a subclass builds its feature maps after these value and output maps.
+    With pos 'rope' the features are rotated at their positions, each group of rope_widths on its own."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -506,6 +555,9 @@ class BilinearAttention(AttentionHeads):
             raise ValueError(f"{type(self).__name__} has no decoding cache; run the full forward")
         B, T, _ = x.shape
         qf, kf = self.features(x)                                            # (B, H, T, e)
+        if self.cfg.pos == 'rope':                                           # per level (BTT: one group)
+            pos = torch.arange(T, device=x.device)
+            qf, kf = rope(qf, pos, self.rope_widths), rope(kf, pos, self.rope_widths)
         v = self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)        # (B, H, T, d)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         y = F.scaled_dot_product_attention(qf, kf, v, attn_mask=mask, scale=1.0,
@@ -514,8 +566,9 @@ class BilinearAttention(AttentionHeads):
 
     def flops(self, T):
         D, e = self.cfg.n_embd, self.feature_width
-        scores = 2 * self.H * T * T * (e + self.d) * (0.5 if self.cfg.causal else 1)
-        return 2 * T * D * self.d * 2 * self.H + self.feature_flops(T) + scores
+        scores = 2 * self.H * scored_pairs(T, T, self.cfg.causal) * (e + self.d)
+        rotated = 2 * self.H * e if self.cfg.pos == 'rope' else 0
+        return 2 * T * D * self.d * 2 * self.H + self.feature_flops(T) + scores + rope_flops(T, rotated)
 
 
 def rms_cap(weights, d_in, d_out):
@@ -552,6 +605,7 @@ class BilinearMLRAttention(BilinearAttention):
         self.k_maps = nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
                                     for p, r in zip(self.blocks, self.ranks))
         self.level_widths = [p * r for p, r in zip(self.blocks, self.ranks)]
+        self.rope_widths = self.level_widths
         self.feature_width = sum(self.level_widths)
         ln_widths = self.level_widths if cfg.bilinear_mlr_ln == 'level' else [self.feature_width]
         self.q_lns = nn.ModuleList(nn.LayerNorm(n, bias=False) for n in ln_widths)
@@ -607,6 +661,7 @@ class BilinearBTTAttention(BilinearAttention):
                                                  base_width=cfg.mup_base_width) for _ in range(self.H))
         self.ln = nn.LayerNorm(D, bias=False)
         self.feature_width = D
+        self.rope_widths = None
         self.c, = logit_scales(cfg, self.kind, [D])
 
     def cores(self):

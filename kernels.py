@@ -94,15 +94,18 @@ def linear_feature_map(u):
     return F.relu(u / math.sqrt(u.shape[-1])) ** 2
 
 
-def linear_attention_reference(q, k, v, causal=True, eps=1e-6, key_mask=None):
+def linear_attention_reference(q, k, v, causal=True, eps=1e-6, key_mask=None, rotate=None):
+    """rotate: RoPE's linear form (RoFormer, Su et al. 2021, Eq. 19): the numerator's features rotated by
+    rotate(f), the denominator's not, so that it stays positive."""
     _check_qkv(q, k, v)
     qf, kf = linear_feature_map(q), linear_feature_map(k)
     if key_mask is not None:
         kf = kf * key_mask[:, None, :, None]
     a = qf @ kf.transpose(-2, -1)                                            # (B, H, T, T)
+    n = a if rotate is None else rotate(qf) @ rotate(kf).transpose(-2, -1)
     if causal:
-        a = a.tril()
-    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
+        a, n = a.tril(), n.tril()
+    return (n @ v) / (a.sum(-1, keepdim=True) + eps)
 
 
 # -----------------------------------------------------------------------------
@@ -707,30 +710,33 @@ def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
 # -----------------------------------------------------------------------------
 # causal linear attention, chunked torch path
 
-def linear_attention_torch(q, k, v, causal=True, eps=1e-6, key_mask=None, chunk=64):
+def linear_attention_torch(q, k, v, causal=True, eps=1e-6, key_mask=None, chunk=64, rotate=None):
     """Chunked parallel form: within a chunk the masked quadratic form, across chunks the running state
-    S = sum_j k'_j v_j^T (d × dv) and z = sum_j k'_j."""
+    S = sum_j k'_j v_j^T (d × dv) and z = sum_j k'_j. rotate: as linear_attention_reference (S then holds the
+    rotated keys, z the plain ones)."""
     _check_qkv(q, k, v)
     qf, kf = linear_feature_map(q), linear_feature_map(k)
     if key_mask is not None:
         kf = kf * key_mask[:, None, :, None]
+    qn, kn = (qf, kf) if rotate is None else (rotate(qf), rotate(kf))      # the numerator's features
     if not causal:
-        S = kf.transpose(-2, -1) @ v                                         # (B, H, d, dv)
+        S = kn.transpose(-2, -1) @ v                                         # (B, H, d, dv)
         z = kf.sum(dim=2, keepdim=True)                                      # (B, H, 1, d)
-        return (qf @ S) / ((qf * z).sum(-1, keepdim=True) + eps)
+        return (qn @ S) / ((qf * z).sum(-1, keepdim=True) + eps)
     B, H, T, d = q.shape
     dv = v.shape[-1]
     chunk = min(chunk, T)                                                    # short sequences: one chunk
     n = -(-T // chunk)
     pad = n * chunk - T
-    qc = F.pad(qf, (0, 0, 0, pad)).reshape(B, H, n, chunk, d)                # (B, H, n, c, d)
-    kc = F.pad(kf, (0, 0, 0, pad)).reshape(B, H, n, chunk, d)
-    vc = F.pad(v, (0, 0, 0, pad)).reshape(B, H, n, chunk, dv)
+    chunks = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, chunk, t.shape[-1])   # (B, H, n, c, d or dv)
+    qc, kc, vc = chunks(qf), chunks(kf), chunks(v)
+    qnc, knc = (qc, kc) if rotate is None else (chunks(qn), chunks(kn))
     a = (qc @ kc.transpose(-2, -1)).tril()                                   # (B, H, n, c, c) intra-chunk
-    kv = kc.transpose(-2, -1) @ vc                                           # (B, H, n, d, dv) per chunk
+    an = a if rotate is None else (qnc @ knc.transpose(-2, -1)).tril()      # ... of the numerator
+    kv = knc.transpose(-2, -1) @ vc                                          # (B, H, n, d, dv) per chunk
     S = kv.cumsum(dim=2) - kv                                                # state before each chunk
     z = kc.sum(dim=3).cumsum(dim=2) - kc.sum(dim=3)                          # (B, H, n, d)
-    num = a @ vc + qc @ S                                                    # (B, H, n, c, dv)
+    num = an @ vc + qnc @ S                                                  # (B, H, n, c, dv)
     den = a.sum(-1) + (qc * z[:, :, :, None, :]).sum(-1)                     # (B, H, n, c)
     o = num / (den[..., None] + eps)
     return o.reshape(B, H, n * chunk, dv)[:, :, :T]
@@ -1132,10 +1138,10 @@ def sliding_window_attention(q, k, v, window, causal=True, scale=None, key_mask=
     return fn(q, k, v, window, causal, scale, key_mask)
 
 
-def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None):
+def linear_attention(q, k, v, causal=True, eps=1e-6, key_mask=None, rotate=None):
     """Linear attention with phi = ReLU^2 (seed 003 §2.2.2): o_t = q'_t S_t / (q'_t.z_t + eps). One path
     on every device: linear_attention_torch."""
-    return linear_attention_torch(q, k, v, causal, eps, key_mask)
+    return linear_attention_torch(q, k, v, causal, eps, key_mask, rotate=rotate)
 
 
 # -----------------------------------------------------------------------------

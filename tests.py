@@ -685,10 +685,11 @@ def test_kernels_reads_top_to_bottom():
 CAUSAL_KINDS = ['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl', 'global_swa']
 
 
+@pytest.mark.parametrize('pos', ['none', 'rope'])
 @pytest.mark.parametrize('kind', CAUSAL_KINDS)
-def test_no_future_leak(kind):
+def test_no_future_leak(kind, pos):
     torch.manual_seed(0)
-    model = randomize_(A.Transformer(small_config(attn=kind)).double())
+    model = randomize_(A.Transformer(small_config(attn=kind, pos=pos)).double())
     x = torch.randn(2, 64, 64, dtype=torch.float64)
     y = model(x)
     for t in (0, 17, 40):   # 17, 40: inside BRL blocks of 8, and past block boundaries
@@ -699,11 +700,11 @@ def test_no_future_leak(kind):
         assert (y2[:, t + 1:] - y[:, t + 1:]).abs().max() > 1e-3, f'{kind}: later outputs should change'
 
 
-@pytest.mark.parametrize('kind', ['standard', 'mlr', 'swa', 'linear', 'brl', 'global_swa'])
-def test_cached_decoding_equals_full_forward(kind):
+@pytest.mark.parametrize('pos', ['none', 'rope'])
+@pytest.mark.parametrize('kind', ['standard', 'mlr', 'swa', 'linear', 'brl', 'global_swa', 'global_swa_split'])
+def test_cached_decoding_equals_full_forward(kind, pos):
     torch.manual_seed(0)
-    extra = dict(rope=True) if kind in ('standard', 'swa') else {}
-    model = randomize_(A.Transformer(small_config(attn=kind, **extra)).double())
+    model = randomize_(A.Transformer(small_config(attn=kind, pos=pos, ranks='7|5|4')).double())
     x = torch.randn(2, 64, 64, dtype=torch.float64)
     full = model(x)
     cache = model.new_cache()
@@ -729,55 +730,86 @@ def test_mlr_key_cache_is_smaller():
 
 
 def test_gqa_and_rope_run_and_stay_causal():
-    model = randomize_(A.Transformer(small_config(n_kv_head=2, rope=True)).double())
+    model = randomize_(A.Transformer(small_config(n_kv_head=2, pos='rope')).double())
     x = torch.randn(1, 64, 64, dtype=torch.float64)
     x2 = x.clone()
     x2[:, 30:] += 1
     assert_close(model(x)[:, :30], model(x2)[:, :30], what='gqa+rope causality')
 
 
-def measured_core_flops(fn, T, d, dv, *args, **kw):
-    """FLOPs the flop counter measures for one (batch, head) of a kernels.py torch path."""
-    q, k, v = torch.randn(1, 1, T, d), torch.randn(1, 1, T, d), torch.randn(1, 1, T, dv)
-    with FlopCounterMode(display=False) as fc:
-        fn(q, k, v, *args, **kw)
-    return fc.get_total_flops()
+def test_rope_turns_each_group_by_the_relative_position():
+    """rope(x, pos, widths): within each group of features the dot product of a rotated q and k depends on the
+    positions only through their difference; an odd group keeps its last feature; groups do not mix."""
+    q, k = torch.randn(2, 1, 1, 16, dtype=torch.float64).unbind(0)
+    widths = [7, 5, 1, 3]
+    at = lambda x, p: A.rope(x, torch.tensor([p]), widths).split(widths, -1)
+    for g in range(len(widths)):
+        near, far = at(q, 3)[g] @ at(k, 1)[g].mT, at(q, 41)[g] @ at(k, 39)[g].mT
+        assert_close(near, far, atol=1e-5, what=f'group {g}: a shift of both positions')   # float32 angles
+    assert all(at(q, 5)[g][..., -1].equal(q.split(widths, -1)[g][..., -1]) for g in (0, 1, 2, 3))
+    assert not at(q, 5)[0][..., :-1].equal(q.split(widths, -1)[0][..., :-1])
+    whole = A.rope(q, torch.tensor([4]))                                  # one group: pairs i, i + 8
+    assert_close(whole[..., 0], q[..., 0] * math.cos(4) - q[..., 8] * math.sin(4), what='half-split pairs')
+
+
+@pytest.mark.parametrize('kind', ['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'global_swa_split'])
+def test_rope_scores_see_relative_positions_only(kind):
+    """Bidirectional, pos 'rope': a sequence moved 32 places right behind masked keys gives the same outputs
+    (32 = a multiple of every MLR block it spans), so every score term sees i - j only; MLR's and global+SWA's
+    per-level rotation included. The same weights without RoPE give other outputs."""
+    torch.manual_seed(0)
+    rot = randomize_(A.Transformer(small_config(attn=kind, causal=False, pos='rope', ranks='7|5|4')).double())
+    x = torch.randn(2, 32, 64, dtype=torch.float64)
+    moved = torch.cat([torch.randn(2, 32, 64, dtype=torch.float64), x], 1)      # (2, 64, 64): x at 32..63
+    mask = (torch.arange(64) >= 32).expand(2, 64)
+    assert_close(rot(moved, key_mask=mask)[:, 32:], rot(x), atol=1e-5, what=f'{kind}: RoPE moved with the sequence')
+    plain = A.Transformer(small_config(attn=kind, causal=False, pos='none', ranks='7|5|4')).double()
+    plain.load_state_dict(rot.state_dict())
+    assert (plain(x) - rot(x)).abs().max() > 1e-3, f'{kind}: RoPE changed nothing'
 
 
 def written_forward_flops(model, T):
     """The Transformer's forward FLOPs (2 per multiply-add) written out from the definitions: what "equal FLOPs"
-    means in every comparison. Attention cores that have a blocked torch path are measured on it."""
+    means in every comparison. The scored (query, key) pairs are counted on masks built here."""
     cfg = model.cfg
     D, H, causal = cfg.n_embd, cfg.n_head, cfg.causal
     d, hidden, w = D // H, cfg.mlp_hidden or 4 * D, cfg.window
-    pairs = T * T * (0.5 if causal else 1)           # (query, key) pairs: the causal half of T x T, as intended
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = (j <= i) if causal else torch.ones(T, T, dtype=torch.bool)
+    pairs = int(allowed.sum())                                           # every pair a causal query may see
+    win = int((allowed & ((i - j).abs() <= w)).sum())                    # the window's w + 1 keys (causal)
+    level = lambda b: int((allowed & (i // b == j // b)).sum())          # the pairs inside MLR blocks of b
     qkvo, vo = 2 * T * D * D * 4, 2 * T * D * D * 2
-    swa = lambda dk: measured_core_flops(K.sliding_window_attention_torch, T, dk, d, w, causal)
+    rope = 3 * T * 2 * D if cfg.pos == 'rope' else 0                     # q and k of every head rotated
     total = 0
     for block in model.blocks:
         layer, kind = block.attn, type(block.attn).__name__
         if kind == 'StandardAttention':
-            attn = qkvo + H * 2 * pairs * (d + d)                                   # QK^T and A V
+            attn = qkvo + rope + H * 2 * pairs * (d + d)                           # QK^T and A V
         elif kind == 'SWAAttention':
-            attn = qkvo + H * swa(d)
+            attn = qkvo + rope + H * 2 * win * (d + d)
         elif kind == 'GlobalSWASplitAttention':
             rg, rs = layer.split
-            attn = qkvo + H * 2 * pairs * (rg + d) + H * swa(rs)
+            attn = qkvo + rope + H * 2 * (pairs * (rg + d) + win * (rs + d))
         elif kind == 'MLRAttention':
-            attn = qkvo + H * measured_core_flops(K.mlr_attention_torch, T, d, d, layer.ranks, causal, layer.level_sizes)
+            scores = sum(r * level(b) for r, b in zip(layer.ranks, layer.level_sizes))
+            attn = qkvo + rope + H * 2 * (scores + level(layer.level_sizes[0]) * d)
         elif kind == 'LinearAttention':                                  # chunks of c = 64: quadratic inside
             c = min(64, T)
-            attn = qkvo + H * (2 * T * (c * 2 * d + 2 * d * d) if causal else 2 * T * d * (2 * d + 1))
+            attn = qkvo + rope + H * (2 * T * (c * 2 * d + 2 * d * d) if causal else 2 * T * d * (2 * d + 1))
+            attn += H * 2 * T * c * d if causal and rope else 0          # RoFormer: the numerator's own scores
         elif kind == 'BilinearMLRAttention':       # q and k maps: level l maps D -> p_l H r_l in p_l blocks
             e = sum(p * r for p, r in zip(layer.blocks, layer.ranks))
-            attn = vo + 2 * 2 * T * sum(D * H * r for r in layer.ranks) + H * 2 * pairs * (e + d)
+            rope = 3 * T * 2 * H * e if cfg.pos == 'rope' else 0
+            attn = vo + rope + 2 * 2 * T * sum(D * H * r for r in layer.ranks) + H * 2 * pairs * (e + d)
         elif kind == 'BilinearBTTAttention':       # one D x D BTT per head on the keys; scores of width D
-            attn = vo + 2 * T * sum(b.num_params for b in layer.btts) + H * 2 * pairs * (D + d)
+            rope = 3 * T * 2 * H * D if cfg.pos == 'rope' else 0
+            attn = vo + rope + 2 * T * sum(b.num_params for b in layer.btts) + H * 2 * pairs * (D + d)
         else:                                      # BRL: local SWA + F_comp + the updates + F_prop + the ct MLP
             m, nc = cfg.n_compressed, (cfg.brl_block or w) if causal else T
             N = -(-T // nc)
             n_hist = T + (N - 1) * m if causal and cfg.brl_history == 'global' else T   # all T tokens are counted
-            attn = (qkvo + H * swa(d) + 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D
+            attn = (qkvo + rope + H * 2 * win * (d + d) + 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D
                     + 2 * N * m * D * D * 4 + 2 * T * D * D + 2 * 2 * T * m * D + 2 * N * m * D * hidden * 2)
         total += attn + 2 * T * D * hidden * 2                                      # + the MLP
     return total
@@ -787,10 +819,11 @@ def written_forward_flops(model, T):
 @pytest.mark.parametrize('causal', [True, False])
 def test_forward_flops_are_the_written_formulas(kind, causal):
     """forward_flops (the count the train scripts' equal-FLOP budgets use) equals the formula written above, for
-    every variant, causal and bidirectional, BRL with both history rules."""
+    every variant, causal and bidirectional, with and without RoPE, BRL with both history rules."""
     for extra in ([dict(brl_history='global'), dict(brl_history='block', brl_block=12)] if kind == 'brl' else [{}]):
-        model = A.Transformer(small_config(attn=kind, causal=causal, gswa_ranks='10|6', **extra))
-        assert model.forward_flops(64) == written_forward_flops(model, 64), (kind, causal, extra)
+        for pos in ('learned', 'rope'):
+            model = A.Transformer(small_config(attn=kind, causal=causal, gswa_ranks='10|6', pos=pos, **extra))
+            assert model.forward_flops(64) == written_forward_flops(model, 64), (kind, causal, extra, pos)
 
 
 def test_flops_reported_and_structured_variants_cheaper():
@@ -813,9 +846,7 @@ def test_flops_reported_and_structured_variants_cheaper():
     (dict(attn='mlr', block_size=60, ranks='4|4|4|4'), 'divisible by 8'),
     (dict(attn='brl', n_compressed=0), 'n_compressed'),
     (dict(attn='brl', brl_block=-1), 'brl_block'),
-    (dict(attn='linear', rope=True), 'rope'),
-    (dict(attn='bilinear_mlr', rope=True), 'rope'),
-    (dict(attn='bilinear_btt', rope=True), 'rope'),
+    (dict(pos='alibi'), "pos must be 'learned' or 'rope' or 'none', got 'alibi'"),
     (dict(attn='bilinear_mlr', n_kv_head=2), 'n_kv_head'),
     (dict(attn='bilinear_btt', n_kv_head=2), 'n_kv_head'),
     (dict(attn='brl', brl_history='all'), "brl_history must be 'global' or 'block', got 'all'"),
@@ -1816,7 +1847,8 @@ def test_lm_compare_preset_resolves_the_official_ranks_scales_and_layers():
 def test_lm_sweep_stats_paired_differences():
     """sweep_stats on hand-made histories: mean ± std over seeds, paired MLR - baseline per seed, equal-time loss."""
     h = lambda loss, t: [dict(step=0, flops=0.0, time=0.0, val_loss=4.0), dict(step=2, flops=10.0, time=t, val_loss=loss)]
-    runs = [dict(variant=v, seed=s, done=True, history=h(loss, t), steps=2, val_loss=loss, flops=10.0, train_time=t)
+    runs = [dict(variant=v, seed=s, done=True, history=h(loss, t), steps=2, val_loss=loss, flops=10.0, train_time=t,
+                 lr=3e-3)
             for v, s, loss, t in [('standard', 0, 2.0, 10.0), ('standard', 1, 2.2, 10.0),
                                   ('mlr', 0, 1.9, 20.0), ('mlr', 1, 2.0, 20.0)]]
     st = train_lm.sweep_stats(runs, ['standard', 'mlr'])
@@ -1836,15 +1868,16 @@ def test_lm_sweep_stats_paired_differences():
 def lm_sweep_argv(lm_corpus, tmp_path, *extra):
     return lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
                         '--variants', 'standard,mlr', '--seeds', '2', '--max_iters', '3', '--eval_interval', '2',
-                        '--lr', '1e-2', *extra)
+                        '--lr', '1e-2', '--positions', 'learned', *extra)
 
 
 def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
     argv = lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2', '--progress')
-    run = train_lm.run_argv(train_lm.parse_args(argv), 'mlr', 1338, 1e9)       # a run's own command line:
-    assert '--sweep' not in run and '--workers' not in run and run[-1] == '--no-progress'   # not the sweep's flags
+    run = train_lm.run_argv(train_lm.parse_args(argv), train_lm.Point('mlr', 'rope', 0.01, 1338, 1e9))  # a run's own
+    assert '--sweep' not in run and '--workers' not in run and run[-1] == '--no-progress'   # command line: not the
+    assert run[run.index('--pos') + 1] == 'rope' and run[run.index('--lr') + 1] == '0.01'   # sweep's flags
     res = train_lm.main(argv)
-    names = ['standard_seed1337', 'mlr_seed1337', 'standard_seed1338', 'mlr_seed1338']
+    names = [f'{v}_learned_lr0.01_seed{s}' for s in (1337, 1338) for v in ('standard', 'mlr')]
     assert res['codes'] == {n: 0 for n in names} and set(res['states'].values()) == {'new'}
     with open(res['paths']['json']) as f:
         saved = json.load(f)
@@ -1858,23 +1891,24 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
         step_flops = h[-1]['flops'] / h[-1]['step']
         assert budget <= h[-1]['flops'] < budget + step_flops and r['val_loss'] == h[-1]['val_loss']
     assert runs['standard', 1337]['steps'] == 3                        # the budget is 3 standard steps
-    st = saved['stats']
+    st = saved['stats']['shared']['learned']
     for v in ('standard', 'mlr'):
         losses = [runs[v, s]['val_loss'] for s in (1337, 1338)]
         assert st['variants'][v]['val_loss'] == pytest.approx([np.mean(losses), np.std(losses, ddof=1)])
-        assert f"| {v} | 2 | " in res['table'] and train_lm.pm(st['variants'][v]['val_loss']) in res['table']
+        assert f"| {v} | learned | 0.01 | 2 | " in res['table'] and train_lm.pm(st['variants'][v]['val_loss']) in res['table']
     diffs = [runs['mlr', s]['val_loss'] - runs['standard', s]['val_loss'] for s in (1337, 1338)]
     assert st['paired']['standard']['diffs'] == pytest.approx(diffs)
     assert st['paired']['standard']['mean'] == pytest.approx(np.mean(diffs))
     assert f"| mlr − standard | {diffs[0]:+.4f}, {diffs[1]:+.4f} |" in res['table']
-    assert os.path.getsize(res['paths']['plot']) > 1000 and open(res['paths']['table']).read() == res['table']
+    assert os.path.getsize(res['paths']['plot_learned']) > 1000 and open(res['paths']['table']).read() == res['table']
 
     again = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0'))   # a rerun trains nothing
     assert set(again['states'].values()) == {'done'} and again['codes'] == {} and again['table'] == res['table']
 
-    os.rename(tmp_path / 'sweep' / 'standard_seed1338', tmp_path / 'gone')   # a missing run is trained again...
+    gone = 'standard_learned_lr0.01_seed1338'
+    os.rename(tmp_path / 'sweep' / gone, tmp_path / 'gone')                  # a missing run is trained again...
     more = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))  # ...and a larger
-    assert more['states'] == {n: 'new' if n == 'standard_seed1338' else 'partial' for n in names}  # budget resumes
+    assert more['states'] == {n: 'new' if n == gone else 'partial' for n in names}  # budget resumes the others
     for r in more['runs']:                                                                         # the others
         old = runs[r['variant'], r['seed']]['history']
         if r['variant'] == 'mlr' or r['seed'] == 1337:                 # resumed: the old history goes on
@@ -1882,14 +1916,32 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
         else:
             assert r['history'][-1]['step'] == 4                      # trained from scratch to the new budget
 
-    with pytest.raises(ValueError, match="holds a run with --lr 0.01, this sweep asks 0.02"):
-        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--lr', '2e-2'))
-    log = tmp_path / 'sweep' / 'mlr_seed1337' / 'log.json'             # a run of another version of this code
+    with pytest.raises(ValueError, match="holds a run with --weight_decay 0.0, this sweep asks 0.5"):
+        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--weight_decay', '0.5'))
+    log = tmp_path / 'sweep' / 'mlr_learned_lr0.01_seed1337' / 'log.json'   # a run of another version of this code
     saved = json.loads(log.read_text())
     del saved['config']['format']
     log.write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match='mlr_seed1337 was written by another version'):
+    with pytest.raises(ValueError, match='mlr_learned_lr0.01_seed1337 was written by another version'):
         train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))
+
+
+def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
+    """--lrs: each (variant, --pos) on the grid at a third of the budget, then the seeds at its best lr; a best
+    lr equal to the shared --lr reuses the shared run."""
+    res = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--seeds', '1', '--positions', 'rope',
+                                      '--lrs', '1e-2,3e-2'))
+    grid = {(r['variant'], r['lr']): r for r in res['runs'] if r['name'].startswith('grid_')}
+    assert sorted(grid) == [('mlr', 0.01), ('mlr', 0.03), ('standard', 0.01), ('standard', 0.03)]
+    assert all(r['done'] and r['history'][-1]['flops'] >= res['budget'] / 3 > r['history'][-1]['flops'] / 2
+               for r in grid.values())
+    for v in ('standard', 'mlr'):
+        best = min((0.01, 0.03), key=lambda lr: grid[v, lr]['val_loss'])
+        tuned = res['stats']['tuned']['rope']['variants'][v]
+        assert tuned['lr'] == best and f"| {v} | rope | {best:g} | 1 |" in res['table']
+        name = f'{v}_rope_lr{best:g}_seed1337'
+        assert os.path.isdir(tmp_path / 'sweep' / name) and (res['states'][name] == 'done') == (best == 0.01)
+
 # -----------------------------------------------------------------------------
 # train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
 
@@ -2370,7 +2422,7 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     with open(f'{run_dir}/{name}.json', 'w') as f:
         json.dump({'run': name, 'config': config}, f)
     assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5']) == 'done'  # sweep flags
-    for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--rope']):     # a training setting
+    for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--pos', 'rope']):     # a training setting
         with pytest.raises(ValueError, match='holds a run with --.*--overwrite'):
             state(JOB_ARGV + other)
         assert state(JOB_ARGV + other, icl.build_parser().parse_args(JOB_ARGV + ['--overwrite'])) == 'new'
@@ -2477,9 +2529,9 @@ def test_new_model_flags_change_the_model():
 
 
 def test_rope_changes_the_output():
-    """--rope has no parameters: the same weights give a different prediction with it."""
-    plain, rot = built(), built('--rope')
-    assert rot.body.cfg.rope and not plain.body.cfg.rope
+    """--pos rope has no parameters: the same weights give a different prediction with it than with none."""
+    plain, rot = built('--pos', 'none'), built('--pos', 'rope')
+    assert rot.wpe is None and plain.wpe is None and built().wpe is not None
     for p in plain.parameters():                          # the zero-init output maps would hide the attention
         if p.ndim >= 2:
             torch.nn.init.normal_(p, std=0.3)
@@ -2491,8 +2543,8 @@ def test_rope_changes_the_output():
 
 def test_model_flag_the_model_cannot_take_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        icl.main(tiny_argv(tmp_path, '--attn', 'bilinear_btt', '--rope'))
-    assert 'rope is only implemented for standard and swa' in str(e.value.code)
+        icl.main(tiny_argv(tmp_path, '--attn', 'bilinear_btt', '--n_kv_head', '1'))
+    assert 'n_kv_head) is only implemented for standard attention' in str(e.value.code)
 
 
 def test_layer_pattern_with_mlr_rounds_the_block_size():
@@ -2877,15 +2929,16 @@ def test_every_model_flag_reaches_the_config():
                   mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
                   bilinear_rms_cap=True, bilinear_mlr_ln='head', window=8, gswa_ranks='8|8', n_compressed=4,
                   brl_block=4, brl_beta=0.25,
-                  brl_lambda_init=0.3, brl_gamma=False, brl_history='block', brl_rel_buckets=8, mup_base_width=64)
-    flags = {f.name for f in fields(attention.ModelConfig)} - set(R.TASK_FIELDS) - {'rope'}
-    assert set(values) == flags                                   # rope: from --pos, below
+                  brl_lambda_init=0.3, brl_gamma=False, brl_history='block', brl_rel_buckets=8, mup_base_width=64,
+                  pos='rope')
+    flags = {f.name for f in fields(attention.ModelConfig)} - set(R.TASK_FIELDS)
+    assert set(values) == flags
     argv = [a for k, v in values.items() if not isinstance(v, bool)
             for a in (f'--{k}', str(v))] + ['--qk_ln', '--mlr_divide_levels', '--bilinear_rms_cap', '--no-brl_gamma']
-    _, cfg = cfg_of(*argv, '--max_len', '64', '--pos', 'rope')
+    _, cfg = cfg_of(*argv, '--max_len', '64')
     for k, v in values.items():
         assert getattr(cfg, k) == v, k
-    assert (cfg.rope, cfg.causal, cfg.block_size) == (True, False, 64)
+    assert (cfg.causal, cfg.block_size) == (False, 64)
     assert cfg_of('--max_len', '64', '--pooling', 'cls')[1].block_size == 65    # + the CLS vector
 
 
@@ -2911,16 +2964,6 @@ def test_lra_new_model_flags_change_the_model():
     assert (none(x) - rope(x)).abs().max() > 1e-3
     # global_swa (standard attention in the layers of --global_layers, SWA elsewhere) is an --attn here now
     assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
-
-
-@pytest.mark.parametrize('argv', [['--rope'], ['--rope', '--pos', 'none'], ['--pos', 'rope', '--no-rope']])
-def test_rope_is_set_by_pos_and_a_conflicting_rope_flag_is_refused(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        lra.parse_args(argv)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and '--pos' in err and 'use --pos rope' in err
-    assert lra.parse_args(['--pos', 'rope', '--rope']).rope is True
-    assert lra.parse_args(['--pos', 'rope']).rope is True and lra.parse_args(['--no-rope']).rope is False
 
 
 def test_bench_uses_the_model_flags():
@@ -3317,14 +3360,14 @@ def tiny(tmp_path, out='out', *extra):
 def test_new_model_flags_reach_the_model(tmp_path):
     p = ts.build_parser()
     base = ts.parse_args(['--attn', 'standard'], p)
-    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'], p)
+    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--pos', 'rope', '--mlp_hidden', '32'], p)
     cfg = ts.config_for(new, 'standard', 96, causal=False)
-    assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks) == (2, True, 32, '')   # --ranks reaches MLR only
+    assert (cfg.n_kv_head, cfg.pos, cfg.mlp_hidden, cfg.ranks) == (2, 'rope', 32, '')   # --ranks reaches MLR only
     def count(args):
         return sum(q.numel() for q in ts.Forecaster(ts.config_for(args, 'standard', 96, False), 3, 48, 48).parameters())
     # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
-    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); rope has no parameters
-    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32))
+    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); with RoPE no learned positions (96 x 64)
+    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32)) + 96 * 64
     mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
     assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
     # and through main: the checkpoint holds the config the model was built with
@@ -3341,8 +3384,9 @@ def test_model_flags_refused_before_any_work(tmp_path, capsys):
     assert_one_line_error(code, err, 1, ['mup_alpha = 4.0', "logit_scale='mup'"], 'train_ts.py')
     code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--layer_pattern', 'mlr'), capsys)
     assert_one_line_error(code, err, 1, ["--layer_pattern 'mlr'", '--attn standard,mlr'], 'train_ts.py')
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--rope'), capsys)
-    assert_one_line_error(code, err, 1, ['rope', 'MLRAttention'], 'train_ts.py')   # before standard trains
+    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--n_kv_head', '1'),
+                        capsys)
+    assert_one_line_error(code, err, 1, ['n_kv_head', 'standard attention'], 'train_ts.py')   # before standard trains
     assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
 
 # -----------------------------------------------------------------------------
@@ -3353,8 +3397,8 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
     assert ts.parse_args(['--seeds', '3']).seeds == [0, 1, 2]
     assert ts.parse_args(['--seeds', '2', '--seed', '5']).seeds == [5, 6]
     assert ts.parse_args(['--seeds', '0,4,7']).seeds == [0, 4, 7] and ts.parse_args(['--seeds', '4,']).seeds == [4]
-    argv = ['--seeds', '2', '--lr', '0.01', '--seed=5', '--out_dir', 'o', '--resume', '--workers', '2', '--rope']
-    assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--rope', '--seed', '6', '--out_dir', 'o/seed6']
+    argv = ['--seeds', '2', '--lr', '0.01', '--seed=5', '--out_dir', 'o', '--resume', '--workers', '2', '--qk_ln']
+    assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--qk_ln', '--seed', '6', '--out_dir', 'o/seed6']
 
 
 def test_seed_sweep_aggregates_and_reuses(tmp_path):

@@ -403,15 +403,18 @@ class ICLModel(nn.Module):
         # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02 (an earlier
         # default here was 1.0: in one side-by-side trial, d = 5, 1500 steps, other settings, 0.02 stayed at
         # the "predict 0" plateau)
-        self.wpe = nn.Embedding(cfg.block_size, D)
-        nn.init.normal_(self.wpe.weight, std=pos_std)
+        self.wpe = nn.Embedding(cfg.block_size, D) if cfg.pos == 'learned' else None      # --pos rope / none: no wpe
+        if self.wpe is not None:
+            nn.init.normal_(self.wpe.weight, std=pos_std)
         self.body = Transformer(cfg)
         self.read_out = MupLinear(D, 1, base_width=cfg.mup_base_width, zero_init=True)  # ŷ = 0 at init
 
     def forward(self, xs, ys):
         tokens = interleave(xs, ys)                                       # (B, 2N, d)
         T = tokens.shape[1]
-        h = self.read_in(tokens) + self.wpe(torch.arange(T, device=tokens.device))  # (B, 2N, D)
+        h = self.read_in(tokens)                                          # (B, 2N, D)
+        if self.wpe is not None:
+            h = h + self.wpe(torch.arange(T, device=tokens.device))
         h = self.body(h)                                                  # (B, 2N, D)
         return self.read_out(h[:, 0::2]).squeeze(-1)                      # (B, N): read out at x_i
 

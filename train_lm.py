@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps. libgomp's default (spin for
 # milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Threads").
@@ -49,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, ModelConfig, MupLinear,
+from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIONS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups, paper_logit_scale)
 from runs import (check_numbers, check_writable, io_errors, no_repeats, physical_memory, FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
                   content_digest, ctrl_c_finishes_step, given_flags, load_checkpoint, longest_first_wall, mean_std,
@@ -142,10 +143,13 @@ def build_parser():
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
     g.add_argument('--plot', default=os.path.join('out', 'lm_compare.png'), help='--compare: output image')
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
-    add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
-                   'seeded sweep (--sweep compare): every variant at equal training FLOPs',
-                   'train --variants (--attn values) x --seeds at the FLOPs of the standard run of --max_iters steps '
-                   '(default preset: compare), then table + plot in --sweep_dir')
+    g = add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
+                       'seeded sweep (--sweep compare): every variant at equal training FLOPs',
+                       'train --variants (--attn values) x --positions x --seeds at the FLOPs of the standard run of '
+                       '--max_iters steps (default preset: compare), then tables + plots in --sweep_dir')
+    g.add_argument('--positions', default='learned,rope', help='--sweep: comma list of --pos values')
+    g.add_argument('--lrs', default='', help='--sweep: lr grid, e.g. 1e-3,3e-3,1e-2: each variant and --pos on '
+                   'seed --seed at a third of the budget, then --seeds at its best lr (default: --lr only)')
 
     g = p.add_argument_group('data')
     g.add_argument('--data', default='', help='text file or directory of text files (default: the Python stdlib source)')
@@ -251,7 +255,7 @@ def check_args(parser, args):
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     valid = list(ATTENTION) + ['global_swa']
     choices = dict(attn=valid, logit_scale=LOGIT_SCALES + ('paper',), btt_factors=('sqrt', 'official'),
-                   brl_history=('global', 'block'))  # model flags with a closed set of values, refused before any work
+                   brl_history=('global', 'block'), pos=POSITIONS)  # closed sets of values, refused before any work
     for name, ok in choices.items():
         if getattr(args, name) not in ok:
             parser.error(f"--{name} {getattr(args, name)!r}: valid are {', '.join(ok)}")
@@ -260,6 +264,17 @@ def check_args(parser, args):
         parser.error(f"--variants {args.variants!r}: {bad[0]!r} is not an attention variant; valid (comma "
                      f"list): {', '.join(valid)}")
     no_repeats(parser, 'variants', args.variants.split(','))
+    args._positions = [s.strip() for s in args.positions.split(',') if s.strip()]
+    if not args._positions or any(p not in POSITIONS for p in args._positions):
+        parser.error(f"--positions {args.positions!r}: a comma list of {', '.join(POSITIONS)}")
+    no_repeats(parser, 'positions', args._positions)
+    try:
+        args._lrs = [float(s) for s in args.lrs.split(',') if s.strip()]
+    except ValueError:
+        parser.error(f"--lrs {args.lrs!r}: a comma list of learning rates, e.g. 1e-3,3e-3,1e-2")
+    if any(not 0 < lr <= 10 for lr in args._lrs):
+        parser.error(f"--lrs {args.lrs!r}: every lr must be in (0, 10]")
+    no_repeats(parser, 'lrs', args._lrs)
     no_repeats(parser, 'global_layers', [s.strip() for s in args.global_layers.split(',')])
     no_repeats(parser, 'compare', args.compare or [])
 
@@ -387,7 +402,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.vocab_size, self.emb_std = config, vocab_size, emb_std
         self.wte = nn.Embedding(vocab_size, config.n_embd)
-        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)  # rope: in attention
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos == 'learned' else None
         self.body = Transformer(config)
         self.lm_head = MupLinear(config.n_embd, vocab_size, base_width=config.mup_base_width, zero_init=True)
         self.init_weights()
@@ -810,34 +825,49 @@ def compare(args):
 def inherited_argv(argv):
     """The sweep's command line less the flags that the sweep sets per run or uses itself: what every run keeps."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--preset', '--attn', '--seed',
-                 '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
+    for flag in ('--sweep', '--variants', '--positions', '--lrs', '--seeds', '--workers', '--sweep_dir', '--preset',
+                 '--attn', '--pos', '--lr', '--seed', '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
         p.add_argument(flag)
     for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress'):
         p.add_argument(flag, action='store_true')
     return p.parse_known_args(argv)[1]
 
 
-def run_argv(args, variant, seed, budget):
+@dataclass(frozen=True)
+class Point:
+    """One run of the sweep: a variant with a position encoding at an lr and a seed, trained to `budget` FLOPs."""
+    variant: str
+    pos: str
+    lr: float
+    seed: int
+    budget: float
+    grid: bool = False                   # a point of the lr grid (seed 0, a third of the budget)
+
+    @property
+    def name(self):
+        return f"{'grid_' if self.grid else ''}{self.variant}_{self.pos}_lr{self.lr:g}_seed{self.seed}"
+
+
+def run_argv(args, pt):
     """The train_lm.py command line of one run of the sweep (1 thread; stops once its FLOPs reach the budget)."""
-    return [*inherited_argv(args._argv), '--preset', args.preset, '--attn', variant, '--seed', str(seed),
-            '--out_dir', os.path.join(args.sweep_dir, f"{variant}_seed{seed}"), '--max_flops', repr(budget),
-            '--max_iters', str(10 ** 9), '--threads', '1', '--no-progress']
+    return [*inherited_argv(args._argv), '--preset', args.preset, '--attn', pt.variant, '--pos', pt.pos,
+            '--lr', repr(pt.lr), '--seed', str(pt.seed), '--out_dir', os.path.join(args.sweep_dir, pt.name),
+            '--max_flops', repr(pt.budget), '--max_iters', str(10 ** 9), '--threads', '1', '--no-progress']
 
 
-def run_model(args, variant, vocab_size):
+def run_model(args, variant, vocab_size, pos='learned'):
     """(resolved flags, model, training FLOPs per step) of the sweep's run of `variant`."""
-    a = parse_args(run_argv(args, variant, args.seed, 0.0))
+    a = parse_args(run_argv(args, Point(variant, pos, args.lr, args.seed, 0.0)))
     model = GPT(build_config(vars(a)), vocab_size, a.emb_std)
     return a, model, 3 * model.forward_flops(a.block_size) * a.batch_size * a.grad_accum
 
 
-def minutes_per_run(args, budget, variants, vocab_size):
-    """Print (and return) per variant: FLOPs/step, steps to the budget, s/step timed here on 1 thread, minutes
-    per run (steps + evaluations, a forward ~1/3 of a step)."""
-    minutes = {}
-    print(f"sweep estimate: budget {budget:.3g} FLOPs = {args.max_iters} steps of standard; s/step timed now, "
-          f"1 thread, one process (a busy machine reads slower; parallel runs share memory bandwidth)")
+def seconds_per_step(args, variants, vocab_size):
+    """Per variant: s/step timed here on 1 thread (learned positions; RoPE adds little) and FLOPs per step per
+    position encoding."""
+    print("sweep estimate: s/step timed now, 1 thread, one process (a busy machine reads slower; parallel runs "
+          "share memory bandwidth)")
+    per = {}
     for v in variants:
         a, model, step_flops = run_model(args, v, vocab_size)
         opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
@@ -848,11 +878,18 @@ def minutes_per_run(args, budget, variants, vocab_size):
                 model(x, x)[1].backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        steps, s = math.ceil(budget / step_flops), one_thread_seconds(step)
-        minutes[v] = (steps + (steps // a.eval_interval + 1) * a.eval_iters / 3) * s / 60
-        print(f"  {v:12s} {step_flops / 1e9:8.3f} GFLOP/step | {steps:6d} steps | {s:6.3f} s/step | "
-              f"{minutes[v]:6.1f} min/run")
-    return minutes
+        s = one_thread_seconds(step)
+        flops = {pos: run_model(args, v, vocab_size, pos)[2] for pos in args._positions}
+        per[v] = dict(seconds=s, flops=flops, eval_share=a.eval_iters / 3 / a.eval_interval)
+        print(f"  {v:12s} {flops['learned' if 'learned' in flops else args._positions[0]] / 1e9:8.3f} GFLOP/step | "
+              f"{s:6.3f} s/step")
+    return per
+
+
+def minutes(pt, per):
+    """Estimated minutes of a run: its steps to the budget and its evaluations (a forward ~1/3 of a step)."""
+    p = per[pt.variant]
+    return math.ceil(pt.budget / p['flops'][pt.pos]) * (1 + p['eval_share']) * p['seconds'] / 60
 
 
 def reached(history, budget):
@@ -869,6 +906,30 @@ def saved_run(run_dir):
     return saved.get('config', {}), saved.get('history', [])
 
 
+def train_points(args, points, per, tag, log):
+    """runs.sweep over the points: finished runs reused, cut-off ones resumed, a folder of other settings
+    refused. -> one result dict per point (its history, and its val loss if it reached the budget); each run's
+    state ('new', 'partial', 'done') and exit code go into log['states'] and log['codes']."""
+    runs = [Run(pt.name, pt.variant, pt.seed, run_argv(args, pt), os.path.join(args.sweep_dir, pt.name),
+                seconds=60 * minutes(pt, per)) for pt in points]
+    states = {}
+    for r, pt in zip(runs, points):   # 'done' (at the budget), 'partial' (--resume it) or 'new'
+        saved, history = saved_run(r.out_dir)
+        want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
+        free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
+        states[r.name] = run_state(saved, want, free, r.out_dir, reached(history, pt.budget)) if args.reuse else 'new'
+    log['codes'].update(sweep(runs, states, __file__, main, args.workers, tag))
+    log['states'].update(states)
+    results = []
+    for pt in points:
+        h = saved_run(os.path.join(args.sweep_dir, pt.name))[1]
+        done = reached(h, pt.budget)
+        results.append(dict(variant=pt.variant, pos=pt.pos, lr=pt.lr, seed=pt.seed, name=pt.name, done=done,
+                            history=h, steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
+                            flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
+    return results
+
+
 def sweep_stats(runs, variants):
     """Per variant: val loss at equal FLOPs (each run's last evaluation, at the budget) and at equal training wall
     time (interpolated at the shortest run's time), mean and std over seeds, and both rankings; per baseline: the
@@ -880,7 +941,7 @@ def sweep_stats(runs, variants):
     for v in variants:
         rs = [r for r in done if r['variant'] == v]
         if rs:
-            per[v] = dict(seeds=[r['seed'] for r in rs], steps=max(r['steps'] for r in rs),
+            per[v] = dict(seeds=[r['seed'] for r in rs], steps=max(r['steps'] for r in rs), lr=rs[0]['lr'],
                           flops=float(np.mean([r['flops'] for r in rs])),
                           train_time=float(np.mean([r['train_time'] for r in rs])),
                           val_loss=mean_std([r['val_loss'] for r in rs]),
@@ -896,71 +957,95 @@ def sweep_stats(runs, variants):
     return dict(equal_time=t_eq, variants=per, paired=paired)
 
 
-def sweep_table(stats, budget):
-    """The markdown tables of sweep_stats."""
-    lines = [f"| variant | seeds | steps | training FLOPs | val loss at equal FLOPs ({budget:.3g}) | FLOP rank | "
-             f"train time (min) | val loss at equal time ({stats['equal_time'] / 60:.1f} min) | time rank |",
-             '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
-    for v, s in stats['variants'].items():
-        lines.append(f"| {v} | {len(s['seeds'])} | {s['steps']} | {s['flops']:.3g} | {pm(s['val_loss'])} | "
-                     f"{s['flop_rank']} | {s['train_time'] / 60:.1f} | {pm(s['val_loss_at_time'])} | "
-                     f"{s['time_rank']} |")
-    if stats['paired']:
-        lines += [''] + paired_rows(stats['paired'], 'mlr', 'MLR − baseline (equal FLOPs)')
+def sweep_table(stats, budget, title):
+    """The markdown tables of sweep_stats, one block per position encoding ({pos: stats})."""
+    lines = [f"**{title}**", '', f"| variant | positions | lr | seeds | steps | val loss at equal FLOPs ({budget:.3g}) "
+             f"| FLOP rank | train time (min) | val loss at equal time | time rank |",
+             '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+    for pos, st in stats.items():
+        for v, s in st['variants'].items():
+            lines.append(f"| {v} | {pos} | {s['lr']:g} | {len(s['seeds'])} | {s['steps']} | {pm(s['val_loss'])} | "
+                         f"{s['flop_rank']} | {s['train_time'] / 60:.1f} | {pm(s['val_loss_at_time'])} "
+                         f"({st['equal_time'] / 60:.1f} min) | {s['time_rank']} |")
+    for pos, st in stats.items():
+        if st['paired']:
+            lines += [''] + paired_rows(st['paired'], 'mlr', f'MLR − baseline, {pos} positions (equal FLOPs)')
     return '\n'.join(lines) + '\n'
 
 
-def compare_sweep(args):
-    """--sweep compare: the runs (variants x seeds, seed-major, so a cut-off sweep has whole seeds), each with its
-    estimated time; runs.sweep trains those not finished; then <sweep_dir>/sweep.json, table.md and sweep.png."""
-    prepare_out_dir(args.sweep_dir, flag='--sweep_dir')   # writable, and this sweep's alone
-    variants, seeds = args.variants.split(','), [args.seed + i for i in range(args.seeds)]
-    vocab_size = len(load_data(prepare_data(args.data, args.cache_dir))[1]['itos'])  # builds the cache once
-    budget = args.max_iters * run_model(args, 'standard', vocab_size)[2]           # the standard run's FLOPs
-    minutes = minutes_per_run(args, budget, variants, vocab_size)
-    runs = [Run(f"{v}_seed{s}", v, s, run_argv(args, v, s, budget), os.path.join(args.sweep_dir, f"{v}_seed{s}"),
-                seconds=60 * minutes[v]) for s in seeds for v in variants]
-    wall = longest_first_wall([r.seconds for r in runs], args.workers) / 60
-    if args.estimate:
-        print(f"  whole sweep: {len(runs)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min "
-              f"(~{sum(r.seconds for r in runs) / 60:.0f} run-minutes)")
-        return dict(minutes_per_run=minutes, sweep_minutes=wall)
-    states = {}
-    for r in runs:   # 'done' (at the budget), 'partial' (--resume it) or 'new'; a run of other settings is refused
-        saved, history = saved_run(r.out_dir)
-        want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
-        free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
-        states[r.name] = run_state(saved, want, free, r.out_dir, reached(history, budget)) if args.reuse else 'new'
-    codes = sweep(runs, states, __file__, main, args.workers)
+def stats_by_pos(results, variants, positions):
+    """{pos: sweep_stats of its runs}, for the position encodings with a finished run."""
+    by_pos = {pos: [r for r in results if r['pos'] == pos] for pos in positions}
+    return {pos: sweep_stats(rs, variants) for pos, rs in by_pos.items() if any(r['done'] for r in rs)}
 
-    results = []
-    for r in runs:
-        h = saved_run(r.out_dir)[1]
-        done = reached(h, budget)
-        results.append(dict(variant=r.group, seed=r.seed, out_dir=r.out_dir, done=done, history=h,
-                            steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
-                            flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
-    if not any(r['done'] for r in results):
+
+def best_lrs(grid, variants, positions):
+    """{(variant, pos): the grid lr with the lowest final val loss}, over the grid points that finished."""
+    best = {}
+    for v in variants:
+        for pos in positions:
+            rs = [r for r in grid if r['variant'] == v and r['pos'] == pos and r['done']]
+            if rs:
+                best[v, pos] = min(rs, key=lambda r: r['val_loss'])['lr']
+    return best
+
+
+def compare_sweep(args):
+    """--sweep compare: variants x position encodings x seeds at the preset's lr (seed-major, so a cut-off sweep
+    has whole seeds); with --lrs, first each (variant, positions) on an lr grid (seed --seed, a third of the
+    budget), then the seeds again at each one's best lr. runs.sweep trains what is not finished; then
+    <sweep_dir>/sweep.json, table.md and one sweep_<positions>.png per position encoding."""
+    prepare_out_dir(args.sweep_dir, flag='--sweep_dir')   # writable, and this sweep's alone
+    variants, positions = args.variants.split(','), args._positions
+    seeds = [args.seed + i for i in range(args.seeds)]
+    vocab_size = len(load_data(prepare_data(args.data, args.cache_dir))[1]['itos'])  # builds the cache once
+    budget = args.max_iters * run_model(args, 'standard', vocab_size)[2]   # the standard (learned) run's FLOPs
+    per = seconds_per_step(args, variants, vocab_size)
+    shared = [Point(v, pos, args.lr, s, budget) for s in seeds for pos in positions for v in variants]
+    grid = [Point(v, pos, lr, args.seed, budget / 3, grid=True)
+            for pos in positions for v in variants for lr in args._lrs]
+    if args.estimate:
+        todo = shared + grid + [Point(pt.variant, pt.pos, lr, pt.seed, budget) for pt in shared
+                                for lr in args._lrs if lr != args.lr]   # at most: no grid lr = the shared lr
+        wall = longest_first_wall([60 * minutes(pt, per) for pt in todo], args.workers) / 60
+        print(f"  whole sweep: at most {len(todo)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min "
+              f"(~{sum(minutes(pt, per) for pt in todo):.0f} run-minutes)")
+        return dict(per_variant=per, sweep_minutes=wall)
+    log = dict(states={}, codes={})
+    results = train_points(args, shared, per, 'shared lr', log)
+    stats, tables = dict(shared=stats_by_pos(results, variants, positions)), []
+    if not stats['shared']:
         raise ValueError(f"no run of the sweep finished; see the train.log files in {args.sweep_dir}")
-    stats = sweep_stats(results, variants)
-    table = sweep_table(stats, budget)
-    paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'),
-                                                            ('plot', 'sweep.png'))}
-    histories = {v: hs for v in variants                     # step 0 is ln(vocab) for all: left out
-                 if (hs := [r['history'][1:] for r in results if r['variant'] == v and r['done']])}
+    tables.append(sweep_table(stats['shared'], budget, f'shared lr {args.lr:g}'))
+    if grid:
+        grid_results = train_points(args, grid, per, 'lr grid', log)
+        best = best_lrs(grid_results, variants, positions)
+        tuned = [Point(v, pos, best[v, pos], s, budget) for s in seeds for pos in positions for v in variants
+                 if (v, pos) in best]
+        tuned_results = train_points(args, tuned, per, 'tuned lr', log)
+        stats['tuned'] = stats_by_pos(tuned_results, variants, positions)
+        tables.append(sweep_table(stats['tuned'], budget, 'each at its best lr of ' +
+                                  ', '.join(f'{lr:g}' for lr in args._lrs)))
+        results += grid_results + tuned_results
+    table = '\n'.join(tables)
+    paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'))}
     with io_errors('--sweep_dir', args.sweep_dir):
         write_json(paths['json'], dict(format=FORMAT, sweep=args.sweep, budget_flops=budget, variants=variants,
-                                       seeds=seeds, command=args._argv, minutes_per_run=minutes, runs=results,
-                                       stats=stats))
+                                       positions=positions, lrs=args._lrs, seeds=seeds, command=args._argv,
+                                       per_variant=per, runs=results, stats=stats))
         atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
-        plot_seed_bands(paths['plot'], histories, ('flops', 'time'),
-                        ('training FLOPs', 'training wall time (s), 1 thread per run'), 'val_loss',
-                        'val loss (nats/char)', 'character-level LM at equal training FLOPs: mean over seeds, '
-                        'band = ± 1 std')
-    missing = [f"{r['variant']}_seed{r['seed']}" for r in results if not r['done']]
+        for pos in stats['shared']:                          # step 0 is ln(vocab) for all: left out
+            histories = {v: hs for v in variants if (hs := [r['history'][1:] for r in results if r['done'] and
+                         (r['variant'], r['pos'], r['lr']) == (v, pos, args.lr) and r['name'][:5] != 'grid_'])}
+            paths[f'plot_{pos}'] = os.path.join(args.sweep_dir, f'sweep_{pos}.png')
+            plot_seed_bands(paths[f'plot_{pos}'], histories, ('flops', 'time'),
+                            ('training FLOPs', 'training wall time (s), 1 thread per run'), 'val_loss',
+                            'val loss (nats/char)', f'character-level LM, {pos} positions, lr {args.lr:g}, at '
+                            'equal training FLOPs: mean over seeds, band = ± 1 std')
+    missing = [r['name'] for r in results if not r['done']]
     print(table + (f"not finished (left out): {', '.join(missing)}\n" if missing else ''))
-    report_outputs(json=paths['json'], table=paths['table'], plot=paths['plot'])
-    return dict(runs=results, stats=stats, table=table, budget=budget, states=states, codes=codes, paths=paths)
+    report_outputs(**paths)
+    return dict(runs=results, stats=stats, table=table, budget=budget, paths=paths, **log)
 
 # -----------------------------------------------------------------------------
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes

@@ -623,10 +623,9 @@ class LRAClassifier(nn.Module):
 def build_model(args, meta):
     """The classifier from the model flags. LRA is bidirectional (causal=False); block_size holds max_len
     tokens and the CLS vector (pooling 'cls'); --pos decides the positions, RoPE included."""
-    cfg = model_config(args, block_size=args.max_len + (1 if args.pooling == 'cls' else 0), causal=False,
-                       rope=args.pos == 'rope')
+    cfg = model_config(args, block_size=args.max_len + (1 if args.pooling == 'cls' else 0), causal=False)
     model = LRAClassifier(cfg, meta['vocab'], meta['classes'], args.pooling, meta['dual'], args.pixel_embed,
-                          learned_pos=args.pos == 'learned')
+                          learned_pos=cfg.pos == 'learned')
     return model, cfg
 
 
@@ -872,8 +871,8 @@ def bench_options(args, device):
     """What bench_one needs: every model flag (--attn and --layer_pattern aside: the point's variant is the
     model in every layer), --pos, and the benchmark's batch, reps, device and threads."""
     model = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
-             if f.name not in TASK_FIELDS + ('attn', 'layer_pattern', 'rope')}   # rope: from pos (build_model)
-    return dict(model, pos=args.pos, batch=args.bench_batch, reps=args.bench_reps, device=device,
+             if f.name not in TASK_FIELDS + ('attn', 'layer_pattern')}
+    return dict(model, batch=args.bench_batch, reps=args.bench_reps, device=device,
                 threads=args.threads or torch.get_num_threads())
 
 
@@ -1183,9 +1182,6 @@ def build_parser():
                    "for --task (depth, width, heads, FF size, batch, pooling, lr), w = m = 256, LRA lengths, "
                    "5000 steps; flags given explicitly still win")
     g.add_argument('--pooling', choices=['mean', 'cls', 'max'], default='mean', help='sequence pooling')
-    g.add_argument('--pos', choices=['learned', 'rope', 'none'], default='learned',
-                   help='positions: learned absolute embedding, RoPE (standard / swa / brl only), or none; '
-                   'the one switch of RoPE here (--rope must agree with it)')
     g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
                    help='image / pathfinder: pixel value as a token (LRA, 256 entries) or Linear(1 -> D) of value/255')
     add_model_args(p, **LRA_MODEL_DEFAULTS)          # attention.ModelConfig's fields, as in every train script
@@ -1296,9 +1292,6 @@ def check_args(p, args):
         p.error(f"--task {args.task} has no generator here: pass --data with the release files")
     if args.show and args.task != 'pathfinder':
         p.error("--show draws Pathfinder samples: use it with --task pathfinder")
-    if args.rope != (args.pos == 'rope') and 'rope' in args._given:
-        p.error(f"--{'' if args.rope else 'no-'}rope with --pos {args.pos}: LRA's positions are set by --pos; "
-                f"use --pos rope for RoPE (and leave out --rope)")
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     args._bench_lens = comma_list(p, args, 'bench_lens', int)
@@ -1343,7 +1336,6 @@ def parse_args(argv=None):
     args._argv = list(sys.argv[1:] if argv is None else argv)   # --sweep: its runs inherit these flags
     args._given = given_flags(p, argv)  # the flags on the command line (--resume refuses conflicting ones)
     check_args(p, args)
-    args.rope = args.pos == 'rope'      # as build_model sets it, so that the saved config says so
     if 'mlr' in (args.layer_pattern.replace(' ', '').split(',') if args.layer_pattern else [args.attn]):
         args.trim = 0            # MLR's level blocks are fixed from block_size: keep every batch at max_len
     args.out_dir = args.out_dir or os.path.join('out', f'lra_{args.task}_{args.attn}')

@@ -486,17 +486,22 @@ def get_windows(data, starts, L, H):
 
 
 class ChronosLM(nn.Module):
-    """Bin tokens -> embedding + learned positions -> causal Transformer -> logits over the vocabulary."""
+    """Bin tokens -> embedding (+ learned positions, --pos learned) -> causal Transformer -> logits over the
+    vocabulary."""
 
     def __init__(self, cfg, vocab):
         super().__init__()
         self.tok = nn.Embedding(vocab, cfg.n_embd)                    # N(0, 1) init, lr x --emb_lr_mult
-        self.pos = nn.Parameter(torch.randn(cfg.block_size, cfg.n_embd) * 0.1)
+        self.pos = nn.Parameter(torch.randn(cfg.block_size, cfg.n_embd) * 0.1) if cfg.pos == 'learned' else None
         self.body = Transformer(cfg)
         self.head = MupLinear(cfg.n_embd, vocab, base_width=cfg.mup_base_width, zero_init=True)
 
+    def embed(self, ids, t0=0):                                        # (B, T) tokens at t0.. -> (B, T, D)
+        x = self.tok(ids)
+        return x if self.pos is None else x + self.pos[t0:t0 + ids.shape[1]]
+
     def hidden(self, ids):                                             # (B, T) -> (B, T, D)
-        return self.body(self.tok(ids) + self.pos[:ids.shape[1]])
+        return self.body(self.embed(ids))
 
     def forward(self, ids):                                            # (B, T) -> (B, T, V)
         return self.head(self.hidden(ids))
@@ -513,7 +518,7 @@ class Forecaster(nn.Module):
         self.L, self.H, self.P = L, H, patch
         D, C = cfg.n_embd, n_channels
         self.inp = nn.Linear(patch * C, D)                             # lr x1 like an embedding (fan_in is tiny)
-        self.pos = nn.Parameter(torch.randn(cfg.block_size, D) * 0.1)
+        self.pos = nn.Parameter(torch.randn(cfg.block_size, D) * 0.1) if cfg.pos == 'learned' else None
         self.body = Transformer(cfg)
         self.out = MupLinear(D, patch * C, base_width=cfg.mup_base_width, zero_init=True)
 
@@ -521,7 +526,8 @@ class Forecaster(nn.Module):
         B, L, C = x.shape
         z = torch.cat([x, x.new_zeros(B, self.H, C)], 1)              # (B, L+H, C)
         z = z.reshape(B, (L + self.H) // self.P, self.P * C)          # (B, T, P*C)
-        h = self.body(self.inp(z) + self.pos[:z.shape[1]])            # (B, T, D)
+        h = self.inp(z)                                                # (B, T, D)
+        h = self.body(h if self.pos is None else h + self.pos[:z.shape[1]])
         return self.out(h[:, L // self.P:]).reshape(B, self.H, C)      # (B, H, C)
 
     def forward_flops(self, T):
@@ -768,8 +774,8 @@ def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
     h tokens are drawn one at a time with the backbone's decoding cache (MLR keeps per level only the keys
     of the current block). S rows per series, S = 1 for argmax."""
     model.eval()
-    dev = model.pos.device
-    T, N, S = model.pos.shape[0], len(histories), 1 if greedy else num_samples
+    dev = model.head.weight.device
+    T, N, S = model.body.cfg.block_size, len(histories), 1 if greedy else num_samples
     if not 0 < h < T:
         raise ValueError(f"forecast horizon {h} must be in [1, {T - 1}] for a model of length {T}")
     clen = [min(len(x), T - h) for x in histories]
@@ -786,7 +792,7 @@ def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
         cache = None
     for t in range(int(clen.max()) + h - 1):
         if cache is not None:
-            hid = model.body(model.tok(ids[:, t:t + 1]) + model.pos[t], cache=cache)[:, 0]   # (N*S, D)
+            hid = model.body(model.embed(ids[:, t:t + 1], t), cache=cache)[:, 0]            # (N*S, D)
         else:
             hid = model.hidden(ids[:, :t + 1])[:, -1]
         gen = (t + 1 >= clen) & (t + 1 < clen + h)                                  # rows drawing step t+1
