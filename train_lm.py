@@ -1005,8 +1005,8 @@ def compare_sweep(args):
     grid = [Point(v, pos, lr, args.seed, budget / 3, grid=True)
             for pos in positions for v in variants for lr in args._lrs]
     if args.estimate:
-        todo = shared + grid + [Point(pt.variant, pt.pos, lr, pt.seed, budget) for pt in shared
-                                for lr in args._lrs if lr != args.lr]   # at most: no grid lr = the shared lr
+        tuned = [pt for pt in shared if args._lrs]      # at most: every best lr other than the shared one
+        todo = shared + grid + tuned
         wall = longest_first_wall([60 * minutes(pt, per) for pt in todo], args.workers) / 60
         print(f"  whole sweep: at most {len(todo)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min "
               f"(~{sum(minutes(pt, per) for pt in todo):.0f} run-minutes)")
