@@ -168,6 +168,9 @@ def resume_settings(saved, args, given, may_change=()):
     """--resume: the checkpoint's settings (saved) win, copied into args. A given flag must equal the saved value
     unless it is in may_change (run length, logging, ...), else one ValueError naming every conflict."""
     keep = {'resume', 'overwrite', 'out_dir', 'device'}
+    lost = [f.name for f in fields(ModelConfig) if f.name not in saved and f.name not in TASK_FIELDS]
+    if lost:
+        raise ValueError(f"--resume: the checkpoint lacks the model settings {lost[:3]}...: not a run of this script")
     conflicts = [f"--{k}: checkpoint {saved[k]!r} vs given {getattr(args, k)!r}" for k in sorted(given)
                  if k in saved and k not in keep and k not in may_change and saved[k] != getattr(args, k)]
     if conflicts:

@@ -3914,6 +3914,17 @@ def lm_setup(lm_corpus, out, how):
         ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
         torch.save({**ckpt, 'format': R.FORMAT - 1}, out / 'ckpt.pt')
         return
+    if how in ('nan_weights', 'no_settings', 'other_vocab'):         # a checkpoint with the right keys, wrong insides
+        lm_run(lm_corpus, out)
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        if how == 'nan_weights':
+            ckpt['model'] = {k: v.float() * float('nan') for k, v in ckpt['model'].items()}
+        elif how == 'no_settings':
+            ckpt['config'] = {'format': R.FORMAT}
+        else:
+            ckpt['model']['wte.weight'] = ckpt['model']['wte.weight'][:5]
+        torch.save(ckpt, out / 'ckpt.pt')
+        return
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lm_run(lm_corpus, out), 'train_lra.py')
 
 
@@ -3952,6 +3963,10 @@ LM_BAD = range_cases(
     ('sample_random', ['--sample'], 'random', 1, ['truncated or corrupt']),
     ('sample_truncated', ['--sample'], 'truncated', 1, ['truncated or corrupt']),
     ('sample_prompt', ['--sample', '--prompt', 'Zebra!'], 'run', 1, ["outside the model's vocabulary"]),
+    ('sample_nan', ['--sample'], 'nan_weights', 1, ['non-finite weights']),
+    ('sample_no_settings', ['--sample'], 'no_settings', 1, ['lacks the model settings']),
+    ('resume_no_settings', ['--resume'], 'no_settings', 1, ['--resume', 'lacks the model settings']),
+    ('sample_other_vocab', ['--sample'], 'other_vocab', 1, ['weights do not fit', 'wte.weight']),
     ('cache_dir_unwritable', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'UNWRITABLE']),
     ('plot_unwritable', ['--compare', 'RUN', '--plot', 'UNWRITABLE/p.png'], 'unwritable', 1, ['--plot', 'UNWRITABLE']),
     ('sweep_dir_unwritable', ['--sweep', 'compare', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,

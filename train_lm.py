@@ -35,7 +35,7 @@ import sys
 import sysconfig
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps. libgomp's default (spin for
 # milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Threads").
@@ -757,9 +757,18 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
 def sample(args):
     device = pick_device(args.device)
     ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
-    cfg, itos = ckpt['config'], ckpt['itos']
+    cfg, itos, where = ckpt['config'], ckpt['itos'], os.path.join(args.out_dir, 'ckpt.pt')
+    missing = [f.name for f in fields(ModelConfig) if f.name not in cfg and f.name != 'causal']   # causal: always
+    if missing:
+        raise ValueError(f"checkpoint {where!r} lacks the model settings {missing[:3]}...: not a run of train_lm.py")
     model = GPT(build_config(cfg), len(itos)).to(device)
-    model.load_state_dict(ckpt['model'])
+    try:
+        model.load_state_dict(ckpt['model'])
+    except RuntimeError as e:
+        first = next(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+        raise ValueError(f"checkpoint {where!r}: its weights do not fit the model its config describes ({first})") from None
+    if not all(p.isfinite().all() for p in model.parameters()):
+        raise ValueError(f"checkpoint {where!r} holds non-finite weights (a diverged run): nothing to sample from")
     model.eval()
     stoi = {c: i for i, c in enumerate(itos)}
     bad = sorted(set(c for c in args.prompt if c not in stoi))
