@@ -450,6 +450,7 @@ def run_main(main, argv=None):
     """A train script's __main__: main(argv), with one line on stderr instead of a traceback, and the exit code
     of the module docstring's rule."""
     prog = os.path.basename(sys.modules[main.__module__].__file__)
+    signal.signal(signal.SIGINT, signal.default_int_handler)     # the script's start-up handler ends here
     try:
         return main(argv)
     except SystemExit as e:

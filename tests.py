@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 import sys
 import urllib.parse
 from dataclasses import fields
@@ -3839,6 +3840,19 @@ def test_attn_help_names_every_variant():
 
 # -----------------------------------------------------------------------------
 # train_lm.py
+
+
+@pytest.mark.parametrize('script', ['train_lm.py', 'train_icl.py', 'train_lra.py', 'train_ts.py'])
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
+    """A Ctrl-C while torch loads (once numpy's libraries are mapped: after the script's handler is set)."""
+    p = subprocess.Popen([sys.executable, script, '--out_dir', str(tmp_path / 'out')], cwd=HERE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps, t0 = f'/proc/{p.pid}/maps', time.time()
+    while p.poll() is None and 'numpy' not in open(maps).read() and time.time() - t0 < 60:
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and 'interrupted' in err, err[-800:]
 
 
 def lm_args(lm_corpus, out, *extra):

@@ -49,6 +49,14 @@ if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to overr
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
     os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
 
+if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130, as runs.run_main does later
+    import signal
+
+    def interrupted_while_starting(*_):
+        print(f"{os.path.basename(__file__)}: interrupted: Ctrl-C while starting; nothing written", file=sys.stderr)
+        os._exit(130)
+    signal.signal(signal.SIGINT, interrupted_while_starting)
+
 import numpy as np
 import torch
 import torch.nn as nn
