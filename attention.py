@@ -1,7 +1,7 @@
 """
 Every attention variant of the project, and the one transformer backbone all train scripts share.
 
-    standard      softmax attention, any number of heads, GQA and RoPE options (paper §2.1, Eq. 2)
+    standard      softmax attention, any number of heads, GQA (paper §2.1, Eq. 2)
     bilinear_mlr  score = sum_l c_l LN(q_l).LN(k_l) with block-diagonal level maps (paper §3.2, Eq. 6)
     bilinear_btt  score = c x^T LN(W_h x') with W_h a full-rank BTT per head (paper §3.2, Eq. 7)
     mlr           MLR attention: fewer features for distant pairs (paper §3.4, Eq. 9)
@@ -10,14 +10,15 @@ Every attention variant of the project, and the one transformer backbone all tra
     linear        causal linear attention, phi = ReLU^2 (seed 003 §2.2.2)
     brl           BRL attention: local attention + evolving compressed tokens (seed 004 §2.3-2.5, Alg. 1)
 
-Each variant maps (B, T, D) -> (B, T, D), causal or bidirectional, reports its forward FLOPs for a
-length-T sequence, and (causal ones) decodes token by token with a cache. The heavy math lives in
-kernels.py. The backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (paper §3.5, App. E).
+Each variant maps (B, T, D) -> (B, T, D), causal or bidirectional, with rotary positions inside its scores when
+pos = 'rope' (learned ones are the scripts' embeddings), reports its forward FLOPs for a length-T sequence, and
+(causal ones) decodes token by token with a cache. The heavy math lives in kernels.py. The backbone is pre-LN:
+x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (paper §3.5, App. E).
 
-    python attention.py            # attention cores: fwd+bwd time and peak memory vs SDPA, T = 512 ... 4096
-    python attention.py --layers   # one full layer of every variant, projections included
+    python attention.py            # one full layer of every variant: fwd+bwd time, memory, FLOPs, x its floor
     python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
     python attention.py --brl --causal --Ts 256,2048   # causal layers (BRL's recurrence over blocks)
+    (the attention cores alone: python kernels.py --bench)
 """
 
 import argparse
@@ -115,7 +116,8 @@ def parse_ints(text, name, sep='|'):
 
 
 POSITIONS = ('learned', 'rope', 'none')
-POSITIVE_FIELDS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'mup_alpha', 'btt_rank', 'n_compressed', 'mup_base_width')
+POSITIVE_FIELDS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'mup_alpha', 'btt_rank', 'n_compressed',
+                   'mup_base_width')
 NON_NEGATIVE_FIELDS = ('n_kv_head', 'brl_block', 'brl_rel_buckets')   # (window, mlp_hidden: their own lines below)
 
 
@@ -125,7 +127,7 @@ def check_config(cfg):
         if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
             raise ValueError(f"{name} = {v}: must be {'> 0' if positive else '>= 0'}")
     if not 0 <= cfg.brl_beta <= 1:
-        raise ValueError(f"brl_beta = {cfg.brl_beta}: must be in [0, 1] (the carry-over weight of the compressed tokens)")
+        raise ValueError(f"brl_beta = {cfg.brl_beta}: must be in [0, 1] (the compressed tokens' carry-over weight)")
     if cfg.n_embd % cfg.n_head != 0:
         raise ValueError(f"n_head = {cfg.n_head} must divide n_embd = {cfg.n_embd}")
     for name, valid in dict(logit_scale=LOGIT_SCALES, pos=POSITIONS, bilinear_mlr_ln=('level', 'head'),
@@ -995,7 +997,8 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
     print(f"one attention layer, fwd+bwd, D = {D}, {H} heads, window {window}, m = {n_compressed}, "
           f"causal = {causal}, on {dev}")
-    print(f"{'layer':13s} {'T':>6s} {'ms':>9s} {'x std':>6s} {'peak MB':>8s} {'x std':>6s} {'GFLOP fwd':>10s}")
+    print(f"{'layer':13s} {'T':>6s} {'ms':>9s} {'x std':>6s} {'peak MB':>8s} {'x std':>6s} {'GFLOP fwd':>10s} "
+          f"{'x floor':>8s}   (floor: the layer's FLOPs at the standard layer's FLOP/s)")
     rows = []
     for T in Ts:
         res = {}
@@ -1013,8 +1016,10 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
             res[kind] = kernels.measure(step, reps=1) + (layer.flops(T),)
         for kind, (ms, mb, fl) in res.items():
             b = res[kinds[0]]
-            print(f"{kind:13s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} {fl / 1e9:10.2f}")
-            rows.append(dict(layer=kind, T=T, ms=ms, peak_mb=mb, gflop=fl / 1e9))
+            floor = fl / b[2] * b[0]                                  # ms at the first (standard) layer's FLOP/s
+            print(f"{kind:13s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} "
+                  f"{fl / 1e9:10.2f} {ms / floor:8.2f}")
+            rows.append(dict(layer=kind, T=T, ms=ms, peak_mb=mb, gflop=fl / 1e9, vs_floor=ms / floor))
     return rows
 
 
@@ -1026,22 +1031,6 @@ def benchmark_brl(Ts, causal=False):
     lo, hi = (1024, 8192) if {1024, 8192} <= set(mb) else (min(mb), max(mb))
     print(f"brl peak memory ratio {hi}/{lo}: {mb[hi] / max(mb[lo], 1e-3):.2f} (n ratio {hi / lo:g})")
     return rows
-
-
-def mlr_flop_check(T=1024, ranks=(32, 8, 6, 4, 4, 4, 4, 2), BH=16):
-    """Forward FLOPs of kernels.mlr_attention on CPU (the flash path) measured by torch.utils.flop_counter,
-    beside its formula, MLR's exact count and dense-mask attention's."""
-    from torch.utils.flop_counter import FlopCounterMode
-    q, k, v = (torch.randn(1, BH, T, sum(ranks)) for _ in range(3))
-    with FlopCounterMode(display=False) as fc:
-        kernels.mlr_attention(q, k, v, list(ranks), causal=True)
-    formula = BH * kernels.mlr_attention_flash_flops(T, list(ranks), causal=True)
-    exact = BH * kernels.mlr_attention_flops(T, list(ranks), causal=True)
-    dense = BH * 2 * 2 * T * T * sum(ranks)
-    print(f"MLR T={T} ranks {'|'.join(map(str, ranks))}, forward: measured {fc.get_total_flops() / 1e9:.3f} GFLOP "
-          f"= the flash path's formula {formula / 1e9:.3f} (MLR's exact count {exact / 1e9:.3f}, the rest is its "
-          f"dense bottom tiles); dense-mask attention {dense / 1e9:.3f}")
-    return fc.get_total_flops(), formula
 
 
 def _lengths(text):
@@ -1056,27 +1045,18 @@ def _lengths(text):
 
 
 def benchmark_main(argv=None):
-    """python attention.py [--layers | --brl] [--Ts 512,1024]"""
+    """python attention.py [--brl [--causal]] [--Ts 512,1024]"""
     from runs import ArgParser
     p = ArgParser(prog='attention.py', description=__doc__)
     p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
-    p.add_argument('--layers', action='store_true', help='one full layer of every variant (D=256, 4 heads)')
-    p.add_argument('--Ts', type=_lengths, default=None, help="comma list of sequence lengths (when not given: "
-                   "512,1024,2048,4096 for the cores (multiples of 128), 256,512,1024 with --layers, "
-                   "1024 ... 16384 with --brl)")
+    p.add_argument('--Ts', type=_lengths, default=None, help="comma list of sequence lengths (default 256,512,1024; "
+                   "with --brl 1024 ... 16384)")
     p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the block recurrence)')
     args = p.parse_args(argv)
     if args.brl:
         return benchmark_brl(args.Ts or [1024, 2048, 4096, 8192, 16384], causal=args.causal)
-    if args.layers:
-        return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
-                                args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8',
-                                n_compressed=16)
-    if args.Ts and any(T % 128 for T in args.Ts):
-        p.error(f"--Ts {','.join(map(str, args.Ts))}: the attention cores need multiples of 128 (8 MLR levels)")
-    mlr_flop_check()
-    dev = 'cuda' if torch.cuda.is_available() else 'cpu'
-    return kernels.benchmark(dev, torch.float32, args.Ts or [512, 1024, 2048, 4096], reps=2)  # = kernels.py --bench
+    return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
+                            args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8', n_compressed=16)
 
 
 if __name__ == '__main__':

@@ -753,7 +753,7 @@ def test_rope_turns_each_group_by_the_relative_position():
     assert_close(whole[..., 0], q[..., 0] * math.cos(4) - q[..., 8] * math.sin(4), what='half-split pairs')
 
 
-@pytest.mark.parametrize('kind', ['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'global_swa_split'])
+@pytest.mark.parametrize('kind', CAUSAL_KINDS[:-2] + ['global_swa_split'])      # all but brl and global_swa
 def test_rope_scores_see_relative_positions_only(kind):
     """Bidirectional, pos 'rope': a sequence moved 32 places right behind masked keys gives the same outputs
     (32 = a multiple of every MLR block it spans), so every score term sees i - j only; MLR's and global+SWA's

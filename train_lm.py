@@ -60,12 +60,12 @@ from tqdm import tqdm
 
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIONS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups, paper_logit_scale)
-from runs import (check_numbers, check_writable, io_errors, no_repeats, physical_memory, FORMAT, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  content_digest, ctrl_c_finishes_step, given_flags, load_checkpoint, longest_first_wall, mean_std,
-                  model_config, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, pick_device,
-                  plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
-                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep,
-                  write_json)
+from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
+                  check_numbers, check_writable, content_digest, ctrl_c_finishes_step, given_flags, io_errors,
+                  load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds,
+                  owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands,
+                  pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state,
+                  run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_lm.py'
@@ -774,7 +774,8 @@ def sample(args):
         model.load_state_dict(ckpt['model'])
     except RuntimeError as e:
         first = next(line.strip() for line in str(e).splitlines()[1:] if line.strip())
-        raise ValueError(f"checkpoint {where!r}: its weights do not fit the model its config describes ({first})") from None
+        raise ValueError(f"checkpoint {where!r}: its weights do not fit the model its config describes "
+                         f"({first})") from None
     if not all(p.isfinite().all() for p in model.parameters()):
         raise ValueError(f"checkpoint {where!r} holds non-finite weights (a diverged run): nothing to sample from")
     model.eval()
