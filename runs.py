@@ -36,7 +36,7 @@ import torch
 
 from attention import ModelConfig, check_config
 
-FORMAT = 2  # the layout of checkpoints and run configs; a run written under another FORMAT is refused, not guessed at
+FORMAT = 3  # the layout of checkpoints and run configs; a run written under another FORMAT is refused, not guessed at
 
 
 class Diverged(RuntimeError):
