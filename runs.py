@@ -250,8 +250,7 @@ def lock_folder(folder, flag='--out_dir'):
         f.close()
         raise ValueError(f"{flag} {folder!r} is in use by another run (pid {holder}): wait for it to end, "
                          f"or use another {flag}") from None
-    f.seek(0)
-    f.truncate()
+    f.truncate(0)                                        # 'a+': the write goes to the end, now 0
     f.write(f"{os.getpid()}\n")
     f.flush()
     _LOCKS[path] = f
