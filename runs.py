@@ -120,14 +120,12 @@ def check_ranges(parser, args, positive=(), non_negative=()):
 
 
 def no_repeats(parser, name, items):
-    """parser.error (exit 2) when the list flag --name names an item twice."""
     twice = [v for i, v in enumerate(items) if v in items[:i]]
     if twice:
         parser.error(f"--{name} names {twice[0]!r} twice: give each once")
 
 
 def physical_memory():
-    """Bytes of RAM on this machine: settings that surely need more are refused before any work."""
     return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
@@ -441,7 +439,6 @@ def run_main(main, argv=None):
 # its own folder, one thread, so runs are reused, resumed and timed alike in every script.
 
 def positive_int(s):
-    """argparse type: an integer > 0."""
     if int(s) <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
     return int(s)
