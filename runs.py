@@ -428,8 +428,7 @@ def run_main(main, argv=None):
     except KeyboardInterrupt:
         what, message, code = 'interrupted', ('Ctrl-C outside a training loop: no checkpoint written now (those '
                                               'already on disk are kept)'), 130
-    message = ' '.join(message.split())
-    message = message[len('error: '):] if message.startswith('error: ') else message
+    message = ' '.join(message.split()).removeprefix('error: ')
     print(f"{prog}: {what}: {message}", file=sys.stderr)
     raise SystemExit(code)
 
