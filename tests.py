@@ -3567,6 +3567,7 @@ def test_one_run_per_folder_and_a_killed_owner_leaves_no_lock(tmp_path, capsys):
         os.write(told, b'locked')
         time.sleep(120)
     holder = fork(hold)
+    os.close(told)                                               # a holder that died unready: read gets EOF
     try:
         assert os.read(ready, 6) == b'locked'
         code, err = run_cli(icl.main, ['--max_iters', '1', '--out_dir', folder], capsys)
