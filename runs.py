@@ -67,26 +67,21 @@ class ArgParser(argparse.ArgumentParser):
 
 
 TASK_FIELDS = ('block_size', 'causal')   # ModelConfig fields that each task sets from its data: not flags
-FLAG_TYPES = {'int': int, 'float': float, 'str': str}
 
 
 def add_model_args(parser, **task_defaults):
     """The 'model' group: --<field> for each ModelConfig field but TASK_FIELDS, with the field's help, defaulting
     to ModelConfig's value or, where the script's task has its own, to task_defaults[field]."""
-    flags = {f.name for f in fields(ModelConfig)} - set(TASK_FIELDS)
-    unknown = sorted(set(task_defaults) - flags)
+    flags = [f for f in fields(ModelConfig) if f.name not in TASK_FIELDS]
+    unknown = sorted(set(task_defaults) - {f.name for f in flags})
     if unknown:
         raise TypeError(f"add_model_args: not model flags: {unknown}")
     g = parser.add_argument_group('model (attention.ModelConfig: the same flags in every train script)')
-    for f in fields(ModelConfig):
-        if f.name in TASK_FIELDS:
-            continue
-        default, kind = task_defaults.get(f.name, f.default), getattr(f.type, '__name__', f.type)
-        if kind == 'bool':
-            g.add_argument(f'--{f.name}', action=argparse.BooleanOptionalAction, default=default,
-                           help=f.metadata['help'])
-        else:
-            g.add_argument(f'--{f.name}', type=FLAG_TYPES[kind], default=default, help=f.metadata['help'])
+    for f in flags:
+        kind = getattr(f.type, '__name__', f.type)
+        how = (dict(action=argparse.BooleanOptionalAction) if kind == 'bool'
+               else dict(type={'int': int, 'float': float, 'str': str}[kind]))
+        g.add_argument(f'--{f.name}', default=task_defaults.get(f.name, f.default), help=f.metadata['help'], **how)
     return g
 
 
@@ -98,54 +93,39 @@ def model_config(args, block_size, causal, **task):
     return cfg
 
 
-def check_ranges(parser, args, positive=(), non_negative=()):
-    """parser.error (exit 2) at the first flag not finite and > 0 (positive) or >= 0 (non_negative)."""
-    for names, ok, valid in ((positive, lambda v: v > 0, '> 0'), (non_negative, lambda v: v >= 0, '>= 0')):
-        for name in names:
-            v = getattr(args, name)
-            if v is None:
-                continue
-            finite = isinstance(v, int) or math.isfinite(v)     # an int too large for a float is still finite
-            if not (finite and ok(v)):
-                parser.error(f"--{name} {v}: must be {'' if finite else 'a finite number '}{valid}")
-
-
-CPUS = os.cpu_count() or 1
-INT64 = 2 ** 63 - 1
+CPUS, INT64 = os.cpu_count() or 1, 2 ** 63 - 1
 # Every script holds these flags to these intervals: a number the code can use. --lr 1e300 overflows AdamW's
 # update, a seed must fit torch's 64-bit generator, and 100000 OpenMP threads crash the process.
 RANGES = dict(lr='(0, 10]', weight_decay='[0, 10]', seed=f'[0, {INT64}]', threads=f'[0, {4 * CPUS}]',
               workers=f'[0, {4 * CPUS}]')
 
 
-def in_interval(v, interval):
-    """Whether v is a finite number in an interval written as '(0, 10]' ('inf' for no bound)."""
-    lo, hi = (int(s) if s.lstrip('-').isdigit() else float(s) for s in interval[1:-1].split(', '))
-    return ((isinstance(v, int) or math.isfinite(v)) and (lo < v if interval[0] == '(' else lo <= v)
-            and (v < hi if interval[-1] == ')' else v <= hi))
-
-
 def check_numbers(parser, args, ranges=None):
-    """parser.error (exit 2) at the first numeric flag that is not a finite number in its interval: RANGES, then
-    the script's own {flag: interval}; a flag named in neither must still be finite and fit in 64 bits."""
+    """parser.error (exit 2) at the first numeric flag that is not a finite number in its interval, written as
+    '(0, 10]' ('inf': no bound): the script's ranges, then RANGES, else it must fit in 64 bits."""
     ranges = {**RANGES, **(ranges or {})}
     for a in parser._actions:
         v = getattr(args, a.dest, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             interval = ranges.get(a.dest, f'[-{INT64}, {INT64}]')
-            if not in_interval(v, interval):
+            lo, hi = (int(s) if s.lstrip('-').isdigit() else float(s) for s in interval[1:-1].split(', '))
+            if not ((isinstance(v, int) or math.isfinite(v)) and (lo < v if interval[0] == '(' else lo <= v)
+                    and (v < hi if interval[-1] == ')' else v <= hi)):   # an int too large for a float is finite
                 parser.error(f"--{a.dest} {v}: must be a finite number in {interval}")
 
 
+def check_ranges(parser, args, positive=(), non_negative=()):
+    """check_numbers with the flags `positive` in (0, inf) and `non_negative` in [0, inf)."""
+    check_numbers(parser, args, {**dict.fromkeys(positive, '(0, inf)'), **dict.fromkeys(non_negative, '[0, inf)')})
+
+
 def no_repeats(parser, name, items):
-    """parser.error (exit 2) when the list flag --name names an item twice."""
     twice = [v for i, v in enumerate(items) if v in items[:i]]
     if twice:
         parser.error(f"--{name} names {twice[0]!r} twice: give each once")
 
 
 def physical_memory():
-    """Bytes of RAM on this machine: settings that surely need more are refused before any work."""
     return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
@@ -196,9 +176,8 @@ def pick_device(name):
 # files: atomic writes, run folders owned by one process, checkpoints, content digests
 
 def atomic_write(path, write):
-    """write(tmp), then rename tmp over path: a reader never sees half a file; a failed write (disk full, Ctrl-C)
-    leaves path as it was, no tmp file, and one OSError naming path. A kill -9 leaves <path>.tmp<pid>, which
-    prepare_out_dir removes at the next start."""
+    """write(tmp), then rename tmp over path: a failed write (disk full, Ctrl-C) leaves path as it was, no tmp
+    file, and one OSError naming path. A kill -9 leaves <path>.tmp<pid>: remove_orphan_tmp's to delete."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
@@ -213,8 +192,7 @@ def atomic_write(path, write):
 
 @contextlib.contextmanager
 def io_errors(flag, path):
-    """An OS or torch I/O failure inside (disk full, a file in the way, no permission) becomes one OSError naming
-    the flag and its path (run_main: one line, exit 1)."""
+    """An OS failure inside (disk full, a file in the way, no permission) becomes one OSError naming flag and path."""
     try:
         yield
     except OSError as e:
@@ -234,7 +212,6 @@ def check_writable(path, flag):
 
 
 def write_json(path, obj, **kw):
-    """json.dump(obj) to path, atomically."""
     def write(tmp):
         with open(tmp, 'w') as f:
             json.dump(obj, f, indent=1, **kw)
@@ -245,19 +222,14 @@ def remove_orphan_tmp(folder):
     """Delete the tmp files '<name>.tmp<pid>' that a writer killed mid-write left in folder (a live writer's stay)."""
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         m = re.fullmatch(r'.+\.tmp(\d+)(\.npy|\.npz)?', name)
-        if m and not _alive(int(m.group(1))):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(folder, name))
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return pid < 2 ** 31
-    return True
+        if m:
+            try:
+                os.kill(int(m.group(1)), 0)                # signal 0: is the writer alive?
+            except (ProcessLookupError, OverflowError):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
+            except PermissionError:                        # alive, another user's
+                pass
 
 
 _LOCKS = {}   # folder's lock file -> the open file that holds its flock
@@ -265,8 +237,8 @@ _LOCKS = {}   # folder's lock file -> the open file that holds its flock
 
 def lock_folder(folder, flag='--out_dir'):
     """Own `folder`: an exclusive flock on <folder>/.lock, which the kernel drops when this process ends, however
-    it ends (kill -9 too: no stale lock to clean up), or when the script's main returns (owns_run_folders). A
-    second process is refused in one line naming the holder's pid."""
+    it ends (kill -9 too: no stale lock), or when the script's main returns (owns_run_folders). A second process
+    is refused in one line naming the holder's pid."""
     path = os.path.join(os.path.realpath(folder), '.lock')
     if path in _LOCKS:
         return
@@ -279,8 +251,7 @@ def lock_folder(folder, flag='--out_dir'):
         f.close()
         raise ValueError(f"{flag} {folder!r} is in use by another run (pid {holder}): wait for it to end, "
                          f"or use another {flag}") from None
-    f.seek(0)
-    f.truncate()
+    f.truncate(0)                                        # 'a+': the write goes to the end, now 0
     f.write(f"{os.getpid()}\n")
     f.flush()
     _LOCKS[path] = f
@@ -301,10 +272,9 @@ def owns_run_folders(main):
 
 
 def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='--out_dir', lock=True):
-    """Start-up checks of a run's output folder, before any work: it can be written (a folder that cannot fails
-    now, not after training); this process owns it (lock_folder); tmp files of a killed writer are removed; and
-    it holds no earlier run's files (run_files) unless --resume continues that run or --overwrite, which deletes
-    them here."""
+    """Start-up checks of a run's folder, before any work: it can be written, this process owns it (lock_folder),
+    a killed writer's tmp files go, and it holds no earlier run's files (run_files) unless --resume continues
+    that run or --overwrite, which deletes them here."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
@@ -325,8 +295,8 @@ def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='
 
 
 def save_checkpoint(path, ckpt):
-    """torch.save the checkpoint dict, stamped with FORMAT, atomically, after checking that its 'model' weights are
-    finite: a diverged model never replaces the last good checkpoint (Diverged instead)."""
+    """torch.save the checkpoint dict, stamped with FORMAT, atomically; non-finite 'model' weights are Diverged
+    instead: a diverged model never replaces the last good checkpoint."""
     bad = [k for k, v in ckpt['model'].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise Diverged(f"weights {', '.join(bad[:3])} are not finite at step {ckpt.get('step')}: not writing "
@@ -343,8 +313,8 @@ def check_format(saved, where):
 
 
 def load_checkpoint(path, script, required=('model', 'optimizer', 'config', 'step')):
-    """torch.load(weights_only=True) with one-line errors (ValueError) for a missing, truncated, random-bytes
-    or foreign file, or one of another FORMAT. Checkpoints carry 'script', the train script that wrote them."""
+    """torch.load(weights_only=True) with one ValueError line for a missing, truncated, random-bytes or foreign
+    file (its 'script' is the train script that wrote it), or one of another FORMAT."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path!r} (train first, or point --out_dir at a run folder)")
     try:
@@ -362,8 +332,8 @@ def load_checkpoint(path, script, required=('model', 'optimizer', 'config', 'ste
 
 
 def content_digest(paths, chunk=1 << 20):
-    """sha256 over the names and bytes of the files, read a chunk at a time: what a data cache is keyed on, so
-    that an edit is noticed whatever the file's size and mtime say (cp -p, tar and rsync -t restore mtimes)."""
+    """sha256 over the names and bytes of the files, a chunk at a time: what a data cache is keyed on, so that an
+    edit is noticed whatever the file's size and mtime say (cp -p, tar and rsync -t restore mtimes)."""
     h = hashlib.sha256()
     for path in paths:
         h.update(os.path.basename(path).encode() + b'\0')
@@ -399,9 +369,8 @@ LOSS_LIMIT = 1e12  # a larger training loss is divergence: the scripts' losses a
 
 
 def check_loss(loss, step, hint='try a lower --lr'):
-    """The training loss as a float, or Diverged at the first NaN, inf or loss above LOSS_LIMIT: the run stops at
-    that step, before the optimizer step and any checkpoint (one device sync per step, the price of stopping
-    at once)."""
+    """The training loss as a float, or Diverged at the first NaN, inf or loss above LOSS_LIMIT, before the
+    optimizer step and any checkpoint (one device sync per step, the price of stopping at once)."""
     value = float(loss.detach() if torch.is_tensor(loss) else loss)
     if not math.isfinite(value) or abs(value) > LOSS_LIMIT:
         raise Diverged(f"training loss is {value} at step {step}: stopped before updating the weights; the last "
@@ -410,8 +379,7 @@ def check_loss(loss, step, hint='try a lower --lr'):
 
 
 def guarded_update(loss, step, model, opt, grad_clip, lr, warmup):
-    """One optimizer update behind the divergence guard: check_loss (Diverged before anything changes), then
-    zero_grad, backward, gradient-norm clip (grad_clip > 0) and step. lr, warmup: for the hint. -> the loss."""
+    """check_loss (lr, warmup: for its hint), then backward, gradient-norm clip (grad_clip > 0) and step."""
     value = check_loss(loss, step, f"Try a lower --lr than {lr:g}, or a longer --warmup_iters than {warmup}")
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -464,8 +432,7 @@ def run_main(main, argv=None):
     except KeyboardInterrupt:
         what, message, code = 'interrupted', ('Ctrl-C outside a training loop: no checkpoint written now (those '
                                               'already on disk are kept)'), 130
-    message = ' '.join(message.split())
-    message = message[len('error: '):] if message.startswith('error: ') else message
+    message = ' '.join(message.split()).removeprefix('error: ')
     print(f"{prog}: {what}: {message}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -475,27 +442,22 @@ def run_main(main, argv=None):
 # its own folder, one thread, so runs are reused, resumed and timed alike in every script.
 
 def positive_int(s):
-    """argparse type: an integer > 0."""
-    v = int(s)
-    if v <= 0:
+    if int(s) <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return v
+    return int(s)
 
 
 def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run folders, sweep.json, table.md, plot'):
-    """The flags of a seeded sweep, the same in every script: --sweep NAME, --variants, --seeds, --workers, --reuse,
-    --sweep_dir, --estimate. Returns the group, for a script's own sweep flags."""
+    """The flags of a seeded sweep, the same in every script. -> the group, for a script's own sweep flags."""
     g = p.add_argument_group(title)
     g.add_argument('--sweep', choices=[name] if isinstance(name, str) else list(name), help=about)
     g.add_argument('--variants', default=','.join(variants), help='--sweep: comma list of variants')
     g.add_argument('--seeds', type=positive_int, default=3, help='--sweep: seeds per variant (--seed, --seed + 1, ...)')
-    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel training processes, 1 thread each '
-                   '(0 = one after another in this process)')
-    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True, help='--sweep: keep finished '
-                   'runs and resume cut-off ones (--no-reuse trains every run again)')
+    g.add_argument('--workers', type=int, default=2, help='--sweep: parallel runs, 1 thread each (0: in this process)')
+    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
+                   help='--sweep: keep finished runs and resume cut-off ones')
     g.add_argument('--sweep_dir', default=sweep_dir, help=f'--sweep: {dir_help}')
-    g.add_argument('--estimate', action='store_true', help='--sweep: time a few steps per variant, print the '
-                   "sweep's wall-time estimate and stop")
+    g.add_argument('--estimate', action='store_true', help="--sweep: print the sweep's wall-time estimate and stop")
     return g
 
 
@@ -511,9 +473,9 @@ class Run:
 
 
 def run_state(saved, want, free, where, finished):
-    """Whether a sweep reuses a run folder: 'new' (nothing saved), 'done' (finished) or 'partial' (--resume it).
-    saved: the config the folder holds (None: none); want: the sweep's settings for it; free: keys that may
-    differ. A folder holding a run of other settings or another FORMAT is refused (ValueError)."""
+    """Whether a sweep reuses a run folder: 'new' (saved is None), 'done' (finished) or 'partial' (--resume it).
+    saved: the folder's run config; want: the sweep's settings; free: keys that may differ. A folder holding a
+    run of other settings or another FORMAT is refused (ValueError)."""
     if saved is None:
         return 'new'
     check_format(saved, where)
@@ -526,8 +488,8 @@ def run_state(saved, want, free, where, finished):
 
 
 def one_thread_seconds(step, repeats=2):
-    """Wall seconds of step() (one training step) on 1 thread, the best of `repeats` after a warm-up call: what a
-    sweep run pays per step on this machine now (a busy machine reads slower)."""
+    """Wall seconds of step() on 1 thread, the best of `repeats` after a warm-up call: what a sweep run pays per
+    step on this machine now (a busy machine reads slower)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -542,8 +504,7 @@ def one_thread_seconds(step, repeats=2):
 
 
 def longest_first_wall(seconds, workers):
-    """Wall time of jobs of these seconds on `workers` processes, each taking the next job when it is free, the
-    longest first (as sweep() starts them)."""
+    """Wall time of jobs of these seconds on `workers` processes, each taking the next job, the longest first."""
     free = [0.0] * max(1, workers)
     for s in sorted(seconds, reverse=True):
         free[free.index(min(free))] += s
@@ -551,46 +512,39 @@ def longest_first_wall(seconds, workers):
 
 
 def sweep(runs, states, script, main, workers, tag='sweep'):
-    """Train the runs whose state (states: {name: run_state(...)}) is not 'done': 'partial' ones with --resume, the
-    others with --overwrite, longest first, `workers` processes at a time (0: main(argv) one after another in this
-    process). Prints the estimate first. -> {name: exit code} of the runs it trained."""
+    """Train the runs whose state ({name: run_state(...)}) is not 'done', longest first: 'partial' ones with
+    --resume, the others with --overwrite, `workers` processes `python script argv` at a time, one thread each,
+    logging to <out_dir>/train.log (0: main(argv) one after another in this process). On Ctrl-C or SIGTERM the
+    running ones get SIGINT: they save a checkpoint after their step, and a rerun resumes them. -> {name: exit code}"""
     todo = sorted((r for r in runs if states[r.name] != 'done'), key=lambda r: -r.seconds)
     wall = longest_first_wall([r.seconds for r in todo], workers)
     print(f"{tag}: {len(runs) - len(todo)} finished run(s) reused, {len(todo)} to train: "
           f"{sum(r.seconds for r in todo) / 60:.1f} min of 1-thread training, about {wall / 60:.1f} min wall with "
           f"{max(1, workers)} worker(s) on an idle machine", flush=True)
-    jobs = [(r.name, r.argv + ['--resume' if states[r.name] == 'partial' else '--overwrite'], r.out_dir) for r in todo]
-    return run_processes(jobs, workers, script, main, tag)
-
-
-def run_processes(jobs, workers, script, main, tag='sweep'):
-    """Run the jobs [(name, argv, run_dir)] as `python script argv` processes, `workers` at a time and one
-    thread each, each logging to <run_dir>/train.log (workers 0: main(argv) one after another in this process).
-    -> {name: exit code}. On Ctrl-C or SIGTERM the running ones get SIGINT, so that they save a checkpoint
-    after their current step and a rerun resumes them."""
-    codes, running, pending = {}, {}, list(jobs)
+    pending = [(r, r.argv + ['--resume' if states[r.name] == 'partial' else '--overwrite']) for r in todo]
+    codes, running = {}, {}
     if workers == 0:
-        for name, argv, _ in pending:
+        for r, argv in pending:
             try:
                 main(argv)
-                codes[name] = 0
+                codes[r.name] = 0
             except (ValueError, SystemExit, Diverged) as e:
-                print(f"{tag}: {name} failed: {e}")
-                codes[name] = 1
+                print(f"{tag}: {r.name} failed: {e}")
+                codes[r.name] = 1
         return codes
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt here
     try:
         while pending or running:
             while pending and len(running) < workers:
-                name, argv, run_dir = pending.pop(0)
-                os.makedirs(run_dir, exist_ok=True)
-                log = open(os.path.join(run_dir, 'train.log'), 'a')
+                r, argv = pending.pop(0)
+                os.makedirs(r.out_dir, exist_ok=True)
+                log = open(os.path.join(r.out_dir, 'train.log'), 'a')
                 # a session of its own: a Ctrl-C at the terminal reaches only this process, which passes one
                 # SIGINT on (a second one, straight from the terminal, would stop a run mid-step without saving)
-                running[name] = (subprocess.Popen([sys.executable, os.path.abspath(script), *argv], stdout=log,
-                                                  stderr=subprocess.STDOUT, env=env, start_new_session=True), log)
-                print(f"{tag}: started {name} (pid {running[name][0].pid}, log {log.name})", flush=True)
+                running[r.name] = (subprocess.Popen([sys.executable, os.path.abspath(script), *argv], stdout=log,
+                                                    stderr=subprocess.STDOUT, env=env, start_new_session=True), log)
+                print(f"{tag}: started {r.name} (pid {running[r.name][0].pid}, log {log.name})", flush=True)
             time.sleep(0.1)
             for name, (proc, log) in list(running.items()):
                 if proc.poll() is not None:
@@ -637,8 +591,7 @@ def pm(ms, digits=4, scale=1.0):
 
 
 def paired_rows(paired, a, header, digits=4, scale=1.0):
-    """Markdown table of paired differences {b: paired_difference(...)}: 'a − b', per seed, mean ± std, the t
-    statistic against its 5 % critical value, and whether the difference exceeds the seed spread."""
+    """Markdown rows of paired differences {b: paired_difference(...)}: 'a − b', per seed, mean ± std, paired t."""
     if not paired:
         return []
     rows = [f'| {header} | per seed | mean ± std | paired t (5 % critical) | exceeds the seed spread |',
@@ -651,8 +604,8 @@ def paired_rows(paired, a, header, digits=4, scale=1.0):
 
 
 def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=1.0, hline=None):
-    """Two panels, y against xkeys[0] and against xkeys[1]: per variant (histories: {variant: [one history per
-    seed, a list of dicts]}) the mean over seeds with a ± 1 std band; hline = (y, label) draws a reference."""
+    """Two panels, y against xkeys[0] and xkeys[1]: per variant (histories: {variant: [one history per seed, a
+    list of dicts]}) the mean over seeds with a ± 1 std band; hline = (y, label) draws a reference."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -668,8 +621,7 @@ def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=
     for ax, xlabel in zip(axes, xlabels):
         if hline:
             ax.axhline(hline[0], color='gray', ls=':', lw=1, label=hline[1])
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
