@@ -29,7 +29,6 @@ import signal
 import subprocess
 import time
 import sys
-import time
 import urllib.parse
 from dataclasses import fields
 from types import SimpleNamespace
@@ -3660,11 +3659,14 @@ def test_given_flags_and_resume_settings_list_every_conflict():
     assert R.given_flags(p, ['--attn', 'standard']) == {'attn'}              # given with its default value
     assert p.parse_args([]).lr == 3e-3                                         # the parser is left as it was
     args = argparse.Namespace(attn='standard', lr=0.1, n_embd=32, max_iters=9, resume=True)
+    saved = {**dataclasses.asdict(ModelConfig()), **dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False)}
+    given = {'attn', 'lr', 'n_embd', 'max_iters', 'resume'}
     with pytest.raises(ValueError) as e:
-        R.resume_settings(dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False), args,
-                          {'attn', 'lr', 'n_embd', 'max_iters', 'resume'}, may_change={'max_iters'})
+        R.resume_settings(saved, args, given, may_change={'max_iters'})
     assert "--attn: checkpoint 'mlr' vs given 'standard'" in str(e.value)
     assert '--lr: checkpoint 0.01 vs given 0.1' in str(e.value) and 'n_embd' not in str(e.value)
+    with pytest.raises(ValueError, match=r"lacks the model settings \['ranks'\]"):     # a checkpoint of something else
+        R.resume_settings({k: v for k, v in saved.items() if k != 'ranks'}, args, set(), may_change=set())
 
 
 def test_check_ranges_and_one_line_parser_error(capsys):
