@@ -19,10 +19,8 @@ The defaults are the official ICL runs' settings (MODEL_DEFAULTS, DEFAULTS) at C
   python train_icl.py --sweep bottleneck --d 8 --out_dir out/icl_d8   # the same at d = 8 (LARGER_D_RECIPE)
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
   python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
-Results land in --out_dir (a JSON and a checkpoint per run). A sweep trains each (point, seed) as its own
-`python train_icl.py` run in <out_dir>/<run>/ (runs.sweep: --workers processes of 1 thread, the longest first),
-reuses finished runs and resumes cut-off ones, applies its CPU recipe (SWEEP_RECIPE, docs/icl.md) to the flags
-not given, and copies its PNG and JSON to --assets_dir. Tables give mean ± std over --seeds seeds.
+A run writes a JSON and a checkpoint to --out_dir. A sweep trains each (point, seed) as a run of its own in
+<out_dir>/<run>/ (runs.sweep), reusing finished runs, with its CPU recipe (SWEEP_RECIPE, docs/icl.md).
 """
 import argparse
 import collections
@@ -39,11 +37,15 @@ if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to overr
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
     os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
+
+matplotlib.use('Agg')                                 # plots are files: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
 
 import attention
 import runs
@@ -234,44 +236,18 @@ def sample_prompts(gen, n, d, n_points, d_active=None, x_scale=None, noise_std=0
     return xs, ys, ws
 
 
-def interleave(xs, ys):
-    """x_1, [y_1, 0..0], x_2, [y_2, 0..0], ... as one token sequence (B, 2N, d)."""
-    B, N, d = xs.shape
-    y_tok = torch.zeros_like(xs)
-    y_tok[:, :, 0] = ys
-    return torch.stack([xs, y_tok], dim=2).view(B, 2 * N, d)  # (B, N, 2, d) -> (B, 2N, d)
-
-
-def training_batches(args, gen=None, start=0):
-    """The training stream: one fresh batch per step from the generator seeded --seed (a resumed run passes its
-    restored generator and first step). Yields (step, d_active, n_points, xs, ys)."""
-    gen = torch.Generator().manual_seed(args.seed) if gen is None else gen
-    x_scale = covariance_scale(args.train_cov, args.d)
-    for step in range(start, args.max_iters):
-        d_active, n_points = curriculum(step, args)
-        xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
-        yield step, d_active, n_points, xs, ys
-
-
 def curriculum(step, args):
-    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every interval."""
+    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every interval, the interval
+    --curr_interval or 2000 steps scaled to the run (2000 * steps / 500001), k the smallest increment with which the
+    dimensions reach d after the floor(curr_ratio * steps / interval) increments that fit in the first curr_ratio
+    of the steps (official train_ICL.py, adaptive_inc; at least one increment)."""
     if not args.curriculum:
         return args.d, args.n_points
     d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
-    interval, k = curriculum_schedule(args)
+    interval = args.curr_interval or max(1, round(2000 * args.max_iters / 500001))
+    k = max(1, math.ceil((args.d - d0) / max(1, math.floor(args.curr_ratio * args.max_iters / interval))))
     n = step // interval
     return min(d0 + k * n, args.d), min(n0 + 2 * k * n, args.n_points)
-
-
-def curriculum_schedule(args):
-    """(interval, k): --curr_interval or 2000 steps scaled to the run (2000 * steps / 500001), and the smallest k
-    with which the dimensions reach d after the floor(curr_ratio * steps / interval) increments that fit in the
-    first curr_ratio of the steps (official train_ICL.py, adaptive_inc; at least one increment)."""
-    interval = args.curr_interval or max(1, round(2000 * args.max_iters / 500001))
-    n_updates = max(1, math.floor(args.curr_ratio * args.max_iters / interval))
-    d0 = min(args.curr_d_start, args.d)
-    k = max(1, math.ceil((args.d - d0) / n_updates))
-    return interval, k
 
 # -----------------------------------------------------------------------------
 # Baselines: each maps a prompt to predictions ŷ_i that use only (x_j, y_j), j < i, and x_i
@@ -340,9 +316,11 @@ class ICLModel(nn.Module):
         self.read_out = MupLinear(D, 1, base_width=cfg.mup_base_width, zero_init=True)  # ŷ = 0 at init
 
     def forward(self, xs, ys):
-        tokens = interleave(xs, ys)                                       # (B, 2N, d)
-        T = tokens.shape[1]
-        h = self.read_in(tokens) + self.wpe(torch.arange(T, device=tokens.device))  # (B, 2N, D)
+        B, N, d = xs.shape                                   # tokens x_1, [y_1, 0..0], x_2, [y_2, 0..0], ...
+        y_tok = torch.zeros_like(xs)
+        y_tok[:, :, 0] = ys
+        tokens = torch.stack([xs, y_tok], dim=2).view(B, 2 * N, d)        # (B, N, 2, d) -> (B, 2N, d)
+        h = self.read_in(tokens) + self.wpe(torch.arange(2 * N, device=tokens.device))  # (B, 2N, D)
         h = self.body(h)                                                  # (B, 2N, D)
         return self.read_out(h[:, 0::2]).squeeze(-1)                      # (B, N): read out at x_i
 
@@ -518,7 +496,7 @@ def train(args, run_name='run'):
     # save, so a resumed run draws it from the saved generator
     flops_per_T = {}                                        # T -> body.forward_flops(T)
     time0, cpu0, t0, c0 = st['time_s'], st['cpu_s'], time.time(), time.process_time()
-    batches = training_batches(args, gen, st['step'])
+    x_scale = covariance_scale(args.train_cov, args.d)
     bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
                mininterval=2.0)
     model.train()
@@ -533,7 +511,8 @@ def train(args, run_name='run'):
                 path = save()
                 raise Interrupted(f'[{run_name}] at step {step}: ' + (f'saved {path}; continue with --resume'
                                                                       if path else 'nothing saved (--no-save)'))
-            _, d_active, n_points, xs, ys = next(batches)
+            d_active, n_points = curriculum(step, args)   # a fresh batch from the training generator
+            xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
             xs, ys = xs.to(device), ys.to(device)
             t = time.time()
             for g in opt.param_groups:
@@ -580,14 +559,6 @@ def train(args, run_name='run'):
 # -----------------------------------------------------------------------------
 # Plots
 
-
-def _plt():
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
-
-
 BASELINE_STYLE = {'least_squares': ('k', ':'), 'averaging': ('C7', '--'), '3-NN': ('C8', '-.'), 'zero': ('C9', ':')}
 MODEL_COLOR = {'standard, 8 heads': 'C0', 'standard, 1 head': 'C1', 'bilinear BTT, 8 heads': 'C2',
                'bilinear MLR': 'C3'}
@@ -601,21 +572,19 @@ def save_figure(fig, ax, path, **legend):
     ax.legend(fontsize=7, **legend)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    _plt().close(fig)
+    plt.close(fig)
 
 
 def plot_positions(results, path, title):
     """Error per position (number of in-context examples) for each run, with the baselines of the first."""
-    fig, ax = _plt().subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in results.items():
         m = r['model']
-        k = np.arange(len(m['mean']))
-        ax.plot(k, m['mean'], label=name, color=color(name))
-        ax.fill_between(k, m['lo'], m['hi'], alpha=0.25, color=color(name))
+        ax.plot(m['mean'], label=name, color=color(name))
+        ax.fill_between(np.arange(len(m['mean'])), m['lo'], m['hi'], alpha=0.25, color=color(name))
     base = next(iter(results.values()))
     for name, b in base['baselines'].items():
-        ax.plot(np.arange(len(b['mean'])), np.maximum(b['mean'], 1e-4), color=BASELINE_STYLE[name][0],
-                ls=BASELINE_STYLE[name][1], label=name)
+        ax.plot(np.maximum(b['mean'], 1e-4), color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], label=name)
     d = base['config']['d']
     ax.axvline(d, color='gray', lw=0.5)
     ax.axvline(2 * d - 1, color='gray', lw=0.5, ls='--')
@@ -624,18 +593,18 @@ def plot_positions(results, path, title):
     save_figure(fig, ax, path)
 
 
-def plot_curves(by_point, key, style, figsize, **axes):
+def plot_curves(by_point, key, style, figsize):
     """Training curves per sweep point: history[key] against step or FLOPs (style(label, rs) -> x key, color, line
     style), the mean over seeds and their min-max band (on a log axis mean - std is often below 0 with 3 seeds)."""
-    fig, ax = _plt().subplots(figsize=figsize)
+    fig, ax = plt.subplots(figsize=figsize)
     for k, rs in by_point.items():
         x_key, c, ls = style(k, rs)
         steps = sorted(set.intersection(*({h['step'] for h in r['history']} for r in rs)))   # shared by all seeds
         by_step = [{h['step']: h for h in r['history']} for r in rs]
         y = np.array([[b[s][key] for s in steps] for b in by_step])                            # (seeds, evals)
         x = np.array([by_step[0][s][x_key] for s in steps])
-        keep = x > 0 if x_key == 'flops' else np.ones(len(x), bool)                            # log axis: no 0
-        ax.plot(x[keep], y.mean(0)[keep], label=f'{k} ({n_seeds(len(rs))})', color=c, ls=ls)
+        keep = (x > 0) | (x_key == 'step')                                                     # log axis: no 0 FLOPs
+        ax.plot(x[keep], y.mean(0)[keep], label=f'{k} ({len(rs)} seed{"s" * (len(rs) > 1)})', color=c, ls=ls)
         ax.fill_between(x[keep], y.min(0)[keep], y.max(0)[keep], alpha=0.15, color=c)
     return fig, ax
 
@@ -643,16 +612,16 @@ def plot_curves(by_point, key, style, figsize, **axes):
 def plot_bottleneck(path, table, base, widths, args):
     """Fig. 2/3a: error at N = 2d against width D per model: the mean over seeds (line), each seed (dots) and
     their range (band), the models drawn a little apart at each width; the baselines as horizontal lines."""
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for k, label in enumerate(BOTTLENECK_MODELS):
         rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
         if not rows:
             continue
         shift = 1.008 ** (k - (len(BOTTLENECK_MODELS) - 1) / 2)    # side by side at one width, not on top
-        x, m = np.array([t['D'] for t in rows]) * shift, np.array([t['err_at_2d'] for t in rows])
-        seeds = [np.array(t['err_at_2d_seeds'], dtype=float) for t in rows]
-        ax.plot(x, m, marker='o', label=f'{label} (mean, {n_seeds(rows[0]["seeds"])})', color=color(label))
+        x, seeds = np.array([t['D'] for t in rows]) * shift, [np.array(t['err_at_2d_seeds'], float) for t in rows]
+        n = rows[0]['seeds']
+        ax.plot(x, [t['err_at_2d'] for t in rows], marker='o', label=f'{label} (mean, {n} seed{"s" * (n > 1)})',
+                color=color(label))
         ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
         for xi, v in zip(x, seeds):
             ax.scatter(np.full(len(v), xi), v, s=12, color=color(label), alpha=0.6)
@@ -668,16 +637,11 @@ def plot_bottleneck(path, table, base, widths, args):
     ax.xaxis.set_minor_locator(plt.NullLocator())
     save_figure(fig, ax, path, loc='center left', bbox_to_anchor=(1.01, 0.5))   # outside: it hid seeds' dots
 
-
-def n_seeds(n):
-    return f'{n} seed' + ('s' if n != 1 else '')
-
-
 # -----------------------------------------------------------------------------
 # Sweeps: the papers' figures at CPU scale, every model with the same steps and batch. A sweep is a list of points
 # {label: (settings, run name)}, trained with --seeds seeds each through runs.sweep, then a table and a plot.
-# Its CPU recipe departs from DEFAULTS where a CPU budget forces it, each for a reason that docs/icl.md ("The CPU
-# recipe") gives with its trials; applied to every flag not given, then --quick's QUICK the same way.
+# Its CPU recipe departs from DEFAULTS where a CPU budget forces it, for the reasons (and trials) in docs/icl.md,
+# "The CPU recipe"; applied to every flag not given, then --quick's QUICK the same way.
 
 CPU_RECIPE = dict(
     max_iters=7000,          # official 500 001; at 5000 bilinear MLR 1|1|1 (D = 24) ended just above 0.1
@@ -686,16 +650,14 @@ CPU_RECIPE = dict(
     # and +2 points every 500 steps, the full task (d = 5, N = 10) from step 1500 on
     curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
     n_eval_during=128, eval_interval=250)    # fewer, smaller evals during training: CPU time
-# bilinear MLR at head widths 3, 4: one LayerNorm per head (a departure; per level, levels of 1 and 2 features
-# cannot learn: bottleneck_mlr_ranks)
-MLR_SMALL_HEADS = dict(bilinear_mlr_ln='head')
 SWEEP_RECIPE = {
     # 8 heads of width 3 (fails at d = 5) and 4 (learns); the full-rank models at D = 24 only: 15 runs, 31.7 min
-    # wall on the 2-core VM. Bilinear MLR 1|1|1 at head width 3 (score rank 7 >= d), 1|1|2 at 4 (rank 11)
-    'bottleneck': dict(CPU_RECIPE, **MLR_SMALL_HEADS, widths='24,32', full_rank_widths='24',
+    # wall on the 2-core VM. Bilinear MLR 1|1|1 at head width 3 (score rank 7 >= d), 1|1|2 at 4 (rank 11), with
+    # one LayerNorm per head (bilinear_mlr_ln 'head', a departure: see bottleneck_mlr_ranks)
+    'bottleneck': dict(CPU_RECIPE, bilinear_mlr_ln='head', widths='24,32', full_rank_widths='24',
                        bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
     # the bottleneck sweep's D = 24 (its runs are reused)
-    'compute': dict(CPU_RECIPE, **MLR_SMALL_HEADS, compute_width=24, compute_ranks='1|1|1'),
+    'compute': dict(CPU_RECIPE, bilinear_mlr_ln='head', compute_width=24, compute_ranks='1|1|1'),
     # seed 003 trained 7500 - 30 000 steps; one length for all here, lr and batch per architecture (SEED003_OPTIMIZER)
     'linear': dict(CPU_RECIPE, max_iters=12000),
 }
@@ -704,8 +666,7 @@ SWEEP_RECIPE = {
 # at D = 64 lr 1e-4, so that under muP (hidden lr x 768 / D) both widths get 1.2e-3 (docs/icl.md, "A larger d: 8")
 LARGER_D_RECIPE = {8: dict(widths='32,64', full_rank_widths='32', max_iters=8000, width_lrs='64:1e-4',
                            bottleneck_ranks='4:1|1|2')}
-# recipe settings that name the recipe's widths: not applied when --widths is given (unless given too)
-PER_WIDTH = {'full_rank_widths', 'width_lrs'}
+PER_WIDTH = {'full_rank_widths', 'width_lrs'}   # they name the recipe's widths: not applied with --widths given
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2 (docs/icl.md)
 QUICK = {
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200, bottleneck_ranks=''),
@@ -737,10 +698,6 @@ def variant(args, **overrides):
     if a.attn != 'bilinear_mlr':
         a.bilinear_mlr_ln = attention.ModelConfig.bilinear_mlr_ln
     return a
-
-
-def training_seeds(args):
-    return list(range(args.seed, args.seed + args.seeds))
 
 
 def run_argv(a, name, run_dir):
@@ -811,7 +768,7 @@ def run_points(args, points):
     eval_seed = args.eval_seed if args.eval_seed >= 0 else args.seed + 1000003
     todo, states, ms = [], {}, {}
     for label, (a, name) in points.items():
-        for s in training_seeds(args):
+        for s in range(args.seed, args.seed + args.seeds):
             a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
             run_dir = os.path.join(args.out_dir, run)
             states[run], step = run_status(args, a_s, run, run_dir)
@@ -830,72 +787,58 @@ def run_points(args, points):
 
 
 def mean_std(values):
-    """(mean, sample std over seeds; 0 for one seed) of the values that are not None ((None, None) if none is)."""
+    """(mean, sample std; 0 for one value) of the values that are not None; (None, None) when none is."""
     v = [x for x in values if x is not None]
-    if not v:
-        return None, None
-    m, s = runs.mean_std(v)
-    return m, s if len(v) > 1 else 0.0
+    return (None, None) if not v else (runs.mean_std(v)[0], runs.mean_std(v)[1] if len(v) > 1 else 0.0)
 
 
 def table_row(label, rs, **values):
     """A sweep table's row for one point (rs: its results per seed): for each key=get, the mean, std and per-seed
-    values of get(result); the mean training time and CPU time."""
+    values of get(result); the mean training and CPU seconds."""
     row = {'model': label, 'seeds': len(rs)}
     for key, get in values.items():
         vals = [get(r) for r in rs]
         row[key], row[f'{key}_std'] = mean_std(vals)
         row[f'{key}_seeds'] = vals
-    row['time_s'] = mean_std([r['train_time_s'] for r in rs])[0]
-    row['cpu_s'] = mean_std([r.get('cpu_time_s') for r in rs])[0]
+    row['time_s'], row['cpu_s'] = (mean_std([r.get(k) for r in rs])[0] for k in ('train_time_s', 'cpu_time_s'))
     return row
 
 
 def print_table(rows, cols):
     """A markdown table; a column with a '<col>_std' companion prints as 'mean ± std' (over seeds)."""
-    def fmt(v):
+    def cell(v, s=None):
         if isinstance(v, float):
-            return f'{v:.4g}'
-        if isinstance(v, list):
-            return '[' + ', '.join('-' if x is None else f'{x:.3g}' for x in v) + ']'
-        return str(v)
-
-    def cell(r, c):
-        s = r.get(f'{c}_std')
-        return fmt(r[c]) if s is None or r[c] is None else f'{r[c]:.4g} ± {s:.2g}'
+            return f'{v:.4g}' if s is None else f'{v:.4g} ± {s:.2g}'
+        return '[' + ', '.join('-' if x is None else f'{x:.3g}' for x in v) + ']' if isinstance(v, list) else str(v)
     print('| ' + ' | '.join(cols) + ' |')
     print('|' + '---|' * len(cols))
     for r in rows:
-        print('| ' + ' | '.join(cell(r, c) for c in cols) + ' |')
+        print('| ' + ' | '.join(cell(r[c], r.get(f'{c}_std')) for c in cols) + ' |')
 
 
 def write_sweep(args, by_point, wall, table, cols, plot, **extra):
     """Print the table; write <out_dir>/sweep_<name>.json (every run per seed, the baselines, identical for runs on
     the same prompts, kept once) and icl_<name>.png (plot(path)); copy both to --assets_dir. -> the JSON's dict."""
     print_table(table, cols)
-    name = sweep_name(args)
+    name = args.sweep + run_tag(args)          # 'bottleneck', 'bottleneck_d8', 'compute_quick', ...
     seed_runs = {f'{k}, seed={r["config"]["seed"]}': r for k, rs in by_point.items() for r in rs}
-    payload = {'sweep': name, 'wall_s': wall, 'seeds': training_seeds(args),
+    payload = {'sweep': name, 'wall_s': wall, 'seeds': list(range(args.seed, args.seed + args.seeds)),
                'reused': [k for k, r in seed_runs.items() if r.get('reused')], 'table': table, **extra,
                'runs': {k: {f: v for f, v in r.items() if f not in ('baselines', 'baselines_shifted')}
                         for k, r in seed_runs.items()}}
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
-    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot of the same runs:
-        with open(jpath) as f:                                                      # keep the training's wall time
+    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot of the same runs
+        with open(jpath) as f:                                                      # keeps the training's wall time
             old = json.load(f)
-        if results_of(old['runs']) == results_of(payload['runs']):
+        same = [{k: (r.get('run'), r['model']['at_2d']) for k, r in p['runs'].items()} for p in (old, payload)]
+        if same[0] == same[1]:
             payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
     write_json(jpath, payload)
     plot(ppath)
     if args.assets_dir:
-        shutil.copy(ppath, os.path.join(args.assets_dir, f'icl_{name}.png'))
+        shutil.copy(ppath, args.assets_dir)
         shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
     return payload
-
-
-def results_of(seed_runs):
-    """{run label: its run name and final error}: what tells two sweeps' runs apart."""
-    return {k: (r.get('run'), r['model']['at_2d']) for k, r in seed_runs.items()}
 
 
 def run_tag(args):
@@ -905,29 +848,12 @@ def run_tag(args):
     return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
 
 
-def sweep_name(args):
-    return args.sweep + run_tag(args)          # 'bottleneck', 'bottleneck_d8', 'compute_quick', ...
-
-
-def position_plot_name(args):
-    return f'icl_position{run_tag(args)}.png'
-
-
-def score_rank(config):
+def score_rank(c):
     """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
     min(D, sum_l 2^l r_l) for bilinear MLR (paper §3.2, Table 1)."""
-    D, H = config['n_embd'], config['n_head']
-    if config['attn'] == 'bilinear_btt':
-        return D
-    if config['attn'] == 'bilinear_mlr':
-        ranks = [int(r) for r in (config['ranks'] or str(D // H)).split('|')]
-        return min(D, sum(2 ** l * r for l, r in enumerate(ranks)))
-    return D // H
-
-
-def full_rank_widths(args):
-    """The bottleneck sweep's widths for 1-head standard and bilinear BTT / MLR: --full_rank_widths, or every width."""
-    return [int(w) for w in (args.full_rank_widths or args.widths).split(',')]
+    D, H = c['n_embd'], c['n_head']
+    mlr = min(D, sum(2 ** l * int(r) for l, r in enumerate((c['ranks'] or str(D // H)).split('|'))))
+    return {'bilinear_btt': D, 'bilinear_mlr': mlr}.get(c['attn'], D // H)
 
 
 def width_lrs(args):
@@ -949,17 +875,13 @@ def bottleneck_mlr_ranks(spec, head_width):
     LayerNorm (bilinear_mlr_ln 'level') a level of 1 feature outputs 0 and one of 2 features +-g (zero gradient
     almost everywhere), so such levels never learn (the official head width 32 never meets this); the recipe's
     'head' (one LayerNorm over all levels) lets them learn."""
-    for item in spec.split(','):
-        w, _, ranks = item.partition(':')
-        if w.strip() == str(head_width):
-            return ranks.strip()
-    return None
+    return {w.strip(): r.strip() for w, _, r in (item.partition(':') for item in spec.split(','))}.get(str(head_width))
 
 
 def sweep_bottleneck(args):
     """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
     and 8-head bilinear MLR."""
-    widths, full_rank = [int(w) for w in args.widths.split(',')], full_rank_widths(args)
+    widths, full_rank = ints(args.widths), ints(args.full_rank_widths or args.widths)
     full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
     points = {}
     for D in sorted(widths, reverse=True):                            # costliest first
@@ -989,10 +911,10 @@ def sweep_bottleneck(args):
           + f' | sweep wall {wall:.0f}s')
     # per position at the narrowest width (the bottlenecked one), first seed
     narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in by_point.items() if rs[0]['config']['n_embd'] == min(widths)}
-    pos_path = os.path.join(args.out_dir, position_plot_name(args))
+    pos_path = os.path.join(args.out_dir, f'icl_position{run_tag(args)}.png')
     plot_positions(narrowest, pos_path, f'error per position, D = {min(widths)}, d = {args.d}, seed {args.seed}')
     if args.assets_dir:
-        shutil.copy(pos_path, os.path.join(args.assets_dir, position_plot_name(args)))
+        shutil.copy(pos_path, args.assets_dir)
     return payload
 
 
@@ -1020,7 +942,6 @@ def sweep_compute(args):
                title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals in training, '
                      f'{args.n_eval_during} held-out prompts; mean, seed range)')
         save_figure(fig, ax, path, loc='lower left')
-
     return write_sweep(args, by_point, wall, table, ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds',
                                                      'flops_per_step', 'train_flops', 'time_s'], plot,
                        baselines=by_point[first][0]['baselines'])
@@ -1039,8 +960,7 @@ def sweep_linear(args):
                                             n_points=11, test_cov='aniso', **optimizer[attn],
                                             grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
                                     f'linear_{attn}_L{L}{run_tag(args)}')
-              for L in sorted((int(x) for x in args.depths.split(',')), reverse=True)
-              for attn in ('standard', 'linear')}
+              for L in sorted(ints(args.depths), reverse=True) for attn in ('standard', 'linear')}
     by_point, wall = run_points(args, points)
     table = []
     for k, rs in by_point.items():
@@ -1048,9 +968,8 @@ def sweep_linear(args):
                         test=lambda r: r['model']['query'], aniso_test=lambda r: r['model_shifted']['query'],
                         steps_to_90=lambda r: steps_to_90(r['history']))
         batch = rs[0]['config']['batch_size']
-        row.update(params=rs[0]['body_params'], lr=rs[0]['config']['lr'], batch_size=batch,
-                   samples_to_90=None if row['steps_to_90'] is None else row['steps_to_90'] * batch)
-        table.append(row)
+        table.append(dict(row, params=rs[0]['body_params'], lr=rs[0]['config']['lr'], batch_size=batch,
+                          samples_to_90=None if row['steps_to_90'] is None else row['steps_to_90'] * batch))
     base = next(iter(by_point.values()))[0]
     depths = sorted({rs[0]['config']['n_layer'] for rs in by_point.values()})
 
@@ -1062,7 +981,6 @@ def sweep_linear(args):
         ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
                title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
         save_figure(fig, ax, path)
-
     return write_sweep(args, by_point, wall, table, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test',
                                                      'aniso_test', 'steps_to_90', 'samples_to_90', 'time_s'], plot,
                        baselines_query={k: v['query'] for k, v in base['baselines'].items()},
@@ -1071,6 +989,11 @@ def sweep_linear(args):
 
 # -----------------------------------------------------------------------------
 # main
+
+
+def ints(text):
+    """'8,16' -> [8, 16] (ValueError when not integers)."""
+    return [int(v) for v in text.split(',')]
 
 
 def check_args(parser, args):
@@ -1090,14 +1013,12 @@ def check_args(parser, args):
         'curr_d_start', 'curr_n_start', 'seeds'], non_negative=[
         'n_points', 'warmup_iters', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval',
         'curr_interval', 'threads', 'workers'])
-    for name in ('widths', 'depths', 'full_rank_widths'):
-        if name == 'full_rank_widths' and args.full_rank_widths == '':     # '' = every width
-            continue
+    for name in ('widths', 'depths') + (('full_rank_widths',) if args.full_rank_widths else ()):   # '' = every width
         try:
-            values = [int(v) for v in getattr(args, name).split(',')]
+            values = ints(getattr(args, name))
         except ValueError:
-            values = []
-        if not values or min(values) <= 0:
+            values = [0]
+        if min(values) <= 0:
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
         no_repeats(parser, name, values)
     bad = [m for m in args.full_rank_models.split(',') if m not in FULL_RANK_MODELS]
@@ -1117,29 +1038,25 @@ def check_args(parser, args):
         parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
 
 
-def apply_recipe(parser, args, argv):
-    """A sweep's CPU recipe, then --quick's, for every flag not given on the command line."""
-    given = given_flags(parser, argv)
-    larger_d = LARGER_D_RECIPE.get(args.d, {}) if args.sweep == 'bottleneck' else {}
-    if larger_d and args.quick:
-        parser.error(f'--quick is the d = {DEFAULTS["d"]} bottleneck sweep\'s short version; the d = {args.d} '
-                     f'sweep has none (drop --quick, or --d)')
-    for k, v in {**SWEEP_RECIPE[args.sweep], **larger_d, **(QUICK[args.sweep] if args.quick else {})}.items():
-        if k not in given and not (k in PER_WIDTH and 'widths' in given):   # per-width: the recipe's widths
-            setattr(args, k, v)
-    args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
-    for flag, ws in (('full_rank_widths', full_rank_widths(args)), ('width_lrs', width_lrs(args))):
-        if not set(ws) <= set(int(w) for w in args.widths.split(',')):
-            parser.error(f"--{flag} {getattr(args, flag)!r}: its widths must be among --widths {args.widths!r}")
-
-
 @owns_run_folders
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if args.sweep:
-        apply_recipe(parser, args, argv)
+    if args.sweep:   # the sweep's CPU recipe, then --quick, for every flag not given on the command line
+        given = given_flags(parser, argv)
+        larger_d = LARGER_D_RECIPE.get(args.d, {}) if args.sweep == 'bottleneck' else {}
+        if larger_d and args.quick:
+            parser.error(f'--quick is the d = {DEFAULTS["d"]} bottleneck sweep\'s short version; the d = {args.d} '
+                         f'sweep has none (drop --quick, or --d)')
+        for k, v in {**SWEEP_RECIPE[args.sweep], **larger_d, **(QUICK[args.sweep] if args.quick else {})}.items():
+            if k not in given and not (k in PER_WIDTH and 'widths' in given):   # per-width: the recipe's widths
+                setattr(args, k, v)
+        args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
+        for flag in ('full_rank_widths', 'width_lrs'):
+            ws = ints(args.full_rank_widths or args.widths) if flag == 'full_rank_widths' else width_lrs(args)
+            if not set(ws) <= set(ints(args.widths)):
+                parser.error(f"--{flag} {getattr(args, flag)!r}: its widths must be among --widths {args.widths!r}")
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
         pick_device(args.device)
@@ -1149,9 +1066,8 @@ def main(argv=None):
         raise SystemExit(f'error: {e}')
     if args.sweep:
         payload = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
-        name = sweep_name(args)
-        plots = [f'icl_{name}.png'] + ([position_plot_name(args)] if args.sweep == 'bottleneck' else [])
-        report_outputs(results=os.path.join(args.out_dir, f'sweep_{name}.json'),
+        plots = [f"icl_{payload['sweep']}.png"] + [f'icl_position{run_tag(args)}.png'] * (args.sweep == 'bottleneck')
+        report_outputs(results=os.path.join(args.out_dir, f"sweep_{payload['sweep']}.json"),
                        runs=os.path.join(args.out_dir, '<run>', '<run>.json and .pt'),
                        plots=', '.join(os.path.join(args.out_dir, p) for p in plots), copies_in=args.assets_dir or None)
         return payload
