@@ -1892,12 +1892,6 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
 # -----------------------------------------------------------------------------
 # train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
 
-
-def assert_close_abs(a, b, atol, what=''):
-    diff = (torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs()
-    assert bool((diff <= atol).all()), f'{what}: max diff {diff.max().item():.3e} (atol {atol})'
-
-
 ICL_RANKS = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1']}
 
 
@@ -1930,7 +1924,7 @@ def unrendered(monkeypatch):
     monkeypatch.setattr(icl, 'save_figure', unrendered_save)
 
 
-# the same run, 4 steps of d = 4, with every attention (7 of them as the layers of one model; brl cannot mix)
+# every attention: 7 of them as the layers of one model (its plot rendered), brl (it cannot mix) and global_swa
 ICL_SMOKE = {'pattern': ['--n_layer', '7', '--ranks', '4|2|2', '--layer_pattern',
                          'standard,mlr,swa,linear,bilinear_mlr,bilinear_btt,global_swa_split'],
              'brl': ['--attn', 'brl'], 'global_swa': ['--attn', 'global_swa']}
@@ -1961,55 +1955,45 @@ def test_icl_smoke_run(kind, tmp_path, monkeypatch):
     assert not held_out & shifted and not any(held_out & vectors(xs) for xs, _, _ in drawn[1:-1])
 
 
-def test_curriculum_and_prompts():
+def test_icl_task_and_baselines():
     a = icl_args('--d', '8', '--n_points', '17', '--curr_interval', '10', '--max_iters', '100',
                  '--curr_d_start', '5', '--curr_n_start', '11', '--curr_ratio', '0.3')  # 3 updates: k = 1
     assert [icl.curriculum(s, a) for s in (0, 10, 29, 1000)] == [(5, 11), (6, 13), (7, 15), (8, 17)]
-    a.curriculum = False
-    assert icl.curriculum(0, a) == (8, 17)
-    # the curriculum zeroes the inactive dimensions of x
+    assert icl.curriculum(0, icl.variant(a, curriculum=False)) == (8, 17)
     xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(0), 3, 8, 5, d_active=5)
-    assert (xs[:, :, 5:] == 0).all()
-    assert_close_abs(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), 1e-5, what='y with inactive dims')
+    assert (xs[:, :, 5:] == 0).all()                 # the curriculum zeroes the inactive dimensions of x
+    assert_close(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), atol=1e-5, what='y with inactive dims')
     # held-out prompts: a fixed set, from a stream that is not the training seed's (nor the shifted set's)
-    a = icl_args()
     assert all(torch.equal(u, v) for u, v in zip(icl.eval_set(a, 16, a.train_cov), icl.eval_set(a, 16, a.train_cov)))
     for seed in ('5', str(5 + icl.SHIFTED_SEED_OFFSET)):
         with pytest.raises(ValueError, match='eval_seed'):
             icl_args('--seed', seed, '--eval_seed', '5')
-
-
-def test_least_squares_recovers_w_exactly():
-    gen = torch.Generator().manual_seed(1)
-    xs, ys, ws = icl.sample_prompts(gen, 5, 6, 20)
-    assert_close_abs(icl.least_squares_w(xs.double(), ys.double()), ws, 1e-5, what='least squares w with N > d')
+    # least squares: exact once i > d; with N < d the minimum-norm fit, in the row space of X
+    xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(1), 5, 6, 20)
+    assert_close(icl.least_squares_w(xs.double(), ys.double()), ws, atol=1e-5, what='least squares w with N > d')
     pred = icl.predict_least_squares(xs, ys)
-    assert_close_abs(pred[:, 7:], ys[:, 7:], 1e-4, what='least-squares predictions once i > d')
+    assert_close(pred[:, 7:], ys[:, 7:], atol=1e-4, what='least-squares predictions once i > d')
     assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
-    # with N < d: the minimum-norm solution fits the data and lies in the row space of X
     X, y = xs[:, :3].double(), ys[:, :3].double()
     w3 = icl.least_squares_w(X, y)
-    assert_close_abs(torch.einsum('nid,nd->ni', X, w3), y, 1e-8, what='min-norm fit')
+    assert_close(torch.einsum('nid,nd->ni', X, w3), y, atol=1e-8, what='min-norm fit')
     proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
-    assert_close_abs(proj.squeeze(-1), w3, 1e-8, what='min-norm w in row space')
-
-
-def test_baselines_use_only_earlier_pairs():
+    assert_close(proj.squeeze(-1), w3, atol=1e-8, what='min-norm w in row space')
+    # every baseline uses only the pairs before x_i
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(2), 4, 5, 12)
-    i = 7
     xs2, ys2 = xs.clone(), ys.clone()
-    ys2[:, i:] += 10.0                       # change y_i and everything after x_i
-    xs2[:, i + 1:] += 3.0
+    ys2[:, 7:] += 10.0                       # change y_7 and everything after x_7
+    xs2[:, 8:] += 3.0
     for name, fn in icl.BASELINES.items():
-        assert_close_abs(fn(xs, ys)[:, :i + 1], fn(xs2, ys2)[:, :i + 1], 1e-5, what=f'{name} at positions <= {i}')
-    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs
+        assert_close(fn(xs, ys)[:, :8], fn(xs2, ys2)[:, :8], atol=1e-5, what=f'{name} at positions <= 7')
+    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs; 3-NN at position 1 has
+    # one earlier point: it predicts y_1
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(3), 500, 4, 40)
     err = ((icl.predict_averaging(xs, ys) - ys) ** 2).mean(0) / 4
     assert err[39] < 0.5 * err[5]
-    # 3-NN at position 1 has only one earlier point: it predicts y_1
-    assert_close_abs(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], 1e-6, what='1 neighbour')
-    # the bootstrap interval holds the mean, as wide as the mean's spread: sd of the mean of U(0,1) over 500
-    mean, lo, hi = icl.bootstrap(torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0]), 500)   # draws ≈ 0.013
+    assert_close(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], atol=1e-6, what='1 neighbour')
+    # the bootstrap interval holds the mean, as wide as its spread (sd of the mean of U(0,1) over 500 ≈ 0.013)
+    mean, lo, hi = icl.bootstrap(torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0]), 500)
     assert all(lo[k] < mean[k] < hi[k] and 0.02 < hi[k] - lo[k] < 0.1 for k in range(3))
 
 
@@ -2022,112 +2006,86 @@ def test_icl_prediction_is_causal(attn):
     model = icl.ICLModel(icl.model_config(a), a.d).eval()
     torch.nn.init.normal_(model.read_out.weight)      # the zero-init read-out would make every prediction 0
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(4), 3, a.d, a.n_points)
-    i = 4
     xs2, ys2 = xs.clone(), ys.clone()
-    ys2[:, i:] = torch.randn(3, a.n_points - i)
-    xs2[:, i + 1:] = torch.randn(3, a.n_points - i - 1, a.d)
+    ys2[:, 4:] = torch.randn(3, a.n_points - 4)
+    xs2[:, 5:] = torch.randn(3, a.n_points - 5, a.d)
     with torch.no_grad():
         p1, p2 = model(xs, ys), model(xs2, ys2)
-    assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{attn}: predictions up to position {i}')
-    assert (p1[:, i + 1:] - p2[:, i + 1:]).abs().max() > 1e-4     # and later predictions do see the change
+    assert_close(p1[:, :5], p2[:, :5], atol=1e-5, what=f'{attn}: predictions up to position 4')
+    assert (p1[:, 5:] - p2[:, 5:]).abs().max() > 1e-4     # and later predictions do see the change
 
 # -----------------------------------------------------------------------------
-# train_icl.py sweeps: the points each trains, training seeds per point, reuse of finished (run, seed) pairs,
-# resume of cut-off ones, --quick beside the full sweep, the estimate
+# train_icl.py sweeps: the points each trains and its recipe, training seeds per point, reuse of finished (run,
+# seed) pairs, resume of cut-off ones, --quick beside the full sweep, the estimate
 
 
-class Stop(Exception):
-    """Raised by a stand-in to end main where the test has seen what it wanted."""
-
-
-def stop(*args, **kw):
-    raise Stop
-
-
-def sweep_points(monkeypatch, argv):
+def sweep_points(monkeypatch, *argv):
     """The points {label: (settings, run name)} a sweep would train, from main, without training them."""
     seen = {}
-    monkeypatch.setattr(icl, 'run_points', lambda args, points: seen.update(points) or stop())
-    with pytest.raises(Stop):
-        icl.main(argv)
+    monkeypatch.setattr(icl, 'run_points', lambda args, points: seen.update(points) or 1 / 0)   # 1 / 0: stop there
+    with pytest.raises(ZeroDivisionError):
+        icl.main(list(argv))
     return seen
 
 
-def test_bottleneck_points_widths_lrs_and_mlr_ranks(tmp_path, monkeypatch, capsys):
+def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
     """Which models train at which width and lr: 8-head standard at every width, 1-head standard and bilinear BTT /
     MLR at --full_rank_widths (--full_rank_models of them), bilinear MLR only at a head width --bottleneck_ranks
     lists (once it trained with one level of rank = head width, a low-rank model by another name), each model at
-    a --width_lrs width at its lr; the d = 4 tag in each run's name. Bad specs: one line, exit 2."""
-    points = sweep_points(monkeypatch, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths',
-                                                      '8', '--lr', '3e-4', '--width_lrs', '8:1e-4'))
+    a --width_lrs width at its lr; d in the run names. A sweep's recipe, then --quick's, set every flag not given;
+    --d 8 takes LARGER_D_RECIPE on top (its per-width settings only at its own widths). The linear sweep takes
+    seed 003's lr, batch and no muP per architecture, a given flag for both (and says so). Bad specs: one line."""
+    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
+                                                       '--full_rank_widths', '8', '--width_lrs', '8:1e-4'))
     assert {k: (a.lr, name) for k, (a, name) in points.items()} == {
         'standard, 8 heads, D=16': (3e-4, 'bottleneck_standard_H8_D16_d4'),
         'bilinear BTT, 8 heads, D=8': (1e-4, 'bottleneck_bilinear_btt_H8_D8_d4'),
         'standard, 1 head, D=8': (1e-4, 'bottleneck_standard_H1_D8_d4'),
         'standard, 8 heads, D=8': (1e-4, 'bottleneck_standard_H8_D8_d4')}
     assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
-    points = sweep_points(monkeypatch, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks',
-                                                      '1:1', '--full_rank_models', 'standard_1head,bilinear_mlr'))
-    assert {k: name for k, (a, name) in points.items()} == {
-        'bilinear MLR, 8 heads, D=8': 'bottleneck_bilinear_mlr1_H8_D8_d4', 'standard, 1 head, D=8':
-        'bottleneck_standard_H1_D8_d4', 'standard, 8 heads, D=8': 'bottleneck_standard_H8_D8_d4'}
+    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks',
+                                                       '1:1', '--full_rank_models', 'standard_1head,bilinear_mlr'))
+    assert sorted(name for _, name in points.values()) == [
+        'bottleneck_bilinear_mlr1_H8_D8_d4', 'bottleneck_standard_H1_D8_d4', 'bottleneck_standard_H8_D8_d4']
     args = icl.build_parser().parse_args(['--width_lrs', '8:1e-4', '--lr', '3e-4'])
     assert icl.lr_text(args, [16, 8]) == '0.0001 at D = 8, 0.0003 at 16'                 # the plot's title
     assert icl.lr_text(args, [8]) == '0.0001' and icl.lr_text(icl.variant(args, width_lrs=''), [8, 16]) == '0.0003'
     spec = icl.build_parser().get_default('bottleneck_ranks')
     assert [sum(map(int, icl.bottleneck_mlr_ranks(spec, hw).split('|'))) for hw in (4, 8)] == [4, 8]   # official
     assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) is None
+    a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir',
+                               str(tmp_path)).values()))[0]
+    assert a.max_iters == 7 and (a.n_embd, a.seeds) == (int(icl.QUICK['bottleneck']['widths']), 1)  # given: wins
+    assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
+    d8_points = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--out_dir', str(tmp_path))
+    assert d8_points['bilinear MLR, 8 heads, D=32'][0].bilinear_mlr_ln == 'head'   # the recipe's LayerNorm: only
+    assert d8_points['standard, 1 head, D=32'][0].bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'   # MLR
+    d8 = {k: (a.lr, a.max_iters, name) for k, (a, name) in d8_points.items()}
+    assert d8['standard, 8 heads, D=64'] == (1e-4, 8000, 'bottleneck_standard_H8_D64_d8')    # LARGER_D_RECIPE
+    assert {k.split(', D=')[1] for k in d8 if not k.startswith('standard, 8')} == {'32'}
+    assert d8['standard, 1 head, D=32'][:2] == (icl.CPU_RECIPE['lr'], 8000)
+    other = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--widths', '16,32', '--out_dir',
+                         str(tmp_path))                    # other widths: not the recipe's per-width settings
+    assert len(other) == 4 + 3 and {a.lr for a, _ in other.values()} == {icl.CPU_RECIPE['lr']}
+    assert len(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--widths', '16,24', '--full_rank_widths', '16',
+                            '--out_dir', str(tmp_path))) == 1 + 3              # given with them: wins
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1')
+    for attn in ('standard', 'linear'):
+        assert {f: getattr(linear[f'{attn} 1-layer'][0], f) for f in ('lr', 'batch_size', 'mup')} == \
+            icl.SEED003_OPTIMIZER[attn]
+    assert 'used for both architectures' not in capsys.readouterr().out
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1', '--lr', '2e-4')
+    assert {a.lr for a, _ in linear.values()} == {2e-4} and {a.batch_size for a, _ in linear.values()} == {32, 64}
+    assert '--lr given: used for both architectures' in capsys.readouterr().out
     for bad, words in (('--full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
                        ('--full_rank_models=btt', "'btt' is not a model here"), ('--width_lrs=8:0', "'8:0'"),
                        ('--width_lrs=8', "--width_lrs '8'"), ('--width_lrs=x:1e-4', "'width:lr,...'"),
-                       ('--width_lrs=8:nan', "'8:nan'"), ('--width_lrs=16:1e-4', "'16:1e-4': its widths must be")):
-        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', bad), capsys)
+                       ('--width_lrs=8:nan', "'8:nan'"), ('--width_lrs=16:1e-4', "'16:1e-4': its widths must be"),
+                       ('--d=8', "--quick is the d = 5 bottleneck sweep's short version"), ('--seeds=0', '--seeds 0')):
+        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', bad, '--quick'), capsys)
         assert_one_line_error(got, err, 2, [words], 'train_icl.py')
-
-
-def test_sweep_recipes_fill_only_flags_not_given(tmp_path, monkeypatch, capsys):
-    """A sweep's recipe, then --quick's, set every flag not given; --d 8 takes LARGER_D_RECIPE on top (its
-    per-width settings only at its own widths) and its files carry d; it has no --quick. The recipe's bilinear
-    MLR LayerNorm reaches bilinear MLR runs only, so standard and BTT runs trained before it are still reused."""
-    seen = {}
-    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a) and {'sweep': 'x'})
-    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: seen.setdefault('outputs', kw))
-    main = lambda *argv: seen.clear() or icl.main([*argv, '--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
-    main('--quick', '--max_iters', '7')
-    a = seen['args']
-    assert a.max_iters == 7 and (a.widths, a.seeds) == (icl.QUICK['bottleneck']['widths'], 1)   # given: wins
-    assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
-    assert icl.variant(a, attn='bilinear_mlr').bilinear_mlr_ln == 'head'
-    assert icl.variant(a, attn='bilinear_btt').bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'
-    main()
-    assert seen['args'].max_iters == icl.SWEEP_RECIPE['bottleneck']['max_iters'] and seen['args'].seeds == 3
-    main('--d', '8', '--seeds', '2')
-    a, recipe = seen['args'], icl.LARGER_D_RECIPE[8]
-    assert {k: getattr(a, k) for k in recipe} == recipe and a.seeds == 2 and a.lr == icl.CPU_RECIPE['lr']
-    assert a.curr_interval == icl.SWEEP_RECIPE['bottleneck']['curr_interval']
-    assert seen['outputs']['results'].endswith('sweep_x.json') and 'icl_position_d8.png' in seen['outputs']['plots']
-    main('--d', '8', '--widths', '16,32')       # other widths: not the recipe's per-width settings (32 and 64)
-    assert (seen['args'].widths, seen['args'].full_rank_widths, seen['args'].width_lrs) == ('16,32', '', '')
-    main('--widths', '16', '--full_rank_widths', '16')
-    assert seen['args'].full_rank_widths == '16'                          # given with them: wins
-    for argv, words in ((['--sweep', 'bottleneck', '--d', '8', '--quick'], ['--quick', 'd = 8']),
-                        (['--quick'], ['--quick shortens a sweep']), (['--sweep', 'linear', '--seeds', '0'], ['--seeds 0'])):
-        got, err = run_cli(icl.main, argv, capsys)
-        assert_one_line_error(got, err, 2, words, 'train_icl.py')
-
-
-def test_linear_sweep_uses_seed003_optimizer_for_flags_not_given(monkeypatch, tmp_path, capsys):
-    """Without optimizer flags each architecture trains with seed 003's lr, batch and no muP; a given flag
-    replaces its value for both, and a line says so (it was silently overridden)."""
-    base = ['--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1']
-    cfg = {label: a for label, (a, _) in sweep_points(monkeypatch, base).items()}
-    for attn in ('standard', 'linear'):
-        assert {f: getattr(cfg[f'{attn} 1-layer'], f) for f in ('lr', 'batch_size', 'mup')} == \
-            icl.SEED003_OPTIMIZER[attn]
-    assert 'used for both architectures' not in capsys.readouterr().out
-    points = sweep_points(monkeypatch, base + ['--lr', '2e-4']).values()
-    assert {a.lr for a, _ in points} == {2e-4} and {a.batch_size for a, _ in points} == {32, 64}
-    assert '--lr given: used for both architectures' in capsys.readouterr().out
+    got, err = run_cli(icl.main, ['--quick'], capsys)
+    assert_one_line_error(got, err, 2, ['--quick shortens a sweep'], 'train_icl.py')
 
 
 ICL_SWEEP = ('--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')   # 4 models x 2 seeds
@@ -2161,14 +2119,13 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(icl_sweep, tmp_path, capsys, 
         assert row['err_at_2d_std'] == pytest.approx(np.std(per_seed, ddof=1))
     assert {r['config']['seed'] for r in saved['runs'].values()} == {0, 1}   # own training seed...
     assert len({r['config']['eval_seed'] for r in saved['runs'].values()}) == 1   # ...shared test prompts
-    assert icl.build_parser().parse_args([]).assets_dir == ''
     assert all(os.path.exists(out / f) for f in ('icl_bottleneck_d4.png', 'icl_position_d4.png'))
-
     capsys.readouterr()
     again = icl.main(argv)                                                # nothing retrained
     printed = capsys.readouterr().out
     assert 'icl: 8 finished run(s) reused, 0 to train' in printed
     assert printed.strip().splitlines()[-1].startswith('outputs: results ') and 'copies in' not in printed
+    assert icl.build_parser().parse_args([]).assets_dir == ''             # no --assets_dir: no copies
     assert len(again['reused']) == 8 and again['wall_s_when_trained'] == first['wall_s']   # a replot keeps it
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
     with pytest.raises(ValueError, match='holds a run with --lr .*--overwrite'):   # other settings: not over them
@@ -2184,8 +2141,10 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(icl_sweep, tmp_path, capsys, 
     assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
 
 
-def test_cut_off_sweep_resumes_from_finished_pairs(icl_sweep, tmp_path, capsys, unrendered):
-    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained."""
+def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, unrendered):
+    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained.
+    A finished sweep --resume'd with a larger --max_iters continues each run from its checkpoint (the preflight
+    accepts the longer length) and ends where the same sweep trained that long from scratch ends."""
     out, first = copied(icl_sweep, tmp_path)
     gone = sorted(p for p in os.listdir(out) if p.endswith('_s1'))[:3]
     for p in gone[:2]:                             # as if the sweep had been killed before these two started
@@ -2198,14 +2157,7 @@ def test_cut_off_sweep_resumes_from_finished_pairs(icl_sweep, tmp_path, capsys, 
     assert 'icl: 5 finished run(s) reused, 3 to train' in printed and printed.count('resumed from') == 1
     assert len(again['reused']) == 5
     assert [t['err_at_2d_seeds'] for t in again['table']] == [t['err_at_2d_seeds'] for t in first['table']]
-
-
-def test_sweep_resume_with_a_larger_max_iters_continues_every_run(icl_sweep, tmp_path, capsys, unrendered):
-    """A finished sweep, --resume'd with a larger --max_iters, continues each run from its checkpoint (the preflight
-    accepts the longer length) and ends where the same sweep trained that long from scratch ends."""
-    out, _ = copied(icl_sweep, tmp_path)
     two = ('--widths', '8', '--full_rank_models', 'standard_1head', '--bottleneck_ranks', '', '--seeds', '1')
-    capsys.readouterr()
     longer = icl.main(icl_sweep_argv(out, 'bottleneck', *two, '--max_iters', '4', '--resume'))
     printed = capsys.readouterr().out
     assert 'icl: 0 finished run(s) reused, 2 to train' in printed and printed.count('resumed from') == 2
@@ -2239,23 +2191,22 @@ def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_pat
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
     monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01 * lengths[-1])
-    a = icl.variant(icl.build_parser().parse_args(icl_argv(
-        tmp_path, '--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')), seed=0)
-    assert icl.curriculum(0, icl.resolve(a)) == (2, 4) and icl.curriculum(1, icl.resolve(a)) == (4, 8)
+    a = icl_args('--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')
+    assert [icl.curriculum(s, a) for s in (0, 1)] == [(2, 4), (4, 8)]
     ms = {}
     fresh, resumed = icl.run_seconds(a, 0, ms), icl.run_seconds(a, 2, ms)
     assert sorted(lengths) == [4, 8]               # measured once per model and length
     # steps at their lengths + evaluations (at N = 8) / 3 + baselines
     assert fresh == pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
     assert resumed == pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
-    # in a sweep --resume'd to 4 steps: the runs finished at step 2 estimated from there, a new seed's from 0; and the
-    # runs are `python train_icl.py` processes of this very file
+    # a sweep --resume'd to 4 steps: runs finished at step 2 are estimated from there, a new seed's from 0; and they
+    # run as `python train_icl.py` processes of this very file
     out, _ = copied(icl_sweep, tmp_path)
     monkeypatch.setattr(icl, 'run_seconds', lambda a, start, ms: start + a.seed / 10)
     seen = {}
     monkeypatch.setattr(R, 'sweep', lambda todo, states, script, *x, **k: seen.update(
-        seconds={r.name: r.seconds for r in todo}, script=script) or stop())
-    with pytest.raises(Stop):
+        seconds={r.name: r.seconds for r in todo}, script=script) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
         icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
                                 '--bottleneck_ranks', '', '--seeds', '3', '--max_iters', '4', '--resume'))
     assert seen['seconds'] == {f'bottleneck_standard_H{h}_D8_d4_s{s}': [2, 2.1, 0.2][s] for h in (8, 1) for s in range(3)}
@@ -2270,18 +2221,17 @@ def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
         unrendered_save if 'icl_position' in path else real)(fig, ax, path, **kw))
     out = icl.main(icl_sweep_argv(tmp_path, 'compute', '--seeds', '1', '--compute_ranks', '2|1|1',
                                   '--compute_width', '16'))
-    assert [t['model'] for t in out['table']] == ['bilinear MLR 2/1/1, 8 heads', 'bilinear BTT, 8 heads',
-                                                 'standard, 1 head', 'standard, 8 heads']
-    assert [t['score_rank'] for t in out['table']] == [min(16, 2 + 2 + 4), 16, 16, 2]
+    assert [(t['model'], t['score_rank']) for t in out['table']] == [
+        ('bilinear MLR 2/1/1, 8 heads', 2 + 2 * 1 + 4 * 1), ('bilinear BTT, 8 heads', 16), ('standard, 1 head', 16),
+        ('standard, 8 heads', 2)]
     assert all(t['flops_per_step'] * 2 == t['train_flops'] and len(t['err_at_2d_seeds']) == 1 for t in out['table'])
     out = icl.main(icl_sweep_argv(tmp_path, 'linear', '--seeds', '1', '--depths', '1', '--linear_width', '16'))
     for k, r in out['runs'].items():
-        want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4)
-        assert {f: r['config'][f] for f in want} == want and r['config']['d'] == 5, k   # d = 5 whatever --d says
+        want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4, d=5)   # d = 5 whatever --d says
+        assert {f: r['config'][f] for f in want} == want, k
     assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
     assert all(row['test'] == row['test_seeds'][0] for row in out['table'])
-    for name in ('icl_compute_d4.png', 'icl_linear.png'):
-        assert (tmp_path / name).stat().st_size > 1000
+    assert all((tmp_path / name).stat().st_size > 1000 for name in ('icl_compute_d4.png', 'icl_linear.png'))
 
 # -----------------------------------------------------------------------------
 # train_icl.py: finished runs reused by their settings; a run of another version refused; --resume to a longer run
@@ -2292,13 +2242,13 @@ JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iter
 
 def job_args(out, argv):
     """The args of one sweep job as run_points builds them (resolved, seed 0, its eval seed)."""
-    a = icl.build_parser().parse_args(argv + ['--out_dir', str(out)])
-    return icl.variant(a, seed=0, eval_seed=1000003)
+    return icl.variant(icl.build_parser().parse_args(argv + ['--out_dir', str(out)]), seed=0, eval_seed=1000003)
 
 
 def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     """A sweep run's folder is 'done' when its results JSON holds the same training settings (sweep flags aside),
-    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too."""
+    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too.
+    A run's command line parses back to the settings it was built from, its folder its own."""
     args = icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path)])
     config = vars(icl.resolve(job_args(tmp_path, JOB_ARGV)))
     assert config['format'] == R.FORMAT
@@ -2321,7 +2271,6 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
         json.dump({'run': name, 'config': {k: v for k, v in config.items() if k != 'format'}}, f)
     with pytest.raises(ValueError, match='written by another version of this code'):
         state(JOB_ARGV)
-    # a sweep run's command line parses back to the settings it was built from, its folder its own
     a = job_args(tmp_path, JOB_ARGV + ['--test_cov', '', '--no-mup', '--ranks', '2|1|1', '--lr', '5e-5'])
     argv = icl.run_argv(a, 'r', str(tmp_path / 'r'))
     back = icl.build_parser().parse_args(argv)
@@ -2331,29 +2280,21 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
 
 
 def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
-    """The bottleneck figure redrawn from the committed assets/icl_bottleneck*.json (the sweep JSON's format):
-    every model of each table drawn, the first rendered."""
+    """The bottleneck figure drawn from each committed assets/icl_bottleneck*.json (the sweep JSON's format), the
+    first one rendered."""
     paths = sorted(glob.glob(os.path.join(HERE, 'assets', 'icl_bottleneck*.json')))
-    assert len(paths) >= 2
-    real = icl.save_figure
     for i, path in enumerate(paths):
         with open(path) as f:
             saved = json.load(f)
-        config = next(iter(saved['runs'].values()))['config']
         args = icl.build_parser().parse_args([])
-        for k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
-            setattr(args, k, config.get(k, getattr(args, k)))
-        labels = []
-
-        def save(fig, ax, p, **kw):
-            labels.extend(ax.get_legend_handles_labels()[1])
-            (real if i == 0 else unrendered_save)(fig, ax, p, **kw)
-        monkeypatch.setattr(icl, 'save_figure', save)
+        for k, v in next(iter(saved['runs'].values()))['config'].items():
+            if k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
+                setattr(args, k, v)
         out = tmp_path / (os.path.basename(path) + '.png')
         icl.plot_bottleneck(str(out), saved['table'], saved['baselines'], sorted({t['D'] for t in saved['table']}), args)
-        models = {t['model'].rsplit(',', 1)[0] for t in saved['table']}
-        assert {m for m in models if any(label.startswith(m) for label in labels)} == models, path
-        assert out.stat().st_size > (1000 if i == 0 else -1), path
+        assert i > 0 or out.stat().st_size > 1000, path
+        monkeypatch.setattr(icl, 'save_figure', unrendered_save)      # the others: drawn, not rendered
+    assert len(paths) >= 2
 
 
 def test_resume_continues_to_a_larger_max_iters(tmp_path, unrendered):
@@ -2390,17 +2331,15 @@ def built(*extra):
 def test_new_model_flags_change_the_model():
     n_params = lambda model: sum(p.numel() for p in model.body.parameters())
     base, wide = built(), built('--mlp_hidden', '24')
-    assert base.body.blocks[0].mlp.up.weight.shape == (4 * 32, 32) and wide.body.blocks[0].mlp.up.weight.shape == (24, 32)
+    assert (base.body.blocks[0].mlp.up.weight.shape, wide.body.blocks[0].mlp.up.weight.shape) == ((128, 32), (24, 32))
     assert n_params(base) - n_params(wide) == 2 * 2 * 32 * (128 - 24)   # 2 layers x (up, down), no biases
-    gqa = built('--n_kv_head', '2')                                           # 8 heads of width 4 share 2 k, v heads
-    assert gqa.body.blocks[0].attn.k_proj.weight.shape == gqa.body.blocks[0].attn.v_proj.weight.shape == (2 * 4, 32)
+    gqa = built('--n_kv_head', '2').body.blocks[0].attn                    # 8 heads of width 4 share 2 k, v heads
+    assert gqa.k_proj.weight.shape == gqa.v_proj.weight.shape == (2 * 4, 32)
     brl = built('--attn', 'brl', '--window', '4', '--n_compressed', '3', '--brl_beta', '0.25')
     assert brl.body.cfg.n_compressed == 3 and brl.body.cfg.brl_beta == 0.25
     # MLR fixes its level blocks from block_size: 2N = 18 tokens, 3 levels -> 20 (4 divides it)
-    a = icl.resolve(icl.build_parser().parse_args(['--d', '4', '--n_points', '9', '--n_layer', '2', '--ranks', '4|2|2',
-                                                   '--n_head', '4', '--n_embd', '32',
-                                                   '--layer_pattern', 'standard,mlr']))
-    assert icl.model_config(a).block_size == 20 and icl.model_config(a).layer_kinds() == ['standard', 'mlr']
+    cfg = icl.model_config(icl_args('--n_points', '9', '--ranks', '4|2|2', '--layer_pattern', 'standard,mlr'))
+    assert cfg.block_size == 20 and cfg.layer_kinds() == ['standard', 'mlr']
 
 
 def test_rope_changes_the_output():
