@@ -1397,8 +1397,9 @@ def test_global_swa_split_is_the_official_two_softmax_sum():
 # train_icl.py defaults: the official ICL runs at CPU scale
 
 
-def test_icl_default_logit_scales():
-    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT."""
+def test_icl_defaults_are_the_official_runs():
+    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT; the BTT shapes;
+    the curriculum of train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
     base = icl.build_parser().parse_args(['--n_embd', '64', '--d', '8'])
     for attn, ranks in (('standard', ''), ('bilinear_mlr', '4|2|1|1'), ('bilinear_btt', '')):
         a = icl.resolve(icl.variant(base, attn=attn, ranks=ranks))
@@ -1409,20 +1410,13 @@ def test_icl_default_logit_scales():
             assert layer.level_scales == [(p * r) ** -0.5 for p, r in zip((1, 2, 4, 8), (4, 2, 1, 1))]
         else:
             assert layer.c == 64 ** -0.5 and (layer.btts[0].c1, layer.btts[0].c2) == (4, 16)
-
-
-def test_icl_official_adaptive_curriculum():
-    """train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
+    assert [A.official_btt_factors(D) for D in (16, 32, 64, 256, 512, 1024)] == \
+        [(2, 8), (4, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
     a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--max_iters', '500001']))
     assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
         [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
     short = icl.resolve(icl.build_parser().parse_args([]))             # 2000 steps: the same shape, every 8 steps
     assert [icl.curriculum(s, short) for s in (7, 8)] == [(4, 8), (5, 10)]
-
-
-def test_official_btt_factors():
-    assert [A.official_btt_factors(D) for D in (16, 32, 64, 256, 512, 1024)] == \
-        [(2, 8), (4, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
 
 
 def test_rms_cap_is_the_official_rescaling():
@@ -2105,13 +2099,15 @@ def copied(icl_sweep, tmp_path):
     return tmp_path / 'sweep', icl_sweep[1]
 
 
-def test_bottleneck_sweep_seeds_mean_std_and_reuse(icl_sweep, tmp_path, capsys, unrendered):
+def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, unrendered):
+    """Per-seed results and their mean ± std; finished runs reused, a third seed trained alone. --quick tags its
+    runs, sweep JSON and plots '_quick': in the full sweep's --out_dir / --assets_dir it neither collides with the
+    full runs (refused, or asked to --overwrite them) nor replaces their plots."""
     out, first = copied(icl_sweep, tmp_path)
     argv = icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
     assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
-    with open(out / 'sweep_bottleneck_d4.json') as f:
-        saved = json.load(f)
+    saved = json.loads((out / 'sweep_bottleneck_d4.json').read_text())
     assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
     for row in saved['table']:
         per_seed = [saved['runs'][f'{row["model"]}, seed={s}']['model']['at_2d'] for s in (0, 1)]
@@ -2131,14 +2127,24 @@ def test_bottleneck_sweep_seeds_mean_std_and_reuse(icl_sweep, tmp_path, capsys, 
     with pytest.raises(ValueError, match='holds a run with --lr .*--overwrite'):   # other settings: not over them
         icl.main(argv + ['--lr', '2e-3'])
     saved['runs'][next(iter(saved['runs']))]['model']['at_2d'] += 1.0   # as if the JSON held other runs
-    with open(out / 'sweep_bottleneck_d4.json', 'w') as f:
-        json.dump(saved, f)
+    (out / 'sweep_bottleneck_d4.json').write_text(json.dumps(saved))
     assert 'wall_s_when_trained' not in icl.main(argv)                   # then it is not their wall time
     capsys.readouterr()
     more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
     assert 'icl: 8 finished run(s) reused, 4 to train' in capsys.readouterr().out
     assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
     assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
+    assets = tmp_path / 'assets'
+    icl.main(argv + ['--assets_dir', str(assets)])                        # reused: only copies
+    quick = icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                                    '--quick', '--assets_dir', str(assets)))
+    assert not quick['reused'] and all(r['run'].endswith('_d4_quick_s0') for r in quick['runs'].values())
+    for name in ('sweep_bottleneck_d4', 'sweep_bottleneck_d4_quick'):                   # both summaries kept
+        assert json.loads((out / f'{name}.json').read_text())['runs']
+    assert {p.name for p in assets.glob('icl_*')} == {f'icl_{k}_d4{q}.{e}' for k, e in (
+        ('bottleneck', 'png'), ('bottleneck', 'json'), ('position', 'png')) for q in ('', '_quick')}
+    assert {p.name for p in out.glob('bottleneck_standard_H*_s0/*.json')} == {
+        f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
 
 
 def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, unrendered):
@@ -2163,24 +2169,6 @@ def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_p
     assert 'icl: 0 finished run(s) reused, 2 to train' in printed and printed.count('resumed from') == 2
     scratch = icl.main(icl_sweep_argv(tmp_path / 'b', 'bottleneck', *two, '--max_iters', '4'))
     assert [t['err_at_2d_seeds'] for t in longer['table']] == [t['err_at_2d_seeds'] for t in scratch['table']]
-
-
-def test_quick_sweep_files_lie_beside_the_full_sweeps(icl_sweep, tmp_path, unrendered):
-    """--quick tags its runs, sweep JSON and plots '_quick': run in the full sweep's --out_dir / --assets_dir it
-    neither collides with the full runs (refused, or asked to --overwrite them) nor replaces their plots."""
-    out, _ = copied(icl_sweep, tmp_path)
-    assets = tmp_path / 'assets'
-    icl.main(icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP, '--assets_dir', str(assets)))   # reused: only copies
-    quick = icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
-                                    '--quick', '--assets_dir', str(assets)))
-    assert not quick['reused'] and all(r['run'].endswith('_d4_quick_s0') for r in quick['runs'].values())
-    for name in ('sweep_bottleneck_d4', 'sweep_bottleneck_d4_quick'):
-        with open(out / f'{name}.json') as f:
-            assert json.load(f)['runs']                                   # both summaries kept
-    assert {p.name for p in assets.glob('icl_*')} == {f'icl_{k}_d4{q}.{e}' for k, e in (
-        ('bottleneck', 'png'), ('bottleneck', 'json'), ('position', 'png')) for q in ('', '_quick')}
-    assert {p.name for p in out.glob('bottleneck_standard_*/*.json')} == {
-        f'bottleneck_standard_H{h}_D8_d4{q}_s{s}.json' for h in (1, 8) for q, s in (('', 0), ('', 1), ('_quick', 0))}
 
 
 def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_path, monkeypatch):
@@ -2209,7 +2197,8 @@ def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_pat
     with pytest.raises(ZeroDivisionError):
         icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
                                 '--bottleneck_ranks', '', '--seeds', '3', '--max_iters', '4', '--resume'))
-    assert seen['seconds'] == {f'bottleneck_standard_H{h}_D8_d4_s{s}': [2, 2.1, 0.2][s] for h in (8, 1) for s in range(3)}
+    want = {f'bottleneck_standard_H{h}_D8_d4_s{s}': [2, 2.1, 0.2][s] for h in (8, 1) for s in range(3)}
+    assert seen['seconds'] == want
     assert os.path.samefile(seen['script'], icl.__file__)
 
 
@@ -2258,8 +2247,7 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     os.makedirs(run_dir)
     torch.save({'script': 'train_icl.py', 'config': config, 'step': 7, 'format': R.FORMAT}, f'{run_dir}/{name}.pt')
     assert icl.run_status(args, job_args(tmp_path, JOB_ARGV), name, run_dir) == ('partial', 7)
-    with open(f'{run_dir}/{name}.json', 'w') as f:
-        json.dump({'run': name, 'config': config}, f)
+    (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': config}))
     assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5', '--full_rank_models',
                                                 'bilinear_btt']) == 'done'                # sweep flags
     for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--lr', '1e-3'], ['--no-qk_ln']):
@@ -2267,8 +2255,7 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
             state(JOB_ARGV + other)
         assert state(JOB_ARGV + other, icl.build_parser().parse_args(JOB_ARGV + ['--overwrite'])) == 'new'
     assert state(JOB_ARGV, icl.build_parser().parse_args(JOB_ARGV + ['--no-reuse'])) == 'new'
-    with open(f'{run_dir}/{name}.json', 'w') as f:
-        json.dump({'run': name, 'config': {k: v for k, v in config.items() if k != 'format'}}, f)
+    (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': dict(config, format=None)}))
     with pytest.raises(ValueError, match='written by another version of this code'):
         state(JOB_ARGV)
     a = job_args(tmp_path, JOB_ARGV + ['--test_cov', '', '--no-mup', '--ranks', '2|1|1', '--lr', '5e-5'])
@@ -2284,14 +2271,13 @@ def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
     first one rendered."""
     paths = sorted(glob.glob(os.path.join(HERE, 'assets', 'icl_bottleneck*.json')))
     for i, path in enumerate(paths):
-        with open(path) as f:
-            saved = json.load(f)
+        saved = json.loads(open(path).read())
         args = icl.build_parser().parse_args([])
         for k, v in next(iter(saved['runs'].values()))['config'].items():
             if k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
                 setattr(args, k, v)
-        out = tmp_path / (os.path.basename(path) + '.png')
-        icl.plot_bottleneck(str(out), saved['table'], saved['baselines'], sorted({t['D'] for t in saved['table']}), args)
+        out, widths = tmp_path / (os.path.basename(path) + '.png'), sorted({t['D'] for t in saved['table']})
+        icl.plot_bottleneck(str(out), saved['table'], saved['baselines'], widths, args)
         assert i > 0 or out.stat().st_size > 1000, path
         monkeypatch.setattr(icl, 'save_figure', unrendered_save)      # the others: drawn, not rendered
     assert len(paths) >= 2

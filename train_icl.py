@@ -109,12 +109,10 @@ def build_parser():
     g = p.add_argument_group('task (paper §4, seed 003 §2.1)')
     g.add_argument('--d', type=int, help='input dimension of x and w')
     g.add_argument('--n_points', type=int, help='(x, y) pairs per prompt N; 0 = 2d (the official prompt length)')
-    g.add_argument('--train_cov', type=str, default='iso', help="covariance of x in training: 'iso' (I_d), 'aniso' "
-                   "(seed 003's diag(0.5,1,1.5,1,1.75), cycled to length d) or comma-separated variances")
+    g.add_argument('--train_cov', type=str, default='iso', help="x's covariance: iso, aniso or variances")
     g.add_argument('--test_cov', type=str, default='aniso', help="second (shifted) test covariance; '' = none")
     g.add_argument('--noise_std', type=float, default=0.0, help='label noise y = w·x + noise_std·ε (train and test)')
-    g = p.add_argument_group('curriculum (the official adaptive one: +k dimensions and +2k points every interval, k '
-                             'the smallest step that reaches d and N within --curr_ratio of the training steps)')
+    g = p.add_argument_group('curriculum (the official adaptive one: +k dimensions and +2k points every interval)')
     g.add_argument('--curriculum', action=bool_flag, default=True, help='grow the active dimensions and N')
     g.add_argument('--curr_d_start', type=int, help='active dimensions at step 0 (capped at --d)')
     g.add_argument('--curr_n_start', type=int, help='prompt length at step 0 (capped at N)')
@@ -132,8 +130,7 @@ def build_parser():
     g.add_argument('--weight_decay', type=float, help='AdamW weight decay (matrices only)')
     g.add_argument('--adam_eps', type=float, help='AdamW eps (betas 0.9, 0.95)')
     g.add_argument('--warmup_iters', type=int, help='linear warmup steps')
-    g.add_argument('--lr_schedule', type=str, choices=['cosine', 'constant'],
-                   help='after warmup: cosine decay to 10%% of lr, or constant')
+    g.add_argument('--lr_schedule', type=str, choices=['cosine', 'constant'], help='after warmup: cosine to 10%%')
     g.add_argument('--grad_clip', type=float, help='max grad norm (0 = off)')
     g = p.add_argument_group('evaluation')
     g.add_argument('--eval_seed', type=int, default=-1, help='seed of the held-out prompts; -1 = seed + 1000003')
@@ -142,35 +139,26 @@ def build_parser():
     g.add_argument('--n_eval_during', type=int, default=256, help='held-out prompts used during training')
     g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
     g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and icl_<name>.png)')
-    g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
-                   help='run a figure-reproducing sweep instead of a single model')
+    g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'], help='a figure')
     g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck: model widths D')
-    g.add_argument('--full_rank_widths', type=str, default='', help='bottleneck: the widths at which 1-head standard '
-                   'and bilinear BTT / MLR train ("" = every width; 8-head standard trains at every width)')
-    g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS),
-                   help='bottleneck: which of these train at --full_rank_widths')
+    g.add_argument('--full_rank_widths', type=str, default='', help='bottleneck: widths of 1 head, BTT, MLR ("" = all)')
+    g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS), help='bottleneck: which')
     g.add_argument('--width_lrs', type=str, default='', help="bottleneck: the lr at these widths, 'width:lr,...'")
-    g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1', help="bottleneck: bilinear-MLR ranks "
-                   "per head width, 'width:ranks,...'; no bilinear MLR at a head width not listed")
+    g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1', help="'head width:MLR ranks,...'")
     g.add_argument('--compute_width', type=int, default=64, help='compute: the one width D')
     # not '2|2|2|2': level 0 would LayerNorm 2 features (a sign, no gradient; bottleneck_mlr_ranks)
-    g.add_argument('--compute_ranks', type=str, default='4|2|1|1,4|4',
-                   help='compute: bilinear-MLR rank allocations, one run each (>= 4 features p_l r_l per level)')
+    g.add_argument('--compute_ranks', type=str, default='4|2|1|1,4|4', help='compute: bilinear-MLR ranks, one run each')
     g.add_argument('--linear_width', type=int, default=64, help='linear: width D (seed 003 used 256)')
     g.add_argument('--depths', type=str, default='1,3,6', help='linear: depths')
     g.add_argument('--workers', type=int, default=2, help='parallel run processes of 1 thread (0 = in this process)')
     g.add_argument('--seeds', type=int, default=3, help='training seeds per point (--seed, --seed + 1, ...)')
     g.add_argument('--quick', action='store_true', help='the short version (QUICK); flags given still win')
-    g.add_argument('--reuse', action=bool_flag, default=True,
-                   help='keep finished runs of the same settings, resume cut-off ones')
+    g.add_argument('--reuse', action=bool_flag, default=True, help='keep finished runs, resume cut-off ones')
     g = p.add_argument_group('system / io')
-    g.add_argument('--out_dir', type=str, default='out/icl', help="the run's JSON and checkpoint (a sweep: its JSON, "
-                   'plots and a folder per run)')
-    g.add_argument('--run_name', type=str, default='', help="file names <run_name>.json / .pt ('' = "
-                   'icl_<attn>_H<n_head>_D<n_embd>)')
+    g.add_argument('--out_dir', type=str, default='out/icl', help="results, checkpoint (a sweep: a folder per run)")
+    g.add_argument('--run_name', type=str, default='', help="<run_name>.json / .pt ('' = icl_<attn>_H<n_head>_D<n>)")
     g.add_argument('--assets_dir', type=str, default='', help="sweeps copy their PNG and JSON here ('' = don't)")
-    g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt (a sweep: every run); a larger '
-                   '--max_iters continues it to that length when its steps keep their lr and curriculum')
+    g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt (check_resume)')
     g.add_argument('--overwrite', action='store_true', help="replace the earlier run's files in --out_dir")
     g.add_argument('--device', type=str, default='auto', help="'auto' (cuda if available else cpu), 'cpu', 'cuda'")
     g.add_argument('--seed', type=int, default=0, help='seed of the model init and the training prompts')
@@ -307,9 +295,7 @@ class ICLModel(nn.Module):
         if read_in_std > 0:                                             # ... or N(0, read_in_std^2), official 0.02
             nn.init.normal_(self.read_in.weight, std=read_in_std)
         self.read_in.weight.lr_mult = 1.0   # muP: the input layer's Adam lr does not scale with width
-        # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02 (an earlier
-        # default here was 1.0: in one side-by-side trial, d = 5, 1500 steps, other settings, 0.02 stayed at
-        # the "predict 0" plateau)
+        # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02
         self.wpe = nn.Embedding(cfg.block_size, D)
         nn.init.normal_(self.wpe.weight, std=pos_std)
         self.body = Transformer(cfg)
@@ -348,14 +334,13 @@ def eval_set(args, n, cov):
 
 @torch.no_grad()
 def model_errors(model, xs, ys, d, device, chunk=250):
-    """(n, N) normalized squared errors (ŷ - y)² / d of the model on these prompts."""
-    was_training = model.training
+    """(n, N) normalized squared errors (ŷ - y)² / d of the model on these prompts (it trains again after)."""
     model.eval()
     errs = []
     for i in range(0, xs.shape[0], chunk):
         x, y = xs[i:i + chunk].to(device), ys[i:i + chunk].to(device)
         errs.append(((model(x, y) - y) ** 2 / d).float().cpu())
-    model.train(was_training)
+    model.train()
     return torch.cat(errs)
 
 
@@ -732,11 +717,12 @@ def run_status(args, a, name, run_dir):
         with open(json_path) as f:
             saved = json.load(f)['config']
     try:
-        return runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path)), ck['step'] if ck else 0
+        state = runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path))
     except ValueError as e:
         if args.overwrite:
             return 'new', 0
         raise ValueError(f'{e}'.replace('--sweep_dir', '--out_dir') + ' (or --overwrite: retrain these)') from None
+    return state, ck['step'] if ck else 0
 
 
 def run_seconds(a, start, ms):
