@@ -2075,7 +2075,7 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
                        ('--full_rank_models=btt', "'btt' is not a model here"), ('--width_lrs=8:0', "'8:0'"),
                        ('--width_lrs=8', "--width_lrs '8'"), ('--width_lrs=x:1e-4', "'width:lr,...'"),
                        ('--width_lrs=8:nan', "'8:nan'"), ('--width_lrs=16:1e-4', "'16:1e-4': its widths must be"),
-                       ('--d=8', "--quick is the d = 5 bottleneck sweep's short version"), ('--seeds=0', '--seeds 0')):
+                       ('--d=8', "--quick is the d = 5 bottleneck sweep's short version")):
         got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', bad, '--quick'), capsys)
         assert_one_line_error(got, err, 2, [words], 'train_icl.py')
     got, err = run_cli(icl.main, ['--quick'], capsys)
@@ -3862,10 +3862,9 @@ def icl_setup(out, how):
 
 
 ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1', threads='-2', log_interval='0',
-                      eval_interval='-1') + [
-    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
+                      eval_interval='-1', seeds='0') + [
+    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
-    ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),

@@ -225,10 +225,9 @@ def sample_prompts(gen, n, d, n_points, d_active=None, x_scale=None, noise_std=0
 
 
 def curriculum(step, args):
-    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every interval, the interval
-    --curr_interval or 2000 steps scaled to the run (2000 * steps / 500001), k the smallest increment with which the
-    dimensions reach d after the floor(curr_ratio * steps / interval) increments that fit in the first curr_ratio
-    of the steps (official train_ICL.py, adaptive_inc; at least one increment)."""
+    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every --curr_interval steps (0:
+    2000 scaled to the run, 2000 * steps / 500001), k the smallest with which d is reached in the first curr_ratio
+    of the steps (official train_ICL.py, adaptive_inc)."""
     if not args.curriculum:
         return args.d, args.n_points
     d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
@@ -312,8 +311,7 @@ class ICLModel(nn.Module):
 
 
 def model_config(args):
-    """The body's ModelConfig from the model flags (runs.model_config); the task sets causal and
-    block_size = 2N, the interleaved prompt's length."""
+    """The body's ModelConfig from the model flags (runs.model_config), causal, block_size 2N (the prompt's tokens)."""
     T = 2 * args.n_points
     kinds = [k.strip() for k in args.layer_pattern.split(',')] if args.layer_pattern else [args.attn]
     if 'mlr' in kinds:   # MLR fixes its level blocks from block_size: round up so they tile (causal pads)
@@ -701,9 +699,8 @@ def run_argv(a, name, run_dir):
 
 
 def run_status(args, a, name, run_dir):
-    """-> (runs.run_state of the run folder, the step its checkpoint reached): 'done' when <name>.json holds these
-    training settings, 'partial' when only <name>.pt does, else 'new'. A folder of other settings is refused unless
-    --overwrite (then retrained); with --resume a checkpoint may continue to a larger --max_iters (check_resume)."""
+    """-> (runs.run_state of the run folder: 'done', 'partial' or 'new', the step its checkpoint reached). Other
+    settings are refused unless --overwrite; with --resume a run may continue to a larger --max_iters."""
     json_path, ckpt_path = (os.path.join(run_dir, f'{name}.{ext}') for ext in ('json', 'pt'))
     want = resolve(a)
     if not args.reuse:
@@ -744,9 +741,8 @@ def run_seconds(a, start, ms):
 
 
 def run_points(args, points):
-    """Train every sweep point {label: (settings, run name)} with --seeds seeds, each (point, seed) a run in its own
-    folder <out_dir>/<name>_s<seed> (runs.sweep). The held-out prompts are the same for every seed, so the spread
-    over seeds is the training seed's. -> ({label: [result of each seed]}, wall seconds)."""
+    """Train each point {label: (settings, run name)} with --seeds seeds (the same held-out prompts), each a run in
+    <out_dir>/<name>_s<seed> (runs.sweep). -> ({label: [result of each seed]}, wall seconds)."""
     t0 = time.time()
     prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
     if args.assets_dir:
@@ -828,8 +824,7 @@ def write_sweep(args, by_point, wall, table, cols, plot, **extra):
 
 
 def run_tag(args):
-    """'_d8' at d = 8 (not for the linear sweep, d = 5 whatever --d says), '_quick' with --quick, else '': in run
-    names, sweep JSON and plots, so that sweeps lie side by side in one --out_dir and never collide."""
+    """'_d8' at d = 8 (not linear: d = 5), '_quick' with --quick: sweeps' files lie side by side, never collide."""
     other_d = args.d != DEFAULTS['d'] and args.sweep != 'linear'
     return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
 
@@ -856,17 +851,13 @@ def lr_text(args, widths):
 
 
 def bottleneck_mlr_ranks(spec, head_width):
-    """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'); None when not listed (no
-    bilinear MLR there). The ranks sum to the head width, as the official code asserts. With the official per-level
-    LayerNorm (bilinear_mlr_ln 'level') a level of 1 feature outputs 0 and one of 2 features +-g (zero gradient
-    almost everywhere), so such levels never learn (the official head width 32 never meets this); the recipe's
-    'head' (one LayerNorm over all levels) lets them learn."""
+    """Bilinear-MLR ranks for a head width from --bottleneck_ranks ('width:ranks,...'), None when not listed. Under
+    a LayerNorm per level ('level', official) a level of 1 or 2 features never learns: the recipe's 'head' does."""
     return {w.strip(): r.strip() for w, _, r in (item.partition(':') for item in spec.split(','))}.get(str(head_width))
 
 
 def sweep_bottleneck(args):
-    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
-    and 8-head bilinear MLR."""
+    """Fig. 2/3a: error at N = 2d against width: 8-head and 1-head standard, 8-head bilinear BTT and MLR."""
     widths, full_rank = ints(args.widths), ints(args.full_rank_widths or args.widths)
     full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
     points = {}
