@@ -2100,7 +2100,7 @@ def copied(icl_sweep, tmp_path):
 
 
 def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, unrendered):
-    """Per-seed results and their mean ± std; finished runs reused, a third seed trained alone. --quick tags its
+    """Per-seed results and their mean ± std; finished runs reused, not over other settings. --quick tags its
     runs, sweep JSON and plots '_quick': in the full sweep's --out_dir / --assets_dir it neither collides with the
     full runs (refused, or asked to --overwrite them) nor replaces their plots."""
     out, first = copied(icl_sweep, tmp_path)
@@ -2129,11 +2129,6 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
     saved['runs'][next(iter(saved['runs']))]['model']['at_2d'] += 1.0   # as if the JSON held other runs
     (out / 'sweep_bottleneck_d4.json').write_text(json.dumps(saved))
     assert 'wall_s_when_trained' not in icl.main(argv)                   # then it is not their wall time
-    capsys.readouterr()
-    more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
-    assert 'icl: 8 finished run(s) reused, 4 to train' in capsys.readouterr().out
-    assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
-    assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
     assets = tmp_path / 'assets'
     icl.main(argv + ['--assets_dir', str(assets)])                        # reused: only copies
     quick = icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
@@ -2204,10 +2199,10 @@ def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_pat
 
 def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
     """The compute sweep's four models at one width, the linear sweep's two per depth (seed 003: each with its own
-    lr and batch, muP off; the --batch_size given wins for both), their tables and curve plots (rendered)."""
+    lr and batch, muP off; the --batch_size given wins for both), their tables and curve plots (one rendered)."""
     real = icl.save_figure
     monkeypatch.setattr(icl, 'save_figure', lambda fig, ax, path, **kw: (
-        unrendered_save if 'icl_position' in path else real)(fig, ax, path, **kw))
+        real if path.endswith('icl_compute_d4.png') else unrendered_save)(fig, ax, path, **kw))
     out = icl.main(icl_sweep_argv(tmp_path, 'compute', '--seeds', '1', '--compute_ranks', '2|1|1',
                                   '--compute_width', '16'))
     assert [(t['model'], t['score_rank']) for t in out['table']] == [
@@ -2220,7 +2215,7 @@ def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
         assert {f: r['config'][f] for f in want} == want, k
     assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
     assert all(row['test'] == row['test_seeds'][0] for row in out['table'])
-    assert all((tmp_path / name).stat().st_size > 1000 for name in ('icl_compute_d4.png', 'icl_linear.png'))
+    assert (tmp_path / 'icl_compute_d4.png').stat().st_size > 1000 and (tmp_path / 'icl_linear.png').exists()
 
 # -----------------------------------------------------------------------------
 # train_icl.py: finished runs reused by their settings; a run of another version refused; --resume to a longer run
@@ -2248,8 +2243,8 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     torch.save({'script': 'train_icl.py', 'config': config, 'step': 7, 'format': R.FORMAT}, f'{run_dir}/{name}.pt')
     assert icl.run_status(args, job_args(tmp_path, JOB_ARGV), name, run_dir) == ('partial', 7)
     (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': config}))
-    assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5', '--full_rank_models',
-                                                'bilinear_btt']) == 'done'                # sweep flags
+    assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5', '--seeds', '3',
+                                                '--full_rank_models', 'bilinear_btt']) == 'done'       # sweep flags
     for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--lr', '1e-3'], ['--no-qk_ln']):
         with pytest.raises(ValueError, match='holds a run with --.*--overwrite'):
             state(JOB_ARGV + other)

@@ -55,7 +55,6 @@ from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers,
                   pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
                   set_rng_state, write_json)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']
 
@@ -672,8 +671,7 @@ NOT_TRAINING = {'sweep', 'run_name', 'out_dir', 'assets_dir', 'workers', 'progre
 
 
 def variant(args, **overrides):
-    """One sweep run's settings. bilinear_mlr_ln, read by bilinear MLR only, stays at its default for the other
-    models, so that their runs equal (and reuse) runs trained before the sweeps set it."""
+    """One sweep run's settings; bilinear_mlr_ln stays at its default but for bilinear MLR (other runs are reused)."""
     a = copy.copy(args)
     a.sweep = ''
     for k, v in overrides.items():
@@ -756,7 +754,7 @@ def run_points(args, points):
             states[run], step = run_status(args, a_s, run, run_dir)
             seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
             todo.append(runs.Run(run, label, s, run_argv(a_s, run, run_dir), run_dir, seconds))
-    codes = runs.sweep(todo, states, os.path.join(HERE, SCRIPT), main, args.workers, tag='icl')
+    codes = runs.sweep(todo, states, __file__, main, args.workers, tag='icl')
     failed = [r.name for r in todo if codes.get(r.name, 0) != 0]
     if failed:
         raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their train.log)")
