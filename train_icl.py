@@ -161,7 +161,7 @@ def build_parser():
     g.add_argument('--overwrite', action='store_true', help="replace the earlier run's files in --out_dir")
     g.add_argument('--device', type=str, default='auto', help="'auto' (cuda if available else cpu), 'cpu', 'cuda'")
     g.add_argument('--seed', type=int, default=0, help='seed of the model init and the training prompts')
-    g.add_argument('--threads', type=int, default=1, help='torch CPU threads (0 = one per core)')
+    g.add_argument('--threads', type=int, default=1, help='torch threads (0 = one per core; tiny models gain little)')
     g.add_argument('--log_interval', type=int, default=100, help='steps between log lines')
     g.add_argument('--progress', action=bool_flag, default=True, help='tqdm progress bar')
     g.add_argument('--save', action=bool_flag, default=True, help='write <out_dir>/<run>.pt at every evaluation')
