@@ -138,7 +138,8 @@ def build_parser():
     g.add_argument('--n_eval_during', type=int, default=256, help='held-out prompts used during training')
     g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
     g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and icl_<name>.png)')
-    g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'], help='a figure')
+    g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
+                   help="a paper figure's sweep instead of one run")
     g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck: model widths D')
     g.add_argument('--full_rank_widths', type=str, default='', help='bottleneck: widths of 1 head, BTT, MLR ("" = all)')
     g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS), help='bottleneck: which')
