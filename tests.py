@@ -2336,12 +2336,6 @@ def test_rope_changes_the_output():
         assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
 
 
-def test_model_flag_the_model_cannot_take_is_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        icl.main(icl_argv(tmp_path, '--attn', 'bilinear_btt', '--rope'))
-    assert 'rope is only implemented for standard and swa' in str(e.value.code)
-
-
 # -----------------------------------------------------------------------------
 # train_lra.py: ListOps labels, Pathfinder connectivity, release loaders, padding, smoke runs
 
@@ -3868,6 +3862,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
     ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'", '4 positive variances']),
     ('train_cov', ['--train_cov', '1,2,x'], None, 1, ["covariance '1,2,x'"]),
     ('n_head', ['--n_head', '3'], None, 1, ['3']),
+    ('model_flag', ['--attn', 'bilinear_btt', '--rope'], None, 1, ['rope is only implemented for standard and swa']),
     ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
      ['--assets_dir', 'cannot be written']),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.0001 vs given 0.5']),
