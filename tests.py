@@ -1434,8 +1434,9 @@ def test_global_swa_split_is_the_official_two_softmax_sum():
 # train_icl.py defaults: the official ICL runs at CPU scale
 
 
-def test_icl_default_logit_scales():
-    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT."""
+def test_icl_defaults_are_the_official_runs():
+    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT; the BTT shapes;
+    the curriculum of train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
     base = icl.build_parser().parse_args(['--n_embd', '64', '--d', '8'])
     for attn, ranks in (('standard', ''), ('bilinear_mlr', '4|2|1|1'), ('bilinear_btt', '')):
         a = icl.resolve(icl.variant(base, attn=attn, ranks=ranks))
@@ -1446,21 +1447,13 @@ def test_icl_default_logit_scales():
             assert layer.level_scales == [(p * r) ** -0.5 for p, r in zip((1, 2, 4, 8), (4, 2, 1, 1))]
         else:
             assert layer.c == 64 ** -0.5 and (layer.btts[0].c1, layer.btts[0].c2) == (4, 16)
-
-
-def test_icl_official_adaptive_curriculum():
-    """train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
-    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--max_iters', '500001']))
-    assert icl.curriculum_schedule(a) == (2000, 4)
-    assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
-        [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
-    short = icl.resolve(icl.build_parser().parse_args([]))             # 2000 steps: the same shape, shorter
-    assert icl.curriculum_schedule(short) == (8, 1)
-
-
-def test_official_btt_factors():
     assert [A.official_btt_factors(D) for D in (16, 32, 64, 256, 512, 1024)] == \
         [(2, 8), (4, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--max_iters', '500001']))
+    assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
+        [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
+    short = icl.resolve(icl.build_parser().parse_args([]))             # 2000 steps: the same shape, every 8 steps
+    assert [icl.curriculum(s, short) for s in (7, 8)] == [(4, 8), (5, 10)]
 
 
 def test_rms_cap_is_the_official_rescaling():
@@ -1951,350 +1944,287 @@ def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
 # -----------------------------------------------------------------------------
 # train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
 
+ICL_RANKS = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1']}
 
 
-def assert_close_abs(a, b, atol, rtol=0.0, what=''):
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    diff = (a - b).abs()
-    ok = bool((diff <= atol + rtol * b.abs()).all())
-    assert ok, f'{what}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e} (atol {atol}, rtol {rtol})'
-
-
-def icl_tiny_argv(attn, tmp_path, *extra):
-    """Settings small enough for a few-second smoke run of any attention kind."""
-    kind = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1'],
-            'swa': ['--window', '4'], 'global_swa': ['--window', '4'], 'brl': ['--window', '4']}.get(attn, [])
+def icl_argv(out, *extra, attn='standard'):
+    """A run of a fraction of a second: d = 4, N = 8, 2 layers of width 16, 4 steps of 4 prompts."""
     return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
-            '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2', '--log_interval', '2',
-            '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(tmp_path),
-            '--assets_dir', '', '--no-progress', '--threads', '1', *kind, *extra]
+            '--window', '4', '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
+            '--log_interval', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(out),
+            '--no-progress', '--threads', '1', *ICL_RANKS.get(attn, []), *extra]
 
 
-def icl_tiny_args(attn, tmp_path, *extra):
-    return icl.resolve(icl.build_parser().parse_args(icl_tiny_argv(attn, tmp_path, *extra)))
-
-# ---------------------------------------------------------------------------------------------------------------------
-# smoke runs
+def icl_args(*extra, attn='standard'):
+    return icl.resolve(icl.build_parser().parse_args(icl_argv('unused', *extra, attn=attn)))
 
 
-@pytest.mark.parametrize('attn', icl.ATTN_NAMES)
-def test_icl_smoke_every_attention(attn, tmp_path):
-    r = icl.main(icl_tiny_argv(attn, tmp_path))
+def icl_sweep_argv(out, sweep, *extra):
+    """A sweep of tiny runs (2 steps, 1 layer) trained one after another in this process."""
+    return icl_argv(out, '--sweep', sweep, '--max_iters', '2', '--n_layer', '1', '--workers', '0', *extra)
+
+
+def unrendered_save(fig, ax, path, **legend):
+    """train_icl.save_figure without the ~0.3 s of rendering: the figure must hold data; an empty file stands in."""
+    assert ax.lines or ax.collections, path
+    open(path, 'wb').close()
+    icl.plt.close(fig)
+
+
+@pytest.fixture
+def unrendered(monkeypatch):
+    monkeypatch.setattr(icl, 'save_figure', unrendered_save)
+
+
+# every attention: 7 of them as the layers of one model (its plot rendered), brl (it cannot mix) and global_swa
+ICL_SMOKE = {'pattern': ['--n_layer', '7', '--ranks', '4|2|2', '--layer_pattern',
+                         'standard,mlr,swa,linear,bilinear_mlr,bilinear_btt,global_swa_split'],
+             'brl': ['--attn', 'brl'], 'global_swa': ['--attn', 'global_swa']}
+
+
+@pytest.mark.parametrize('kind', ICL_SMOKE)
+def test_icl_smoke_run(kind, tmp_path, monkeypatch):
+    """A run trains, evaluates on held-out prompts that no training step drew, counts its FLOPs exactly, writes a
+    checkpoint that rebuilds the model from its own config, and the per-position plot."""
+    drawn = []                                         # every prompt batch drawn: training batches and test sets
+    real = icl.sample_prompts
+    monkeypatch.setattr(icl, 'sample_prompts', lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1])
+    if kind != 'pattern':
+        monkeypatch.setattr(icl, 'save_figure', unrendered_save)
+    r = icl.main(icl_argv(tmp_path, *ICL_SMOKE[kind]))
     m = r['model']
-    assert len(m['mean']) == 8 and all(torch.isfinite(torch.tensor(m['mean'])))
-    assert m['lo'][3] <= m['mean'][3] <= m['hi'][3]
-    # the FLOP count is exactly 3 x forward x batch summed over the steps actually taken (curriculum: N = 8 here)
-    body = r['_model'].body
-    assert r['train_flops'] == 4 * 3 * 4 * body.forward_flops(16) > 0
+    assert len(m['mean']) == 8 and all(np.isfinite(m['mean'])) and m['lo'][3] <= m['mean'][3] <= m['hi'][3]
+    assert r['train_flops'] == 4 * 3 * 4 * r['_model'].body.forward_flops(16) > 0   # 4 steps x 3 x batch x forward
     assert [h['flops'] for h in r['history']] == sorted(h['flops'] for h in r['history'])
-    ckpt = torch.load(os.path.join(tmp_path, f'icl_{attn}_H2_D16.pt'), weights_only=True)
-    assert ckpt['step'] == 4 and ckpt['config']['attn'] == attn
-    model = icl.ICLModel(icl.model_config(argparse.Namespace(**ckpt['config'])), ckpt['config']['d'])
-    model.load_state_dict(ckpt['model'])   # the checkpoint rebuilds the model from its own config
-    assert os.path.exists(os.path.join(tmp_path, 'icl_position.png'))
     assert r['_model'].read_out.weight.abs().sum() > 0     # the zero-init read-out was trained
+    ckpt = torch.load(tmp_path / f"icl_{r['config']['attn']}_H2_D16.pt", weights_only=True)
+    assert ckpt['step'] == 4
+    icl.ICLModel(icl.model_config(argparse.Namespace(**ckpt['config'])), 4).load_state_dict(ckpt['model'])
+    assert (tmp_path / 'icl_position.png').stat().st_size > (1000 if kind == 'pattern' else -1)
+    vectors = lambda xs: {tuple(x.tolist()) for x in xs.reshape(-1, 4)}
+    held_out, shifted = vectors(drawn[0][0]), vectors(drawn[-1][0])
+    assert len(drawn) == 2 + 4 and len(drawn[0][0]) == len(drawn[-1][0]) == 16           # test sets, 4 batches
+    assert not held_out & shifted and not any(held_out & vectors(xs) for xs, _, _ in drawn[1:-1])
 
 
-def test_curriculum_schedule(tmp_path):
-    a = icl_tiny_args('standard', tmp_path, '--d', '8', '--n_points', '17', '--curr_interval', '10', '--max_iters', '100',
-                      '--curr_d_start', '5', '--curr_n_start', '11', '--curr_ratio', '0.3')  # 3 updates: k = 1
-    assert icl.curriculum(0, a) == (5, 11)
-    assert icl.curriculum(10, a) == (6, 13)
-    assert icl.curriculum(29, a) == (7, 15)
-    assert icl.curriculum(1000, a) == (8, 17)
-    a.curriculum = False
-    assert icl.curriculum(0, a) == (8, 17)
-    # the curriculum zeroes the inactive dimensions of x
+def test_icl_task_and_baselines():
+    a = icl_args('--d', '8', '--n_points', '17', '--curr_interval', '10', '--max_iters', '100',
+                 '--curr_d_start', '5', '--curr_n_start', '11', '--curr_ratio', '0.3')  # 3 updates: k = 1
+    assert [icl.curriculum(s, a) for s in (0, 10, 29, 1000)] == [(5, 11), (6, 13), (7, 15), (8, 17)]
+    assert icl.curriculum(0, icl.variant(a, curriculum=False)) == (8, 17)
     xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(0), 3, 8, 5, d_active=5)
-    assert (xs[:, :, 5:] == 0).all()
-    assert_close_abs(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), 1e-5, what='y with inactive dims')
-
-# ---------------------------------------------------------------------------------------------------------------------
-# task, baselines, evaluation
-
-
-def test_least_squares_recovers_w_exactly():
-    gen = torch.Generator().manual_seed(1)
-    xs, ys, ws = icl.sample_prompts(gen, 5, 6, 20)
-    w_hat = icl.least_squares_w(xs.double(), ys.double())
-    assert_close_abs(w_hat, ws, 1e-5, what='least squares w with N > d')
+    assert (xs[:, :, 5:] == 0).all()                 # the curriculum zeroes the inactive dimensions of x
+    assert_close(ys, torch.einsum('nid,nd->ni', xs[:, :, :5], ws[:, :5]), atol=1e-5, what='y with inactive dims')
+    # held-out prompts: a fixed set, from a stream that is not the training seed's (nor the shifted set's)
+    assert all(torch.equal(u, v) for u, v in zip(icl.eval_set(a, 16, a.train_cov), icl.eval_set(a, 16, a.train_cov)))
+    for seed in ('5', str(5 + icl.SHIFTED_SEED_OFFSET)):
+        with pytest.raises(ValueError, match='eval_seed'):
+            icl_args('--seed', seed, '--eval_seed', '5')
+    # least squares: exact once i > d; with N < d the minimum-norm fit, in the row space of X
+    xs, ys, ws = icl.sample_prompts(torch.Generator().manual_seed(1), 5, 6, 20)
+    assert_close(icl.least_squares_w(xs.double(), ys.double()), ws, atol=1e-5, what='least squares w with N > d')
     pred = icl.predict_least_squares(xs, ys)
-    assert_close_abs(pred[:, 7:], ys[:, 7:], 1e-4, what='least-squares predictions once i > d')
+    assert_close(pred[:, 7:], ys[:, 7:], atol=1e-4, what='least-squares predictions once i > d')
     assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
-    # with N < d: the minimum-norm solution fits the data and lies in the row space of X
     X, y = xs[:, :3].double(), ys[:, :3].double()
     w3 = icl.least_squares_w(X, y)
-    assert_close_abs(torch.einsum('nid,nd->ni', X, w3), y, 1e-8, what='min-norm fit')
+    assert_close(torch.einsum('nid,nd->ni', X, w3), y, atol=1e-8, what='min-norm fit')
     proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
-    assert_close_abs(proj.squeeze(-1), w3, 1e-8, what='min-norm w in row space')
-
-
-def test_baselines_use_only_earlier_pairs():
-    gen = torch.Generator().manual_seed(2)
-    xs, ys, _ = icl.sample_prompts(gen, 4, 5, 12)
-    i = 7
+    assert_close(proj.squeeze(-1), w3, atol=1e-8, what='min-norm w in row space')
+    # every baseline uses only the pairs before x_i
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(2), 4, 5, 12)
     xs2, ys2 = xs.clone(), ys.clone()
-    ys2[:, i:] += 10.0                       # change y_i and everything after x_i
-    xs2[:, i + 1:] += 3.0
+    ys2[:, 7:] += 10.0                       # change y_7 and everything after x_7
+    xs2[:, 8:] += 3.0
     for name, fn in icl.BASELINES.items():
-        p1, p2 = fn(xs, ys), fn(xs2, ys2)
-        assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{name} at positions <= {i}')
-    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs
-    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(3), 2000, 4, 40)
+        assert_close(fn(xs, ys)[:, :8], fn(xs2, ys2)[:, :8], atol=1e-5, what=f'{name} at positions <= 7')
+    # averaging is an unbiased estimate of w: its error shrinks with the number of pairs; 3-NN at position 1 has
+    # one earlier point: it predicts y_1
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(3), 500, 4, 40)
     err = ((icl.predict_averaging(xs, ys) - ys) ** 2).mean(0) / 4
     assert err[39] < 0.5 * err[5]
-    # 3-NN at position 1 has only one earlier point: it predicts y_1
-    assert_close_abs(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], 1e-6, what='1 neighbour')
-
-
-def test_eval_prompts_are_never_training_prompts(tmp_path):
-    a = icl_tiny_args('standard', tmp_path, '--max_iters', '200', '--batch_size', '16', '--n_eval', '300')
-    ex, ey, ew = icl.eval_set(a, a.n_eval, a.train_cov)
-    ex2, _, ew2 = icl.eval_set(a, a.n_eval, a.train_cov)
-    assert torch.equal(ex, ex2) and torch.equal(ew, ew2)               # a fixed held-out set
-    held_out = {tuple(x.tolist()) for x in ex.reshape(-1, a.d)}
-    seen = 0
-    for step, d_active, n_points, xs, ys in icl.training_batches(a):
-        seen += xs.shape[0]
-        assert not held_out & {tuple(x.tolist()) for x in xs.reshape(-1, a.d)}, f'eval x seen in training step {step}'
-    assert seen == 200 * 16
-    # the shifted (anisotropic) test set is different again
-    sx, _, _ = icl.eval_set(a, a.n_eval, a.test_cov)
-    assert not held_out & {tuple(x.tolist()) for x in sx.reshape(-1, a.d)}
-    with pytest.raises(ValueError, match='eval_seed'):
-        icl_tiny_args('standard', tmp_path, '--seed', '5', '--eval_seed', '5')
-    with pytest.raises(ValueError, match='eval_seed'):     # the shifted test set's stream is taken too
-        icl_tiny_args('standard', tmp_path, '--seed', str(5 + icl.SHIFTED_SEED_OFFSET), '--eval_seed', '5')
-
-
-def test_bootstrap_interval():
-    errs = torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0])
-    mean, lo, hi = icl.bootstrap(errs, 500)
-    for k in range(3):
-        assert lo[k] < mean[k] < hi[k]
-        assert 0.02 < hi[k] - lo[k] < 0.1     # sd of the mean of U(0,1) over 500 draws ≈ 0.013 -> 95% width ≈ 0.05
+    assert_close(icl.predict_nearest_neighbours(xs, ys)[:, 1], ys[:, 0], atol=1e-6, what='1 neighbour')
+    # the bootstrap interval holds the mean, as wide as its spread (sd of the mean of U(0,1) over 500 ≈ 0.013)
+    mean, lo, hi = icl.bootstrap(torch.rand(500, 3) + torch.tensor([0.0, 1.0, 2.0]), 500)
+    assert all(lo[k] < mean[k] < hi[k] and 0.02 < hi[k] - lo[k] < 0.1 for k in range(3))
 
 
 @pytest.mark.parametrize('attn', icl.ATTN_NAMES)
-def test_icl_prediction_is_causal(attn, tmp_path):
+def test_icl_prediction_is_causal(attn):
     """ŷ_i must not change when y_i or any later token changes. (T = 22 also checks that MLR's level blocks,
     which need a power-of-two multiple, get a rounded-up block_size and a causally padded sequence.)"""
-    a = icl_tiny_args(attn, tmp_path, '--n_points', '11')
+    a = icl_args('--n_points', '11', attn=attn)
     torch.manual_seed(0)
     model = icl.ICLModel(icl.model_config(a), a.d).eval()
     torch.nn.init.normal_(model.read_out.weight)      # the zero-init read-out would make every prediction 0
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(4), 3, a.d, a.n_points)
-    i = 4
     xs2, ys2 = xs.clone(), ys.clone()
-    ys2[:, i:] = torch.randn(3, a.n_points - i)
-    xs2[:, i + 1:] = torch.randn(3, a.n_points - i - 1, a.d)
+    ys2[:, 4:] = torch.randn(3, a.n_points - 4)
+    xs2[:, 5:] = torch.randn(3, a.n_points - 5, a.d)
     with torch.no_grad():
         p1, p2 = model(xs, ys), model(xs2, ys2)
-    assert_close_abs(p1[:, :i + 1], p2[:, :i + 1], 1e-5, what=f'{attn}: predictions up to position {i}')
-    assert (p1[:, i + 1:] - p2[:, i + 1:]).abs().max() > 1e-4     # and later predictions do see the change
-
-
-def test_icl_bad_input_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit):
-        icl.main(icl_tiny_argv('no_such_attention', tmp_path))
-    with pytest.raises(SystemExit):
-        icl.main(icl_tiny_argv('standard', tmp_path, '--test_cov', '1,2'))   # needs d = 4 variances
-    with pytest.raises(ValueError, match='covariance'):
-        icl.covariance_scale('1,2,x', 3)
-
-
-def test_bottleneck_sweep_writes_results_and_reuses_runs(tmp_path):
-    argv = icl_tiny_argv('standard', tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1',
-                         '--max_iters', '2', '--workers', '0', '--seeds', '1', '--assets_dir', str(tmp_path / 'assets'))
-    first = icl.main(argv)
-    assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
-    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
-    for name in ('icl_bottleneck_d4.png', 'icl_bottleneck_d4.json', 'icl_position_d4.png'):   # d = 4 in the names
-        assert os.path.exists(tmp_path / 'assets' / name)
-    again = icl.main(argv)                                                  # same settings: nothing retrained
-    assert len(again['reused']) == 4
-    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
-    with pytest.raises(ValueError, match='--overwrite'):                   # other settings: not over those runs
-        icl.main(argv + ['--lr', '2e-3'])
-    changed = icl.main(argv + ['--lr', '2e-3', '--overwrite'])             # unless asked: retrained
-    assert not changed['reused']
-
-
-def test_bottleneck_sweep_trains_no_mlr_at_an_unlisted_head_width(tmp_path, capsys):
-    """Head width 1 has no entry in the default --bottleneck_ranks: no bilinear MLR is trained there, and a
-    line says so (once it was trained with one level of rank = head width, a low-rank model by another name)."""
-    out = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--seeds', '1'))
-    assert [t['model'] for t in out['table']] == ['bilinear BTT, 8 heads, D=8', 'standard, 1 head, D=8',
-                                                  'standard, 8 heads, D=8']
-    assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
-
-
-def test_bottleneck_sweep_full_rank_widths(tmp_path, capsys):
-    """--full_rank_widths: 8-head standard trains at every width, 1-head standard and bilinear BTT only at the
-    listed ones; --full_rank_models picks among those; a width outside --widths or an unknown model is one line."""
-    out = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8',
-                                  '--bottleneck_ranks', '', '--seeds', '1'))
-    assert sorted(t['model'] for t in out['table']) == ['bilinear BTT, 8 heads, D=8', 'standard, 1 head, D=8',
-                                                        'standard, 8 heads, D=16', 'standard, 8 heads, D=8']
-    assert {f for f in os.listdir(tmp_path) if (tmp_path / f / f'{f}.json').exists()} == {   # a folder per run
-        'bottleneck_standard_H8_D16_d4_s0', 'bottleneck_standard_H8_D8_d4_s0', 'bottleneck_standard_H1_D8_d4_s0',
-        'bottleneck_bilinear_btt_H8_D8_d4_s0'}
-    got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_widths',
-                                                 '16'), capsys)
-    assert_one_line_error(got, err, 2, ["--full_rank_widths '16': its widths must be among --widths '8'"],
-                          'train_icl.py')
-    only = icl.main(icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
-                                   '--bottleneck_ranks', '', '--seeds', '1'))
-    assert sorted(t['model'] for t in only['table']) == ['standard, 1 head, D=8', 'standard, 8 heads, D=8']
-    assert len(only['reused']) == 2                        # the same runs as above: a sweep flag, not a setting
-    got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--full_rank_models', 'btt'), capsys)
-    assert_one_line_error(got, err, 2, ["--full_rank_models 'btt'", 'standard_1head, bilinear_btt'], 'train_icl.py')
-
-
-def test_bottleneck_sweep_width_lrs(tmp_path, capsys):
-    """--width_lrs: every model at a listed width trains at its lr, the other widths at --lr; the lr is a training
-    setting of each run (a run at another lr is not reused). Bad specs and widths outside --widths: one line."""
-    base = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--full_rank_widths', '8', '--lr', '3e-4',
-                          '--bottleneck_ranks', '', '--seeds', '1')
-    argv = base + ['--width_lrs', '8:1e-4']
-    out = icl.main(argv)
-    lrs = {k: r['config']['lr'] for k, r in out['runs'].items()}
-    assert lrs == {'standard, 8 heads, D=16, seed=0': 3e-4, 'standard, 8 heads, D=8, seed=0': 1e-4,
-                   'standard, 1 head, D=8, seed=0': 1e-4, 'bilinear BTT, 8 heads, D=8, seed=0': 1e-4}
-    args = icl.build_parser().parse_args(argv)
-    assert icl.lr_text(args, [16, 8]) == '0.0001 at D = 8, 0.0003 at 16'                 # the plot's title
-    assert icl.lr_text(icl.build_parser().parse_args(base), [8, 16]) == '0.0003'
-    assert icl.lr_text(icl.build_parser().parse_args(base + ['--width_lrs', '8:1e-4,16:1e-4']), [8, 16]) == '0.0001'
-    assert len(icl.main(argv)['reused']) == 4
-    other = icl.main([a if a != '8:1e-4' else '8:2e-4' for a in argv] + ['--overwrite'])
-    assert sorted(other['reused']) == ['standard, 8 heads, D=16, seed=0']
-    for bad, words in (('8:0', "--width_lrs '8:0'"), ('8', "--width_lrs '8'"), ('x:1e-4', "'width:lr,...'"),
-                       ('8:nan', "--width_lrs '8:nan'"), ('16:1e-4', "--width_lrs '16:1e-4': its widths must be among")):
-        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--width_lrs', bad),
-                           capsys)
-        assert_one_line_error(got, err, 2, [words], 'train_icl.py')
-
-
-def test_sweep_variant_keeps_mlr_layernorm_default_for_other_models(tmp_path):
-    """The bottleneck recipe sets bilinear_mlr_ln 'head'; only bilinear MLR runs take it, so standard and BTT runs
-    trained before (saved at the default 'level') are still reused."""
-    assert icl.SWEEP_RECIPE['bottleneck']['bilinear_mlr_ln'] == 'head'
-    args = icl.build_parser().parse_args(icl_sweep_argv(tmp_path, 'bottleneck', '--bilinear_mlr_ln', 'head'))
-    assert icl.variant(args, attn='bilinear_mlr').bilinear_mlr_ln == 'head'
-    for attn in ('standard', 'bilinear_btt'):
-        assert icl.variant(args, attn=attn).bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'
-
-
-def test_larger_d_recipe_and_names(tmp_path, monkeypatch, capsys):
-    """--sweep bottleneck --d 8 takes LARGER_D_RECIPE on top of the bottleneck recipe (flags given still win);
-    its files carry d, the d = 5 sweep's do not; it has no --quick."""
-    seen = {}
-    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
-    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: seen.setdefault('outputs', kw))
-    icl.main(['--sweep', 'bottleneck', '--d', '8', '--seeds', '2', '--out_dir', str(tmp_path)])
-    a, recipe = seen['args'], icl.LARGER_D_RECIPE[8]
-    assert (a.widths, a.full_rank_widths, a.max_iters, a.width_lrs, a.bottleneck_ranks) == (
-        recipe['widths'], recipe['full_rank_widths'], recipe['max_iters'], recipe['width_lrs'],
-        recipe['bottleneck_ranks'])
-    assert a.seeds == 2 and a.curr_interval == icl.SWEEP_RECIPE['bottleneck']['curr_interval']
-    assert a.lr == icl.CPU_RECIPE['lr'] and icl.width_lrs(a) == {64: 1e-4}   # D = 32 at the recipe's lr
-    assert seen['outputs']['results'].endswith('sweep_bottleneck_d8.json')
-    assert 'icl_position_d8.png' in seen['outputs']['plots']
-    assert icl.sweep_name(icl.variant(a, d=5, sweep='bottleneck')) == 'bottleneck'
-    assert icl.position_plot_name(icl.variant(a, d=5)) == 'icl_position.png'
-    got, err = run_cli(icl.main, ['--sweep', 'bottleneck', '--d', '8', '--quick'], capsys)
-    assert_one_line_error(got, err, 2, ['--quick', 'd = 8'], 'train_icl.py')
-    seen.clear()            # other --widths: the recipe's per-width settings (which name 32 and 64) are not applied
-    icl.main(['--sweep', 'bottleneck', '--d', '8', '--widths', '16,32', '--out_dir', str(tmp_path)])
-    a = seen['args']
-    assert (a.widths, a.full_rank_widths, a.width_lrs, a.max_iters) == ('16,32', '', '', recipe['max_iters'])
-    seen.clear()
-    icl.main(['--sweep', 'bottleneck', '--widths', '16', '--full_rank_widths', '16', '--out_dir', str(tmp_path)])
-    assert seen['args'].full_rank_widths == '16'                          # given with them: wins
-
+    assert_close(p1[:, :5], p2[:, :5], atol=1e-5, what=f'{attn}: predictions up to position 4')
+    assert (p1[:, 5:] - p2[:, 5:]).abs().max() > 1e-4     # and later predictions do see the change
 
 # -----------------------------------------------------------------------------
-# train_icl.py sweeps: training seeds per sweep point, reuse of finished (run, seed) pairs, --quick, the estimate
-
-def icl_sweep_argv(tmp_path, sweep, *extra):
-    return icl_tiny_argv('standard', tmp_path, '--sweep', sweep, '--max_iters', '2', '--workers', '0', *extra)
+# train_icl.py sweeps: the points each trains and its recipe, training seeds per point, reuse of finished (run,
+# seed) pairs, resume of cut-off ones, --quick beside the full sweep, the estimate
 
 
-def test_quick_sweep_files_lie_beside_the_full_sweeps(tmp_path):
-    """--quick tags its runs, sweep JSON and plots '_quick': run in the full sweep's --out_dir / --assets_dir it
-    neither collides with the full runs (refused, or asked to --overwrite them) nor replaces their plots. Its runs
-    train as `python train_icl.py` processes (--workers 2), each logging into its own folder."""
-    assets = tmp_path / 'assets'
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
-                          '--seeds', '1', '--assets_dir', str(assets))
-    icl.main(argv + ['--max_iters', '3'])                                 # the "full" sweep: other settings
-    quick = icl.main(argv + ['--quick', '--workers', '2'])
-    assert not quick['reused'] and all(r['run'].endswith('_d4_quick_s0') for r in quick['runs'].values())
-    assert all(os.path.exists(tmp_path / r['run'] / 'train.log') for r in quick['runs'].values())
-    for name in ('sweep_bottleneck_d4', 'sweep_bottleneck_d4_quick'):
-        with open(tmp_path / f'{name}.json') as f:
-            assert json.load(f)['runs']                                   # both summaries kept
-    for name in ('icl_bottleneck_d4', 'icl_bottleneck_d4_quick', 'icl_position_d4', 'icl_position_d4_quick'):
-        assert os.path.exists(assets / f'{name}.png')
-    runs = {p.name for p in tmp_path.glob('bottleneck_*/*.json')}
-    assert runs == {f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
+def sweep_points(monkeypatch, *argv):
+    """The points {label: (settings, run name)} a sweep would train, from main, without training them."""
+    seen = {}
+    monkeypatch.setattr(icl, 'run_points', lambda args, points: seen.update(points) or 1 / 0)   # 1 / 0: stop there
+    with pytest.raises(ZeroDivisionError):
+        icl.main(list(argv))
+    return seen
 
 
-def test_bottleneck_sweep_seeds_mean_std_and_reuse(tmp_path, capsys):
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
-    first = icl.main(argv)
-    assert 'icl: 0 finished run(s) reused, 8 to train' in capsys.readouterr().out
-    assert len(first['table']) == 4 and not first['reused']              # 4 models x 1 width, 2 seeds each
-    with open(tmp_path / 'sweep_bottleneck_d4.json') as f:
-        saved = json.load(f)
+def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
+    """Which models train at which width and lr: 8-head standard at every width, 1-head standard and bilinear BTT /
+    MLR at --full_rank_widths (--full_rank_models of them), bilinear MLR only at a head width --bottleneck_ranks
+    lists (once it trained with one level of rank = head width, a low-rank model by another name), each model at
+    a --width_lrs width at its lr; d in the run names. A sweep's recipe, then --quick's, set every flag not given;
+    --d 8 takes LARGER_D_RECIPE on top (its per-width settings only at its own widths). The linear sweep takes
+    seed 003's lr, batch and no muP per architecture, a given flag for both (and says so). Bad specs: one line."""
+    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
+                                                       '--full_rank_widths', '8', '--width_lrs', '8:1e-4'))
+    assert {k: (a.lr, name) for k, (a, name) in points.items()} == {
+        'standard, 8 heads, D=16': (3e-4, 'bottleneck_standard_H8_D16_d4'),
+        'bilinear BTT, 8 heads, D=8': (1e-4, 'bottleneck_bilinear_btt_H8_D8_d4'),
+        'standard, 1 head, D=8': (1e-4, 'bottleneck_standard_H1_D8_d4'),
+        'standard, 8 heads, D=8': (1e-4, 'bottleneck_standard_H8_D8_d4')}
+    assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
+    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks',
+                                                       '1:1', '--full_rank_models', 'standard_1head,bilinear_mlr'))
+    assert sorted(name for _, name in points.values()) == [
+        'bottleneck_bilinear_mlr1_H8_D8_d4', 'bottleneck_standard_H1_D8_d4', 'bottleneck_standard_H8_D8_d4']
+    args = icl.build_parser().parse_args(['--width_lrs', '8:1e-4', '--lr', '3e-4'])
+    assert icl.lr_text(args, [16, 8]) == '0.0001 at D = 8, 0.0003 at 16'                 # the plot's title
+    assert icl.lr_text(args, [8]) == '0.0001' and icl.lr_text(icl.variant(args, width_lrs=''), [8, 16]) == '0.0003'
+    spec = icl.build_parser().get_default('bottleneck_ranks')
+    assert [sum(map(int, icl.bottleneck_mlr_ranks(spec, hw).split('|'))) for hw in (4, 8)] == [4, 8]   # official
+    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) is None
+    a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir',
+                               str(tmp_path)).values()))[0]
+    assert a.max_iters == 7 and (a.n_embd, a.seeds) == (int(icl.QUICK['bottleneck']['widths']), 1)  # given: wins
+    assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
+    d8_points = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--out_dir', str(tmp_path))
+    assert d8_points['bilinear MLR, 8 heads, D=32'][0].bilinear_mlr_ln == 'head'   # the recipe's LayerNorm: only
+    assert d8_points['standard, 1 head, D=32'][0].bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'   # MLR
+    d8 = {k: (a.lr, a.max_iters, name) for k, (a, name) in d8_points.items()}
+    assert d8['standard, 8 heads, D=64'] == (1e-4, 8000, 'bottleneck_standard_H8_D64_d8')    # LARGER_D_RECIPE
+    assert {k.split(', D=')[1] for k in d8 if not k.startswith('standard, 8')} == {'32'}
+    assert d8['standard, 1 head, D=32'][:2] == (icl.CPU_RECIPE['lr'], 8000)
+    other = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--widths', '16,32', '--out_dir',
+                         str(tmp_path))                    # other widths: not the recipe's per-width settings
+    assert len(other) == 4 + 3 and {a.lr for a, _ in other.values()} == {icl.CPU_RECIPE['lr']}
+    assert len(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--widths', '16,24', '--full_rank_widths', '16',
+                            '--out_dir', str(tmp_path))) == 1 + 3              # given with them: wins
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1')
+    for attn in ('standard', 'linear'):
+        assert {f: getattr(linear[f'{attn} 1-layer'][0], f) for f in ('lr', 'batch_size', 'mup')} == \
+            icl.SEED003_OPTIMIZER[attn]
+    assert 'used for both architectures' not in capsys.readouterr().out
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1', '--lr', '2e-4')
+    assert {a.lr for a, _ in linear.values()} == {2e-4} and {a.batch_size for a, _ in linear.values()} == {32, 64}
+    assert '--lr given: used for both architectures' in capsys.readouterr().out
+    for bad, words in (('--full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
+                       ('--full_rank_models=btt', "'btt' is not a model here"), ('--width_lrs=8:0', "'8:0'"),
+                       ('--width_lrs=8', "--width_lrs '8'"), ('--width_lrs=x:1e-4', "'width:lr,...'"),
+                       ('--width_lrs=8:nan', "'8:nan'"), ('--width_lrs=16:1e-4', "'16:1e-4': its widths must be"),
+                       ('--d=8', "--quick is the d = 5 bottleneck sweep's short version")):
+        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', bad, '--quick'), capsys)
+        assert_one_line_error(got, err, 2, [words], 'train_icl.py')
+    got, err = run_cli(icl.main, ['--quick'], capsys)
+    assert_one_line_error(got, err, 2, ['--quick shortens a sweep'], 'train_icl.py')
+
+
+ICL_SWEEP = ('--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')   # 4 models x 2 seeds
+
+
+@pytest.fixture(scope='module')
+def icl_sweep(tmp_path_factory):
+    """A finished bottleneck sweep (4 models at D = 8, 2 seeds: 8 runs) and what main returned; tests copy it."""
+    out = tmp_path_factory.mktemp('icl_sweep') / 'sweep'
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(icl, 'save_figure', unrendered_save)
+        return out, icl.main(icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP))
+
+
+def copied(icl_sweep, tmp_path):
+    shutil.copytree(icl_sweep[0], tmp_path / 'sweep')
+    return tmp_path / 'sweep', icl_sweep[1]
+
+
+def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, unrendered):
+    """Per-seed results and their mean ± std; finished runs reused, not over other settings. --quick tags its
+    runs, sweep JSON and plots '_quick': in the full sweep's --out_dir / --assets_dir it neither collides with the
+    full runs (refused, or asked to --overwrite them) nor replaces their plots."""
+    out, first = copied(icl_sweep, tmp_path)
+    argv = icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP)
+    assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
+    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
+    saved = json.loads((out / 'sweep_bottleneck_d4.json').read_text())
     assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
     for row in saved['table']:
         per_seed = [saved['runs'][f'{row["model"]}, seed={s}']['model']['at_2d'] for s in (0, 1)]
-        assert row['err_at_2d_seeds'] == per_seed
-        assert row['err_at_2d'] == pytest.approx(np.mean(per_seed))
+        assert row['err_at_2d_seeds'] == per_seed and row['err_at_2d'] == pytest.approx(np.mean(per_seed))
         assert row['err_at_2d_std'] == pytest.approx(np.std(per_seed, ddof=1))
-    seeds = {r['config']['seed'] for r in saved['runs'].values()}
-    evals = {r['config']['eval_seed'] for r in saved['runs'].values()}
-    assert seeds == {0, 1} and len(evals) == 1                           # own training seed, shared test prompts
-    for name in ('icl_bottleneck_d4.png', 'icl_position_d4.png'):
-        assert os.path.exists(tmp_path / name)
-
-    again = icl.main(argv)                                                # nothing retrained
-    assert 'icl: 8 finished run(s) reused, 0 to train' in capsys.readouterr().out
-    assert len(again['reused']) == 8
-    assert again['wall_s_when_trained'] == first['wall_s']               # a replot keeps the training's wall time
-    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
-    with open(tmp_path / 'sweep_bottleneck_d4.json') as f:
-        saved = json.load(f)
-    next(iter(saved['runs'].values()))['model']['at_2d'] += 1.0          # as if the JSON held other runs
-    with open(tmp_path / 'sweep_bottleneck_d4.json', 'w') as f:
-        json.dump(saved, f)
-    assert 'wall_s_when_trained' not in icl.main(argv)                   # then it is not their wall time
-
-    more = icl.main(argv[:-1] + ['3'])                                    # a third seed: only it trains
-    assert 'icl: 8 finished run(s) reused, 4 to train' in capsys.readouterr().out
-    assert len(more['reused']) == 8 and all(t['seeds'] == 3 for t in more['table'])
-    assert all(t['err_at_2d_seeds'][:2] == f['err_at_2d_seeds'] for t, f in zip(more['table'], first['table']))
-
-
-def test_cut_off_sweep_resumes_from_finished_pairs(tmp_path, capsys):
-    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained."""
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')
-    first = icl.main(argv)
-    gone = sorted(p for p in os.listdir(tmp_path) if p.endswith('_s1'))[:3]
-    for p in gone[:2]:                             # as if the sweep had been killed before these two started
-        os.remove(tmp_path / p / f'{p}.json')
-        os.remove(tmp_path / p / f'{p}.pt')
-    os.remove(tmp_path / gone[2] / f'{gone[2]}.json')   # ...and this one cut off after its last checkpoint
+    assert {r['config']['seed'] for r in saved['runs'].values()} == {0, 1}   # own training seed...
+    assert len({r['config']['eval_seed'] for r in saved['runs'].values()}) == 1   # ...shared test prompts
+    assert all(os.path.exists(out / f) for f in ('icl_bottleneck_d4.png', 'icl_position_d4.png'))
     capsys.readouterr()
-    again = icl.main(argv)
-    out = capsys.readouterr().out
-    assert 'icl: 5 finished run(s) reused, 3 to train' in out and out.count('resumed from') == 1
+    again = icl.main(argv)                                                # nothing retrained
+    printed = capsys.readouterr().out
+    assert 'icl: 8 finished run(s) reused, 0 to train' in printed
+    assert printed.strip().splitlines()[-1].startswith('outputs: results ') and 'copies in' not in printed
+    assert icl.build_parser().parse_args([]).assets_dir == ''             # no --assets_dir: no copies
+    assert len(again['reused']) == 8 and again['wall_s_when_trained'] == first['wall_s']   # a replot keeps it
+    assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
+    with pytest.raises(ValueError, match='holds a run with --lr .*--overwrite'):   # other settings: not over them
+        icl.main(argv + ['--lr', '2e-3'])
+    saved['runs'][next(iter(saved['runs']))]['model']['at_2d'] += 1.0   # as if the JSON held other runs
+    (out / 'sweep_bottleneck_d4.json').write_text(json.dumps(saved))
+    assert 'wall_s_when_trained' not in icl.main(argv)                   # then it is not their wall time
+    assets = tmp_path / 'assets'
+    icl.main(argv + ['--assets_dir', str(assets)])                        # reused: only copies
+    quick = icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                                    '--quick', '--assets_dir', str(assets)))
+    assert not quick['reused'] and all(r['run'].endswith('_d4_quick_s0') for r in quick['runs'].values())
+    for name in ('sweep_bottleneck_d4', 'sweep_bottleneck_d4_quick'):                   # both summaries kept
+        assert json.loads((out / f'{name}.json').read_text())['runs']
+    assert {p.name for p in assets.glob('icl_*')} == {f'icl_{k}_d4{q}.{e}' for k, e in (
+        ('bottleneck', 'png'), ('bottleneck', 'json'), ('position', 'png')) for q in ('', '_quick')}
+    assert {p.name for p in out.glob('bottleneck_standard_H*_s0/*.json')} == {
+        f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
+
+
+def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, unrendered):
+    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained.
+    A finished sweep --resume'd with a larger --max_iters continues each run from its checkpoint (the preflight
+    accepts the longer length) and ends where the same sweep trained that long from scratch ends."""
+    out, first = copied(icl_sweep, tmp_path)
+    gone = sorted(p for p in os.listdir(out) if p.endswith('_s1'))[:3]
+    for p in gone[:2]:                             # as if the sweep had been killed before these two started
+        os.remove(out / p / f'{p}.json')
+        os.remove(out / p / f'{p}.pt')
+    os.remove(out / gone[2] / f'{gone[2]}.json')   # ...and this one cut off after its last checkpoint
+    capsys.readouterr()
+    again = icl.main(icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP))
+    printed = capsys.readouterr().out
+    assert 'icl: 5 finished run(s) reused, 3 to train' in printed and printed.count('resumed from') == 1
     assert len(again['reused']) == 5
     assert [t['err_at_2d_seeds'] for t in again['table']] == [t['err_at_2d_seeds'] for t in first['table']]
+    two = ('--widths', '8', '--full_rank_models', 'standard_1head', '--bottleneck_ranks', '', '--seeds', '1')
+    longer = icl.main(icl_sweep_argv(out, 'bottleneck', *two, '--max_iters', '4', '--resume'))
+    printed = capsys.readouterr().out
+    assert 'icl: 0 finished run(s) reused, 2 to train' in printed and printed.count('resumed from') == 2
+    scratch = icl.main(icl_sweep_argv(tmp_path / 'b', 'bottleneck', *two, '--max_iters', '4'))
+    assert [t['err_at_2d_seeds'] for t in longer['table']] == [t['err_at_2d_seeds'] for t in scratch['table']]
 
 
-def test_estimate_counts_the_steps_left_at_each_prompt_length(tmp_path, monkeypatch):
+def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_path, monkeypatch):
     """A run's estimated seconds: the curriculum's steps at each prompt length N x one step's time at N (timing
     every step at the full N read ~40 % high), its evaluations, and for a resumed run only the steps (and
     evaluations) left after its checkpoint (whole runs were counted: 110 min printed for 37 min of work)."""
@@ -2302,120 +2232,65 @@ def test_estimate_counts_the_steps_left_at_each_prompt_length(tmp_path, monkeypa
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
     monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01 * lengths[-1])
-    a = icl.variant(icl.build_parser().parse_args(icl_tiny_argv(
-        'standard', tmp_path, '--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')), seed=0)
-    assert icl.curriculum(0, icl.resolve(a)) == (2, 4) and icl.curriculum(1, icl.resolve(a)) == (4, 8)
+    a = icl_args('--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')
+    assert [icl.curriculum(s, a) for s in (0, 1)] == [(2, 4), (4, 8)]
     ms = {}
     fresh, resumed = icl.run_seconds(a, 0, ms), icl.run_seconds(a, 2, ms)
     assert sorted(lengths) == [4, 8]               # measured once per model and length
     # steps at their lengths + evaluations (at N = 8) / 3 + baselines
     assert fresh == pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
     assert resumed == pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
-    monkeypatch.undo()
-    # in a sweep: a run cut off at step 2 of 4 is estimated from its checkpoint's step
-    argv = icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
-                          '--seeds', '1')
-    icl.main(argv)                                                        # 2 steps per run
-    name = 'bottleneck_standard_H8_D8_d4_s0'
-    os.remove(tmp_path / name / f'{name}.json')                           # as if cut off at step 2 of 4
-    ck = torch.load(tmp_path / name / f'{name}.pt', weights_only=True)
-    ck['config']['max_iters'] = 4
-    torch.save(ck, tmp_path / name / f'{name}.pt')
-    starts = {}
-    monkeypatch.setattr(icl, 'run_seconds', lambda a, start, ms: starts.setdefault((a.attn, a.n_head), start) or 1.0)
-    out = icl.main(argv + ['--max_iters', '4', '--resume', '--full_rank_models', 'bilinear_btt'])
-    assert starts == {('standard', 8): 2, ('bilinear_btt', 8): 0}
-    assert out['runs']['standard, 8 heads, D=8, seed=0']['config']['max_iters'] == 4
-
-
-@pytest.mark.parametrize('sweep', ['compute', 'linear'])
-def test_other_sweeps_hold_per_seed_results(sweep, tmp_path):
-    extra = ['--compute_ranks', '2|1|1', '--compute_width', '16'] if sweep == 'compute' else ['--depths', '1']
-    out = icl.main(icl_sweep_argv(tmp_path, sweep, '--seeds', '2', *extra))
-    n_points = 4 if sweep == 'compute' else 2
-    assert len(out['table']) == n_points and len(out['runs']) == 2 * n_points
-    key = 'err_at_2d' if sweep == 'compute' else 'test'
-    for row in out['table']:
-        assert len(row[f'{key}_seeds']) == 2 and row[f'{key}_std'] is not None
-    tag = '_d4' if sweep == 'compute' else ''      # the tiny argv's d = 4; the linear sweep is d = 5 whatever --d says
-    assert os.path.exists(tmp_path / f'icl_{sweep}{tag}.png')
-    if sweep == 'linear':              # seed 003: each architecture with its own tuned lr and muP off; the
-        for k, r in out['runs'].items():                # --batch_size 4 given by the tiny argv wins for both
-            want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4)
-            assert {f: r['config'][f] for f in want} == want, k
-        assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
-
-
-def test_linear_sweep_uses_seed003_optimizer_for_flags_not_given(monkeypatch, tmp_path, capsys):
-    """Without optimizer flags each architecture trains with seed 003's lr, batch and no muP; a given flag
-    replaces its value for both, and a line says so (it was silently overridden)."""
-    seen = []
-    monkeypatch.setattr(icl, 'run_points', lambda args, points: seen.append(points) or 1 / 0)
-    base = ['--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1']
-    with pytest.raises(ZeroDivisionError):
-        icl.main(base)
-    cfg = {label: a for label, (a, _) in seen[-1].items()}
-    assert {f: getattr(cfg['standard 1-layer'], f) for f in ('lr', 'batch_size', 'mup')} == \
-        icl.SEED003_OPTIMIZER['standard']
-    assert {f: getattr(cfg['linear 1-layer'], f) for f in ('lr', 'batch_size', 'mup')} == \
-        icl.SEED003_OPTIMIZER['linear']
-    assert 'used for both architectures' not in capsys.readouterr().out
-    with pytest.raises(ZeroDivisionError):
-        icl.main(base + ['--lr', '2e-4'])
-    assert {a.lr for a, _ in seen[-1].values()} == {2e-4}
-    assert {a.batch_size for a, _ in seen[-1].values()} == {32, 64}
-    assert '--lr given: used for both architectures' in capsys.readouterr().out
-
-
-def test_quick_and_recipe_fill_only_flags_not_given(tmp_path, monkeypatch):
+    # a sweep --resume'd to 4 steps: runs finished at step 2 are estimated from there, a new seed's from 0; and they
+    # run as `python train_icl.py` processes of this very file
+    out, _ = copied(icl_sweep, tmp_path)
+    monkeypatch.setattr(icl, 'run_seconds', lambda a, start, ms: start + a.seed / 10)
     seen = {}
-    monkeypatch.setattr(icl, 'sweep_bottleneck', lambda a: seen.setdefault('args', a))
-    monkeypatch.setattr(icl, 'report_outputs', lambda **kw: None)
-    icl.main(['--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir', str(tmp_path)])
-    a = seen['args']
-    assert a.max_iters == 7                                                   # given: wins
-    assert a.widths == icl.QUICK['bottleneck']['widths'] and a.seeds == icl.QUICK['bottleneck']['seeds']
-    assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
-    seen.clear()
-    icl.main(['--sweep', 'bottleneck', '--out_dir', str(tmp_path)])
-    assert seen['args'].max_iters == icl.SWEEP_RECIPE['bottleneck']['max_iters'] and seen['args'].seeds == 3
-    with pytest.raises(SystemExit):
-        icl.main(['--quick'])                                             # --quick needs a sweep
-    with pytest.raises(SystemExit):
-        icl.main(['--sweep', 'bottleneck', '--seeds', '0'])
+    monkeypatch.setattr(R, 'sweep', lambda todo, states, script, *x, **k: seen.update(
+        seconds={r.name: r.seconds for r in todo}, script=script) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
+                                '--bottleneck_ranks', '', '--seeds', '3', '--max_iters', '4', '--resume'))
+    want = {f'bottleneck_standard_H{h}_D8_d4_s{s}': [2, 2.1, 0.2][s] for h in (8, 1) for s in range(3)}
+    assert seen['seconds'] == want
+    assert os.path.samefile(seen['script'], icl.__file__)
 
 
-def test_bottleneck_mlr_ranks_sum_to_the_head_width():
-    spec = icl.build_parser().get_default('bottleneck_ranks')
-    for hw in (4, 8):
-        ranks = [int(r) for r in icl.bottleneck_mlr_ranks(spec, hw).split('|')]
-        assert sum(ranks) == hw                                           # the official code asserts this
-    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) is None
-    assert icl.bottleneck_mlr_ranks(spec, 3) is None                      # no learnable allocation: not trained
+def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
+    """The compute sweep's four models at one width, the linear sweep's two per depth (seed 003: each with its own
+    lr and batch, muP off; the --batch_size given wins for both), their tables and curve plots (one rendered)."""
+    real = icl.save_figure
+    monkeypatch.setattr(icl, 'save_figure', lambda fig, ax, path, **kw: (
+        real if path.endswith('icl_compute_d4.png') else unrendered_save)(fig, ax, path, **kw))
+    out = icl.main(icl_sweep_argv(tmp_path, 'compute', '--seeds', '1', '--compute_ranks', '2|1|1',
+                                  '--compute_width', '16'))
+    assert [(t['model'], t['score_rank']) for t in out['table']] == [
+        ('bilinear MLR 2/1/1, 8 heads', 2 + 2 * 1 + 4 * 1), ('bilinear BTT, 8 heads', 16), ('standard, 1 head', 16),
+        ('standard, 8 heads', 2)]
+    assert all(t['flops_per_step'] * 2 == t['train_flops'] and len(t['err_at_2d_seeds']) == 1 for t in out['table'])
+    out = icl.main(icl_sweep_argv(tmp_path, 'linear', '--seeds', '1', '--depths', '1', '--linear_width', '16'))
+    for k, r in out['runs'].items():
+        want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4, d=5)   # d = 5 whatever --d says
+        assert {f: r['config'][f] for f in want} == want, k
+    assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
+    assert all(row['test'] == row['test_seeds'][0] for row in out['table'])
+    assert (tmp_path / 'icl_compute_d4.png').stat().st_size > 1000 and (tmp_path / 'icl_linear.png').exists()
 
-
-# train_icl.py: finished runs reused by their settings; a run of another version refused
+# -----------------------------------------------------------------------------
+# train_icl.py: finished runs reused by their settings; a run of another version refused; --resume to a longer run
 
 JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iters', '2000', '--warmup_iters', '250',
             '--lr', '3e-4', '--n_eval', '500', '--widths', '32', '--seeds', '1']
 
 
-def tiny_argv(out, *extra):
-    return ['--attn', 'standard', '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
-            '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
-            '--log_interval', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(out),
-            '--no-progress', '--threads', '1', *extra]
-
-
 def job_args(out, argv):
     """The args of one sweep job as run_points builds them (resolved, seed 0, its eval seed)."""
-    a = icl.build_parser().parse_args(argv + ['--out_dir', str(out)])
-    return icl.variant(a, seed=0, eval_seed=1000003)
+    return icl.variant(icl.build_parser().parse_args(argv + ['--out_dir', str(out)]), seed=0, eval_seed=1000003)
 
 
 def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     """A sweep run's folder is 'done' when its results JSON holds the same training settings (sweep flags aside),
-    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too."""
+    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too.
+    A run's command line parses back to the settings it was built from, its folder its own."""
     args = icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path)])
     config = vars(icl.resolve(job_args(tmp_path, JOB_ARGV)))
     assert config['format'] == R.FORMAT
@@ -2425,22 +2300,18 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     os.makedirs(run_dir)
     torch.save({'script': 'train_icl.py', 'config': config, 'step': 7, 'format': R.FORMAT}, f'{run_dir}/{name}.pt')
     assert icl.run_status(args, job_args(tmp_path, JOB_ARGV), name, run_dir) == ('partial', 7)
-    with open(f'{run_dir}/{name}.json', 'w') as f:
-        json.dump({'run': name, 'config': config}, f)
-    assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5']) == 'done'  # sweep flags
-    for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--pos', 'rope']):     # a training setting
+    (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': config}))
+    assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5', '--seeds', '3',
+                                                '--full_rank_models', 'bilinear_btt']) == 'done'       # sweep flags
+    for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--lr', '1e-3'], ['--no-qk_ln'],
+                  ['--pos', 'rope']):
         with pytest.raises(ValueError, match='holds a run with --.*--overwrite'):
             state(JOB_ARGV + other)
         assert state(JOB_ARGV + other, icl.build_parser().parse_args(JOB_ARGV + ['--overwrite'])) == 'new'
     assert state(JOB_ARGV, icl.build_parser().parse_args(JOB_ARGV + ['--no-reuse'])) == 'new'
-    with open(f'{run_dir}/{name}.json', 'w') as f:
-        json.dump({'run': name, 'config': {k: v for k, v in config.items() if k != 'format'}}, f)
+    (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': dict(config, format=None)}))
     with pytest.raises(ValueError, match='written by another version of this code'):
         state(JOB_ARGV)
-
-
-def test_run_argv_reads_back_as_the_same_settings(tmp_path):
-    """A sweep run's command line (run_argv) parses back to the settings it was built from, its folder its own."""
     a = job_args(tmp_path, JOB_ARGV + ['--test_cov', '', '--no-mup', '--ranks', '2|1|1', '--lr', '5e-5'])
     argv = icl.run_argv(a, 'r', str(tmp_path / 'r'))
     back = icl.build_parser().parse_args(argv)
@@ -2449,63 +2320,43 @@ def test_run_argv_reads_back_as_the_same_settings(tmp_path):
     assert not any(f.startswith(('--sweep', '--workers', '--widths', '--seeds')) for f in argv)
 
 
-def test_committed_sweep_jsons_replot(tmp_path):
-    """The bottleneck figure redrawn from the committed assets/icl_bottleneck*.json (the sweep JSON's format)."""
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets',
-                                              'icl_bottleneck*.json'))):
-        with open(path) as f:
-            saved = json.load(f)
-        config = next(iter(saved['runs'].values()))['config']
+def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
+    """The bottleneck figure drawn from each committed assets/icl_bottleneck*.json (the sweep JSON's format), the
+    first one rendered."""
+    paths = sorted(glob.glob(os.path.join(HERE, 'assets', 'icl_bottleneck*.json')))
+    for i, path in enumerate(paths):
+        saved = json.loads(open(path).read())
         args = icl.build_parser().parse_args([])
-        for k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
-            setattr(args, k, config.get(k, getattr(args, k)))
-        widths = sorted({t['D'] for t in saved['table']})
-        out = tmp_path / (os.path.basename(path) + '.png')
+        for k, v in next(iter(saved['runs'].values()))['config'].items():
+            if k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
+                setattr(args, k, v)
+        out, widths = tmp_path / (os.path.basename(path) + '.png'), sorted({t['D'] for t in saved['table']})
         icl.plot_bottleneck(str(out), saved['table'], saved['baselines'], widths, args)
-        assert out.stat().st_size > 1000, path
+        assert i > 0 or out.stat().st_size > 1000, path
+        monkeypatch.setattr(icl, 'save_figure', unrendered_save)      # the others: drawn, not rendered
+    assert len(paths) >= 2
 
 
-def test_resume_below_the_checkpoints_step_is_refused(tmp_path, capsys):
-    first = icl.main(tiny_argv(tmp_path))
-    again = icl.main(tiny_argv(tmp_path, '--resume'))                     # finished at step 4: nothing to redo
+def test_resume_continues_to_a_larger_max_iters(tmp_path, unrendered):
+    """--resume of a finished run redoes nothing; --resume --max_iters 6 continues a 4-step run whose lr is constant
+    after warmup and whose curriculum ends by step 4 to the curve and held-out errors of a 6-step run from scratch;
+    below the checkpoint's step is refused, and so is a cosine schedule (it scales with the run's length, so its
+    steps would differ), naming the first such step."""
+    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
+    first = icl.main(icl_argv(tmp_path / 'a', *curr))
+    again = icl.main(icl_argv(tmp_path / 'a', *curr, '--resume'))         # finished at step 4: nothing to redo
     assert again['model'] == first['model'] and again['config']['max_iters'] == 4
     with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
-        icl.main(tiny_argv(tmp_path, '--resume', '--max_iters', '3'))
-
-
-def without_times(history):
-    return [{k: v for k, v in h.items() if k != 'time_s'} for h in history]
-
-
-def test_resume_with_a_larger_max_iters_continues_the_run(tmp_path):
-    """--resume --max_iters 6 continues a finished 4-step run whose lr is constant after warmup and whose
-    curriculum ends by step 4: the same curve and held-out errors as a 6-step run from scratch. A cosine
-    schedule scales with the run's length, so its steps would differ: refused, naming the first such step."""
-    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
-    icl.main(tiny_argv(tmp_path / 'a', *curr))
-    longer = icl.main(tiny_argv(tmp_path / 'a', *curr, '--resume', '--max_iters', '6'))
-    scratch = icl.main(tiny_argv(tmp_path / 'b', *curr, '--max_iters', '6'))
+        icl.main(icl_argv(tmp_path / 'a', '--resume', '--max_iters', '3'))
+    longer = icl.main(icl_argv(tmp_path / 'a', *curr, '--resume', '--max_iters', '6'))
+    scratch = icl.main(icl_argv(tmp_path / 'b', *curr, '--max_iters', '6'))
     assert longer['config']['max_iters'] == 6 and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
-    assert without_times(longer['history']) == without_times(scratch['history'])
+    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
+    assert no_time(longer) == no_time(scratch)
     assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
-    icl.main(tiny_argv(tmp_path / 'c', *curr, '--lr_schedule', 'cosine'))
+    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
     with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
-        icl.main(tiny_argv(tmp_path / 'c', '--resume', '--max_iters', '6'))
-
-
-def test_sweep_resume_with_a_larger_max_iters_continues_every_run(tmp_path, capsys):
-    """A finished sweep, --resume'd with a larger --max_iters, continues each run from its checkpoint (the preflight
-    accepts the longer length) and ends where the same sweep trained that long from scratch ends."""
-    argv = icl_sweep_argv(tmp_path / 'a', 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
-                          '--seeds', '1')
-    icl.main(argv)                                                        # 2 steps per run
-    capsys.readouterr()
-    longer = icl.main(argv + ['--max_iters', '4', '--resume'])
-    out = capsys.readouterr().out
-    assert 'icl: 0 finished run(s) reused, 2 to train' in out and out.count('resumed from') == 2
-    scratch = icl.main(icl_sweep_argv(tmp_path / 'b', 'bottleneck', '--widths', '8', '--full_rank_models',
-                                      'standard_1head', '--seeds', '1', '--max_iters', '4'))
-    assert [t['err_at_2d_seeds'] for t in longer['table']] == [t['err_at_2d_seeds'] for t in scratch['table']]
+        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
 
 # -----------------------------------------------------------------------------
 # model flags this script did not have: they reach the model
@@ -2517,21 +2368,18 @@ def built(*extra):
     return icl.ICLModel(icl.model_config(a), a.d, a.pos_std, a.read_in_std)
 
 
-def icl_n_params(model):
-    return sum(p.numel() for p in model.body.parameters())
-
-
 def test_new_model_flags_change_the_model():
-    base = built()
-    assert base.body.blocks[0].mlp.up.weight.shape == (4 * 32, 32)
-    wide = built('--mlp_hidden', '24')
-    assert wide.body.blocks[0].mlp.up.weight.shape == (24, 32)
-    assert icl_n_params(base) - icl_n_params(wide) == 2 * 2 * 32 * (128 - 24)   # 2 layers x (up, down), no biases
-    gqa = built('--n_kv_head', '2')                                           # 8 heads of width 4 share 2 k, v heads
-    assert gqa.body.blocks[0].attn.k_proj.weight.shape == (2 * 4, 32)
-    assert gqa.body.blocks[0].attn.v_proj.weight.shape == (2 * 4, 32)
+    n_params = lambda model: sum(p.numel() for p in model.body.parameters())
+    base, wide = built(), built('--mlp_hidden', '24')
+    assert (base.body.blocks[0].mlp.up.weight.shape, wide.body.blocks[0].mlp.up.weight.shape) == ((128, 32), (24, 32))
+    assert n_params(base) - n_params(wide) == 2 * 2 * 32 * (128 - 24)   # 2 layers x (up, down), no biases
+    gqa = built('--n_kv_head', '2').body.blocks[0].attn                    # 8 heads of width 4 share 2 k, v heads
+    assert gqa.k_proj.weight.shape == gqa.v_proj.weight.shape == (2 * 4, 32)
     brl = built('--attn', 'brl', '--window', '4', '--n_compressed', '3', '--brl_beta', '0.25')
     assert brl.body.cfg.n_compressed == 3 and brl.body.cfg.brl_beta == 0.25
+    # MLR fixes its level blocks from block_size: 2N = 18 tokens, 3 levels -> 20 (4 divides it)
+    cfg = icl.model_config(icl_args('--n_points', '9', '--ranks', '4|2|2', '--layer_pattern', 'standard,mlr'))
+    assert cfg.block_size == 20 and cfg.layer_kinds() == ['standard', 'mlr']
 
 
 def test_rope_changes_the_output():
@@ -2545,20 +2393,6 @@ def test_rope_changes_the_output():
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(1), 2, 4, 8)
     with torch.no_grad():
         assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
-
-
-def test_model_flag_the_model_cannot_take_is_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        icl.main(tiny_argv(tmp_path, '--attn', 'bilinear_btt', '--n_kv_head', '1'))
-    assert 'n_kv_head) is only implemented for standard attention' in str(e.value.code)
-
-
-def test_layer_pattern_with_mlr_rounds_the_block_size():
-    """MLR fixes its level blocks from block_size: 2N = 16 tokens, 3 levels -> 16 (4 divides it); N = 9 -> 20."""
-    a = icl.resolve(icl.build_parser().parse_args(['--d', '4', '--n_points', '9', '--n_layer', '2', '--ranks', '4|2|2',
-                                                   '--n_head', '4', '--n_embd', '32',
-                                                   '--layer_pattern', 'standard,mlr']))
-    assert icl.model_config(a).block_size == 20 and icl.model_config(a).layer_kinds() == ['standard', 'mlr']
 
 
 # -----------------------------------------------------------------------------
@@ -4045,26 +3879,23 @@ def test_lm_reports_skipped_files_and_outputs(lm_corpus, tmp_path, capsys):
 ICL_RUN = 'icl_standard_H2_D16'
 
 
-def icl_argv(out, *extra):
-    return icl_tiny_argv('standard', out, *extra)
-
-
 def icl_setup(out, how):
     setup_case(how, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
 
 
 ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1', threads='-2', log_interval='0',
-                      eval_interval='-1') + [
-    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']),
+                      eval_interval='-1', seeds='0') + [
+    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
-    ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('prompt_beyond_memory', ['--n_points', '100000000'], None, 2, ['--n_points 100000000', 'GiB']),
     ('read_in_std_nan', ['--read_in_std', 'nan'], None, 2, ['--read_in_std nan', '[0, 100]']),
-    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'"]),
+    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'", '4 positive variances']),
+    ('train_cov', ['--train_cov', '1,2,x'], None, 1, ["covariance '1,2,x'"]),
     ('n_head', ['--n_head', '3'], None, 1, ['3']),
+    ('model_flag', ['--attn', 'bilinear_btt', '--n_kv_head', '1'], None, 1, ['n_kv_head) is only implemented']),
     ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
      ['--assets_dir', 'cannot be written']),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.0001 vs given 0.5']),
@@ -4073,7 +3904,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
 
 
 @pytest.mark.parametrize('case,extra,setup,code,words', ICL_BAD, ids=[c[0] for c in ICL_BAD])
-def test_icl_bad_input_one_line(tmp_path, capsys, case, extra, setup, code, words):
+def test_icl_bad_input_one_line(tmp_path, capsys, unrendered, case, extra, setup, code, words):
     out = tmp_path / 'run'
     icl_setup(out, setup)
     extra = [{'UNWRITABLE': str(tmp_path / 'a_file' / 'x')}.get(a, a) for a in extra]
@@ -4090,7 +3921,7 @@ def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch
     assert not os.path.exists(tmp_path / f'{ICL_RUN}.json')                # no results from a diverged run
 
 
-def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys):
+def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys, unrendered):
     argv = lambda out, *x: icl_argv(out, '--max_iters', '6', '--eval_interval', '4', *x)
     whole = LossTap(monkeypatch, 'mse_loss')
     a = icl.main(argv(tmp_path / 'a'))
@@ -4105,20 +3936,10 @@ def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys):
     assert a['model'] == b['model'] and a['train_flops'] == b['train_flops']
 
 
-def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys, orphan):
+def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys, orphan, unrendered):
     res = kill_mid_checkpoint(icl.main, icl_argv(tmp_path, '--max_iters', '6'), 'mse_loss', tmp_path / f'{ICL_RUN}.pt',
                               orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['history']] == [0, 2, 4, 6]
-
-
-def test_icl_sweep_writes_no_assets_by_default(tmp_path, capsys):
-    argv = [a for a in icl_argv(tmp_path, '--sweep', 'bottleneck', '--widths', '8', '--bottleneck_ranks', '1:1',
-                                '--max_iters', '2', '--workers', '0')]
-    i = argv.index('--assets_dir')
-    del argv[i:i + 2]
-    assert icl.build_parser().parse_args(argv).assets_dir == ''
-    icl.main(argv)
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('outputs: results ')
 
 # -----------------------------------------------------------------------------
 # train_lra.py

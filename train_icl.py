@@ -11,9 +11,7 @@ with Garg's curriculum (d and N grow during training). Evaluation: normalized sq
 (ŷ - y)² / d per position on held-out prompts from a separate generator seed, with bootstrap
 intervals, next to the classical baselines on the same prompts (least squares, averaging, 3-NN, zero).
 
-Run (CPU, from this directory). The defaults are the official ICL runs' settings (MODEL_DEFAULTS, DEFAULTS: 6 layers,
-8 heads, QK-LN, batch 64, the official logit scales, weight rescaling, BTT shape, schedule and curriculum) at CPU scale:
-d = 5, D = 32, 2000 steps.
+The defaults are the official ICL runs' settings (MODEL_DEFAULTS, DEFAULTS) at CPU scale: d = 5, D = 32, 2000 steps.
   python train_icl.py --attn standard --n_head 1 --n_embd 32             # one model (about 50 s of CPU)
   python train_icl.py --attn bilinear_btt --n_head 8 --n_embd 64 --d 16 --max_iters 20000   # a bigger one
   python train_icl.py --sweep bottleneck   # Fig. 2/3a: error at N = 2d vs width (8-head, 1-head, bilinear BTT/MLR)
@@ -21,12 +19,8 @@ d = 5, D = 32, 2000 steps.
   python train_icl.py --sweep bottleneck --d 8 --out_dir out/icl_d8   # the same at d = 8 (LARGER_D_RECIPE)
   python train_icl.py --sweep compute      # Fig. 3b: error at N = 2d vs training FLOPs at one width
   python train_icl.py --sweep linear       # seed 003: softmax vs linear attention, depths 1/3/6, d = 5
-  python train_icl.py --help
-Results land in --out_dir (a JSON and a checkpoint per run). A sweep trains each (point, seed) as its own
-`python train_icl.py` run in <out_dir>/<run>/ (runs.sweep: --workers processes of 1 thread, the longest first),
-reuses finished runs with the same training settings and resumes cut-off ones (--no-reuse to retrain), prints
-its time estimate first, applies its CPU recipe (SWEEP_RECIPE) to the flags not given, and copies its PNG and
-JSON to --assets_dir. Every sweep point is trained with --seeds seeds (default 3; tables give mean ± std).
+A run writes a JSON and a checkpoint to --out_dir. A sweep trains each (point, seed) as a run of its own in
+<out_dir>/<run>/ (runs.sweep), reusing finished runs, with its CPU recipe (SWEEP_RECIPE, docs/icl.md).
 """
 import argparse
 import collections
@@ -52,31 +46,32 @@ if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130
         os._exit(130)
     signal.signal(signal.SIGINT, interrupted_while_starting)
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention  # noqa: E402
-import runs  # noqa: E402
-from attention import ATTENTION, MupLinear, Transformer, optimizer_groups  # noqa: E402
-# the run plumbing the four train scripts share (runs.py)
-from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges,  # noqa: E402
-                  ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, no_repeats, owns_run_folders,
-                  physical_memory, pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state,
-                  run_main, save_checkpoint, set_rng_state, write_json)
+matplotlib.use('Agg')                                 # plots are files: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import attention
+import runs
+from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
+from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, ctrl_c_finishes_step,
+                  given_flags, guarded_update, load_checkpoint, no_repeats, owns_run_folders, physical_memory,
+                  pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
+                  set_rng_state, write_json)
+
 SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']
 
 # -----------------------------------------------------------------------------
 # Defaults: the official ICL runs' settings, each with its source ("official" = the paper's public code:
 # scripts/icl_regression/submit_icl_regression.sh over train_ICL.py, src/model.py, src/muP.py), except the
-# problem and run size, which are CPU scale. Flags override them. MODEL_DEFAULTS feeds the model group that every
-# train script shares (runs.add_model_args: one flag per ModelConfig field), DEFAULTS this script's flags.
+# problem and run size, which are CPU scale. MODEL_DEFAULTS feeds the model group every train script shares
+# (runs.add_model_args), DEFAULTS this script's flags.
 
 MODEL_DEFAULTS = dict(      # the model group's defaults where they differ from attention.ModelConfig's
     n_embd=32,               # CPU scale (official: D = 16 ... 1024)
@@ -100,10 +95,8 @@ DEFAULTS = dict(
     # curriculum: train_ICL.py defaults (dims from 4, points from 8, every 2000 steps, adaptive increments that
     # finish within 6 % of the steps); the interval shrinks with the run (curr_interval 0 = 2000 * steps / 500001)
     curr_d_start=4, curr_n_start=8, curr_interval=0, curr_ratio=0.06,
-    # the task's model extras (read-in and positions)
     read_in_std=0.02,        # src/muP.py: _read_in N(0, 0.02^2), lr x 1
     pos_std=0.02,            # src/muP.py: wpe N(0, 0.02^2)
-    # optimization
     batch_size=64,           # train_ICL.py --training_batch_size default 64
     weight_decay=0.0,        # train_ICL.py --weight_decay default 0.0
     adam_eps=1e-20,          # src/muP.py AdamW eps; betas (0.9, 0.95) = train_ICL.py --beta1 / --beta2
@@ -117,144 +110,80 @@ DEFAULTS = dict(
 
 
 def build_parser():
-    """The command line, one group per function below, in the order of --help."""
+    """The command line, in the order of --help; the defaults in DEFAULTS and MODEL_DEFAULTS."""
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_task_args(p)
-    add_curriculum_args(p)
-    add_model_args(p, **MODEL_DEFAULTS)   # attention.ModelConfig's fields, the same in every train script
-    add_icl_model_args(p)
-    add_train_args(p)
-    add_eval_args(p)
-    add_icl_sweep_args(p)
-    add_system_args(p)
-    p.set_defaults(**DEFAULTS)   # the official settings at CPU scale, in one place (DEFAULTS)
-    return p
-
-
-def add_task_args(p):
+    bool_flag = argparse.BooleanOptionalAction
     g = p.add_argument_group('task (paper §4, seed 003 §2.1)')
     g.add_argument('--d', type=int, help='input dimension of x and w')
     g.add_argument('--n_points', type=int, help='(x, y) pairs per prompt N; 0 = 2d (the official prompt length)')
-    g.add_argument('--train_cov', type=str, default='iso',
-                   help="covariance of x in training: 'iso' (I_d), 'aniso' (seed 003's diag(0.5,1,1.5,1,1.75), "
-                        "cycled to length d) or comma-separated variances, one per dimension")
-    g.add_argument('--test_cov', type=str, default='aniso',
-                   help="second (shifted) test covariance, same syntax as --train_cov; '' = none")
+    g.add_argument('--train_cov', type=str, default='iso', help="x's covariance: iso, aniso or variances")
+    g.add_argument('--test_cov', type=str, default='aniso', help="second (shifted) test covariance; '' = none")
     g.add_argument('--noise_std', type=float, default=0.0, help='label noise y = w·x + noise_std·ε (train and test)')
-
-
-def add_curriculum_args(p):
-    g = p.add_argument_group('curriculum (the official adaptive one: +k dimensions and +2k points every interval, k '
-                             'the smallest step that reaches d and N within --curr_ratio of the training steps)')
-    g.add_argument('--curriculum', action=argparse.BooleanOptionalAction, default=True,
-                   help='grow the active dimensions and the prompt length during training')
+    g = p.add_argument_group('curriculum (the official adaptive one: +k dimensions and +2k points every interval)')
+    g.add_argument('--curriculum', action=bool_flag, default=True, help='grow the active dimensions and N')
     g.add_argument('--curr_d_start', type=int, help='active dimensions at step 0 (capped at --d)')
     g.add_argument('--curr_n_start', type=int, help='prompt length at step 0 (capped at N)')
-    g.add_argument('--curr_interval', type=int,
-                   help="steps between curriculum increments; 0 = the official 2000 scaled to --max_iters / 500001")
+    g.add_argument('--curr_interval', type=int, help='steps between increments; 0 = 2000 x --max_iters / 500001')
     g.add_argument('--curr_ratio', type=float, help='share of the steps within which the curriculum ends')
-
-
-def add_icl_model_args(p):
+    add_model_args(p, **MODEL_DEFAULTS)   # attention.ModelConfig's fields, the same in every train script
     g = p.add_argument_group('model, this task (read-in and positions around the attention.Transformer body)')
     g.add_argument('--read_in_std', type=float, help='init std of the read-in Linear(d -> D) (0 = 1/sqrt(d))')
     g.add_argument('--pos_std', type=float, help='init std of the learned position embedding')
-
-
-def add_train_args(p):
     g = p.add_argument_group('optimization')
     g.add_argument('--max_iters', type=int, help='training steps')
     g.add_argument('--batch_size', type=int, help='prompts per step')
     g.add_argument('--lr', type=float, help='base AdamW learning rate (at --mup_base_width under muP)')
-    g.add_argument('--mup', action=argparse.BooleanOptionalAction, default=True,
-                   help='per-parameter muP learning rates lr * mup_base_width / fan_in (optimizer_groups); '
-                        'off = one lr')
+    g.add_argument('--mup', action=bool_flag, default=True, help='muP learning rates lr x mup_base_width / fan_in')
     g.add_argument('--weight_decay', type=float, help='AdamW weight decay (matrices only)')
     g.add_argument('--adam_eps', type=float, help='AdamW eps (betas 0.9, 0.95)')
     g.add_argument('--warmup_iters', type=int, help='linear warmup steps')
-    g.add_argument('--lr_schedule', type=str, choices=['cosine', 'constant'],
-                   help='after warmup: cosine decay to 10%% of lr, or constant')
+    g.add_argument('--lr_schedule', type=str, choices=['cosine', 'constant'], help='after warmup: cosine to 10%%')
     g.add_argument('--grad_clip', type=float, help='max grad norm (0 = off)')
-
-
-def add_eval_args(p):
     g = p.add_argument_group('evaluation')
     g.add_argument('--eval_seed', type=int, default=-1, help='seed of the held-out prompts; -1 = seed + 1000003')
     g.add_argument('--n_eval', type=int, default=1000, help='held-out prompts for the final evaluation')
-    g.add_argument('--eval_interval', type=int, default=100, help='steps between evaluations in training (0 = end only)')
+    g.add_argument('--eval_interval', type=int, default=100, help='steps between evaluations (0 = end only)')
     g.add_argument('--n_eval_during', type=int, default=256, help='held-out prompts used during training')
     g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
-
-
-def add_icl_sweep_args(p):
-    g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and assets/icl_<name>.png)')
+    g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and icl_<name>.png)')
     g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
-                   help='run a figure-reproducing sweep instead of a single model')
-    g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck sweep: model widths D')
-    g.add_argument('--full_rank_widths', type=str, default='',
-                   help='bottleneck sweep: the widths (of --widths) at which 1-head standard and bilinear BTT / MLR '
-                        'train; 8-head standard trains at every width ("" = every width)')
-    g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS),
-                   help='bottleneck sweep: which of these train at --full_rank_widths (comma-separated)')
-    g.add_argument('--width_lrs', type=str, default='',
-                   help="bottleneck sweep: the lr at these widths, 'width:lr,...' (the official runs sweep the lr "
-                        "per width); the other widths train at --lr")
-    g.add_argument('--compute_width', type=int, default=64, help='compute sweep: the one width D')
-    g.add_argument('--linear_width', type=int, default=64, help='linear sweep: width D (seed 003 used 256)')
-    g.add_argument('--depths', type=str, default='1,3,6', help='linear sweep: depths')
-    # was '2|2|2|2,4|4': level 0 of 2|2|2|2 LayerNorms 2 features (a sign, no gradient; bottleneck_mlr_ranks)
-    g.add_argument('--compute_ranks', type=str, default='4|2|1|1,4|4',
-                   help='compute sweep: bilinear-MLR rank allocations, comma-separated (one run each); every level '
-                        'should hold >= 4 features p_l r_l, since each level is LayerNormed over them')
-    g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1',
-                   help="bottleneck sweep: bilinear-MLR ranks per head width, 'width:ranks,...'; at a head width not "
-                        "listed no bilinear MLR is trained (see bottleneck_mlr_ranks)")
-    g.add_argument('--workers', type=int, default=2, help='sweeps: runs trained in parallel processes, 1 thread '
-                   'each, the longest first (0 = one after another in this process)')
-    g.add_argument('--seeds', type=int, default=3,
-                   help='sweeps: training seeds per sweep point (--seed, --seed + 1, ...; the held-out prompts stay '
-                        'the same); tables give mean ± std over them, plots mean and spread')
-    g.add_argument('--quick', action='store_true',
-                   help='sweeps: the short version for readers (QUICK: fewer steps and points, same ordering at '
-                        'lower precision, <= 8 min with --workers 2); flags given explicitly still win')
-    g.add_argument('--reuse', action=argparse.BooleanOptionalAction, default=True,
-                   help='sweeps: keep a finished run in <out_dir>/<run>/ of the same training settings and resume a '
-                        'cut-off one (--no-reuse trains every run again)')
-
-
-def add_system_args(p):
+                   help="a paper figure's sweep instead of one run")
+    g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck: model widths D')
+    g.add_argument('--full_rank_widths', type=str, default='', help='bottleneck: widths of 1 head, BTT, MLR ("" = all)')
+    g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS), help='bottleneck: which')
+    g.add_argument('--width_lrs', type=str, default='', help="bottleneck: the lr at these widths, 'width:lr,...'")
+    g.add_argument('--bottleneck_ranks', type=str, default='4:1|1|2,8:4|2|1|1', help="'head width:MLR ranks,...'")
+    g.add_argument('--compute_width', type=int, default=64, help='compute: the one width D')
+    # not '2|2|2|2': level 0 would LayerNorm 2 features (a sign, no gradient; bottleneck_mlr_ranks)
+    g.add_argument('--compute_ranks', type=str, default='4|2|1|1,4|4', help='compute: bilinear-MLR ranks, one run each')
+    g.add_argument('--linear_width', type=int, default=64, help='linear: width D (seed 003 used 256)')
+    g.add_argument('--depths', type=str, default='1,3,6', help='linear: depths')
+    g.add_argument('--workers', type=int, default=2, help='parallel run processes of 1 thread (0 = in this process)')
+    g.add_argument('--seeds', type=int, default=3, help='training seeds per point (--seed, --seed + 1, ...)')
+    g.add_argument('--quick', action='store_true', help='the short version (QUICK); flags given still win')
+    g.add_argument('--reuse', action=bool_flag, default=True, help='keep finished runs, resume cut-off ones')
     g = p.add_argument_group('system / io')
-    g.add_argument('--out_dir', type=str, default='out/icl', help="where the run's JSON results and checkpoint go "
-                   '(a sweep: its JSON and plots, and a folder <out_dir>/<run> per run)')
-    g.add_argument('--run_name', type=str, default='', help="the run's file names <run_name>.json / .pt ('' = "
-                   'icl_<attn>_H<n_head>_D<n_embd>)')
-    g.add_argument('--assets_dir', type=str, default='',
-                   help="sweeps copy their PNG and JSON here, e.g. 'assets' for the README's figures ('' = don't)")
-    g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt where it stopped (a sweep: '
-                   'every run that has a checkpoint); with a larger --max_iters, continue it to that length, when '
-                   'the steps it took had the same lr and curriculum under it (check_resume)')
-    g.add_argument('--overwrite', action='store_true', help="replace the earlier run's files in --out_dir (without "
-                   "it, or --resume, they are refused)")
+    g.add_argument('--out_dir', type=str, default='out/icl', help="results, checkpoint (a sweep: a folder per run)")
+    g.add_argument('--run_name', type=str, default='', help="<run_name>.json / .pt ('' = icl_<attn>_H<n_head>_D<n>)")
+    g.add_argument('--assets_dir', type=str, default='', help="sweeps copy their PNG and JSON here ('' = don't)")
+    g.add_argument('--resume', action='store_true', help='continue <out_dir>/<run>.pt (check_resume)')
+    g.add_argument('--overwrite', action='store_true', help="replace the earlier run's files in --out_dir")
     g.add_argument('--device', type=str, default='auto', help="'auto' (cuda if available else cpu), 'cpu', 'cuda'")
     g.add_argument('--seed', type=int, default=0, help='seed of the model init and the training prompts')
-    g.add_argument('--threads', type=int, default=1,
-                   help='torch CPU threads (0 = torch default, one per core; 1 here because these tiny models '
-                   'gain little from more and sweeps run --workers processes side by side)')
+    g.add_argument('--threads', type=int, default=1, help='torch threads (0 = one per core; tiny models gain little)')
     g.add_argument('--log_interval', type=int, default=100, help='steps between log lines')
-    g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
-    g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True,
-                   help='write <out_dir>/<run>.pt at every evaluation and at the end')
+    g.add_argument('--progress', action=bool_flag, default=True, help='tqdm progress bar')
+    g.add_argument('--save', action=bool_flag, default=True, help='write <out_dir>/<run>.pt at every evaluation')
+    p.set_defaults(**DEFAULTS)
+    return p
 
 
 def resolve(args):
-    """Fill the derived defaults and check the task settings (the backbone checks its own)."""
+    """Fill the derived defaults (N = 2d, the eval seed) and check the task settings (the body checks its own)."""
     args = copy.copy(args)
     args.format = FORMAT                        # saved with the run: a run of another version is refused
-    for name in ('d', 'max_iters', 'batch_size', 'n_eval', 'n_eval_during', 'n_layer', 'n_head', 'n_embd'):
-        if getattr(args, name) < 1:
-            raise ValueError(f'--{name} must be >= 1, got {getattr(args, name)}')
-    args.n_points = args.n_points or 2 * args.d      # official: n_positions = 2 * n_dims
+    args.n_points = args.n_points or 2 * args.d
     if args.n_points < 2 * args.d:
         raise ValueError(f'--n_points {args.n_points} with --d {args.d}: the error at N = 2d needs N >= 2d = '
                          f'{2 * args.d} points per prompt (0 = 2d)')
@@ -264,13 +193,10 @@ def resolve(args):
         raise ValueError(f'--eval_seed {args.eval_seed} collides with --seed {args.seed}: held-out prompts need '
                          f'their own stream (eval_seed and eval_seed + {SHIFTED_SEED_OFFSET} are taken)')
     covariance_scale(args.train_cov, args.d), covariance_scale(args.test_cov, args.d)  # validate early
-    if args.noise_std < 0:
-        raise ValueError(f'--noise_std must be >= 0, got {args.noise_std}')
     return args
 
 # -----------------------------------------------------------------------------
 # The task: prompts, tokens, curriculum
-
 
 SEED003_ANISO = (0.5, 1.0, 1.5, 1.0, 1.75)   # seed 003's anisotropic test covariance (variances, d = 5)
 SHIFTED_SEED_OFFSET = 7919                    # the shifted test set's generator: eval_seed + this
@@ -307,54 +233,24 @@ def sample_prompts(gen, n, d, n_points, d_active=None, x_scale=None, noise_std=0
     return xs, ys, ws
 
 
-def interleave(xs, ys):
-    """x_1, [y_1, 0..0], x_2, [y_2, 0..0], ... as one token sequence (B, 2N, d)."""
-    B, N, d = xs.shape
-    y_tok = torch.zeros_like(xs)
-    y_tok[:, :, 0] = ys
-    return torch.stack([xs, y_tok], dim=2).view(B, 2 * N, d)  # (B, N, 2, d) -> (B, 2N, d)
-
-
-def training_batches(args, gen=None, start=0):
-    """The training stream: one fresh batch of prompts per step from the generator seeded --seed (a resumed
-    run passes its restored generator and first step). Yields (step, d_active, n_points, xs, ys)."""
-    gen = torch.Generator().manual_seed(args.seed) if gen is None else gen
-    x_scale = covariance_scale(args.train_cov, args.d)
-    for step in range(start, args.max_iters):
-        d_active, n_points = curriculum(step, args)
-        xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
-        yield step, d_active, n_points, xs, ys
-
-
 def curriculum(step, args):
-    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every interval (the
-    official adaptive curriculum; Garg et al.'s is k = 1 with a long interval)."""
+    """(active dimensions, prompt length) at this step: +k dimensions and +2k points every --curr_interval steps (0:
+    2000 scaled to the run, 2000 * steps / 500001), k the smallest with which d is reached in the first curr_ratio
+    of the steps (official train_ICL.py, adaptive_inc)."""
     if not args.curriculum:
         return args.d, args.n_points
     d0, n0 = min(args.curr_d_start, args.d), min(args.curr_n_start, args.n_points)
-    interval, k = curriculum_schedule(args)
+    interval = args.curr_interval or max(1, round(2000 * args.max_iters / 500001))
+    k = max(1, math.ceil((args.d - d0) / max(1, math.floor(args.curr_ratio * args.max_iters / interval))))
     n = step // interval
     return min(d0 + k * n, args.d), min(n0 + 2 * k * n, args.n_points)
-
-
-def curriculum_schedule(args):
-    """(interval, k). interval: --curr_interval, or 0 = the official 2000 steps scaled to this run's length
-    (2000 * steps / 500001). k: the smallest increment with which the dimensions reach d after the
-    floor(curr_ratio * steps / interval) increments that fit in the first curr_ratio of the steps (official
-    train_ICL.py, adaptive_inc; at least one increment)."""
-    interval = args.curr_interval or max(1, round(2000 * args.max_iters / 500001))
-    n_updates = max(1, math.floor(args.curr_ratio * args.max_iters / interval))
-    d0 = min(args.curr_d_start, args.d)
-    k = max(1, math.ceil((args.d - d0) / n_updates))
-    return interval, k
 
 # -----------------------------------------------------------------------------
 # Baselines: each maps a prompt to predictions ŷ_i that use only (x_j, y_j), j < i, and x_i
 
 
 def least_squares_w(X, y):
-    """Minimum-norm least squares ŵ = pinv(X) y, batched: X (B, n, d), y (B, n) -> (B, d).
-    Exact (ŵ = w) on a noiseless prompt with n >= d points in general position."""
+    """Minimum-norm least squares ŵ = pinv(X) y, batched: X (B, n, d), y (B, n) -> (B, d)."""
     return (torch.linalg.pinv(X) @ y.unsqueeze(-1)).squeeze(-1)
 
 
@@ -382,8 +278,7 @@ def predict_nearest_neighbours(xs, ys, k=3):
     dist = torch.cdist(xs, xs)                               # (B, N, N): |x_i - x_j|
     earlier = torch.ones(N, N, dtype=torch.bool, device=xs.device).tril(-1)  # j < i
     dist = dist.masked_fill(~earlier, float('inf'))
-    kk = min(k, N)
-    d_k, idx = dist.topk(kk, dim=-1, largest=False)          # (B, N, k)
+    d_k, idx = dist.topk(min(k, N), dim=-1, largest=False)   # (B, N, k)
     valid = torch.isfinite(d_k).to(xs.dtype)
     y_k = torch.gather(ys.unsqueeze(1).expand(B, N, N), 2, idx)  # (B, N, k)
     return (y_k * valid).sum(-1) / valid.sum(-1).clamp(min=1)
@@ -408,28 +303,28 @@ class ICLModel(nn.Module):
         if read_in_std > 0:                                             # ... or N(0, read_in_std^2), official 0.02
             nn.init.normal_(self.read_in.weight, std=read_in_std)
         self.read_in.weight.lr_mult = 1.0   # muP: the input layer's Adam lr does not scale with width
-        # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02 (an earlier
-        # default here was 1.0: in one side-by-side trial, d = 5, 1500 steps, other settings, 0.02 stayed at
-        # the "predict 0" plateau)
-        self.wpe = nn.Embedding(cfg.block_size, D) if cfg.pos == 'learned' else None      # --pos rope / none: no wpe
+        # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02 (--pos rope / none:
+        # none here)
+        self.wpe = nn.Embedding(cfg.block_size, D) if cfg.pos == 'learned' else None
         if self.wpe is not None:
             nn.init.normal_(self.wpe.weight, std=pos_std)
         self.body = Transformer(cfg)
         self.read_out = MupLinear(D, 1, base_width=cfg.mup_base_width, zero_init=True)  # ŷ = 0 at init
 
     def forward(self, xs, ys):
-        tokens = interleave(xs, ys)                                       # (B, 2N, d)
-        T = tokens.shape[1]
+        B, N, d = xs.shape                                   # tokens x_1, [y_1, 0..0], x_2, [y_2, 0..0], ...
+        y_tok = torch.zeros_like(xs)
+        y_tok[:, :, 0] = ys
+        tokens = torch.stack([xs, y_tok], dim=2).view(B, 2 * N, d)        # (B, N, 2, d) -> (B, 2N, d)
         h = self.read_in(tokens)                                          # (B, 2N, D)
         if self.wpe is not None:
-            h = h + self.wpe(torch.arange(T, device=tokens.device))
+            h = h + self.wpe(torch.arange(2 * N, device=tokens.device))
         h = self.body(h)                                                  # (B, 2N, D)
         return self.read_out(h[:, 0::2]).squeeze(-1)                      # (B, N): read out at x_i
 
 
 def model_config(args):
-    """The body's ModelConfig from the model flags (runs.model_config); the task sets the rest: causal, and
-    block_size = 2N, the interleaved prompt's length."""
+    """The body's ModelConfig from the model flags (runs.model_config), causal, block_size 2N (the prompt's tokens)."""
     T = 2 * args.n_points
     kinds = [k.strip() for k in args.layer_pattern.split(',')] if args.layer_pattern else [args.attn]
     if 'mlr' in kinds:   # MLR fixes its level blocks from block_size: round up so they tile (causal pads)
@@ -450,14 +345,13 @@ def eval_set(args, n, cov):
 
 @torch.no_grad()
 def model_errors(model, xs, ys, d, device, chunk=250):
-    """(n, N) normalized squared errors (ŷ - y)² / d of the model on these prompts."""
-    was_training = model.training
+    """(n, N) normalized squared errors (ŷ - y)² / d of the model on these prompts (it trains again after)."""
     model.eval()
     errs = []
     for i in range(0, xs.shape[0], chunk):
         x, y = xs[i:i + chunk].to(device), ys[i:i + chunk].to(device)
         errs.append(((model(x, y) - y) ** 2 / d).float().cpu())
-    model.train(was_training)
+    model.train()
     return torch.cat(errs)
 
 
@@ -480,8 +374,10 @@ def summarize(errs, args):
             'query': mean[-1], 'query_ci': [lo[-1], hi[-1]]}
 
 
-def baseline_summaries(xs, ys, args):
-    return {name: summarize((fn(xs, ys) - ys) ** 2 / args.d, args) for name, fn in BASELINES.items()}
+def evaluate(model, xs, ys, args, device):
+    """The model's and the baselines' summaries on these prompts."""
+    errs = model_errors(model, xs, ys, args.d, device)
+    return summarize(errs, args), {k: summarize((f(xs, ys) - ys) ** 2 / args.d, args) for k, f in BASELINES.items()}
 
 # -----------------------------------------------------------------------------
 # Training
@@ -522,17 +418,11 @@ def make_optimizer(model, args):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps)   # official betas, eps
 
 
-def new_state():
-    """What a checkpoint holds besides weights, optimizer and RNGs: enough to continue exactly."""
-    return dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
-
-
 def check_resume(saved, args, given, step):
-    """--resume: the checkpoint's settings win and a given flag that differs is refused (resume_settings), except
-    a new --max_iters: it continues the run to that length when every step already taken (0 .. step - 1) had the
-    same lr and curriculum under it, so that the longer run is the same run as one trained that long from scratch
-    (a constant lr after warmup and a curriculum that ends before `step` do this; a cosine schedule, or a curriculum
-    still scaled to the run's length, do not). ValueError in one line otherwise."""
+    """--resume: the checkpoint's settings win and a given flag that differs is refused (resume_settings), except a
+    new --max_iters when every step already taken (0 .. step - 1) had the same lr and curriculum under it: the
+    longer run is then the run trained that long from scratch (a constant lr after warmup and a curriculum that
+    ended before `step` do this; a cosine schedule or a curriculum scaled to the run's length do not)."""
     may_change = set(NOT_TRAINING)
     if 'max_iters' in given and args.max_iters != saved['max_iters']:
         old = argparse.Namespace(**saved)
@@ -552,32 +442,9 @@ def check_resume(saved, args, given, step):
     resume_settings(saved, args, given, may_change)
 
 
-def resume_run(ckpt_path, model, opt, gen, args, run_name):
-    """--resume: load <run_name>.pt into model, optimizer and the RNGs; every training setting of the checkpoint
-    must agree with args, or continue it (check_resume). -> the run state to continue from."""
-    ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
-    saved = ck['config']
-    check_resume(saved, args, set(saved) - {'format'}, ck['state']['step'])   # every training setting must agree
-    model.load_state_dict(ck['model'])
-    opt.load_state_dict(ck['optimizer'])
-    gen.set_state(ck['data_rng'])
-    set_rng_state(ck['rng'])
-    print(f'[{run_name}] resumed from {ckpt_path} at step {ck["state"]["step"]}')
-    return ck['state']
-
-
-def curve_point(model, xs, ys, args, device, step, st):
-    """A point of the training curve: the held-out error at N = 2d, at the query and over all positions."""
-    mean = model_errors(model, xs, ys, args.d, device).mean(0)
-    i2d = min(2 * args.d, mean.numel()) - 1
-    return {'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'], 'at_2d': mean[i2d].item(),
-            'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']}
-
-
 def train(args, run_name='run'):
-    """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json). In nanoGPT's
-    order: config, data, model, optimizer, (resume), the loop with its evaluations and checkpoints, the final
-    evaluation."""
+    """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json). In nanoGPT's order:
+    config, data, model, optimizer, resume, the loop with its evaluations and checkpoints, the final evaluation."""
     args = resolve(args)                                         # config
     torch.manual_seed(args.seed)
     if args.threads > 0:
@@ -589,14 +456,26 @@ def train(args, run_name='run'):
     opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
     prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
-    resuming = args.resume and os.path.exists(ckpt_path)        # resume, or a fresh run state
-    st = resume_run(ckpt_path, model, opt, gen, args, run_name) if resuming else new_state()
+    # the run state: what a checkpoint holds besides weights, optimizer and RNGs, to continue exactly
+    st = dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
+    if args.resume and os.path.exists(ckpt_path):               # every training setting must agree (check_resume)
+        ck = load_checkpoint(ckpt_path, SCRIPT, ('model', 'optimizer', 'config', 'step', 'state'))
+        check_resume(ck['config'], args, set(ck['config']) - {'format'}, ck['state']['step'])
+        model.load_state_dict(ck['model'])
+        opt.load_state_dict(ck['optimizer'])
+        gen.set_state(ck['data_rng'])
+        set_rng_state(ck['rng'])
+        st = ck['state']
+        print(f'[{run_name}] resumed from {ckpt_path} at step {st["step"]}')
 
-    def evaluate(step):   # on the first n_eval_during held-out prompts
-        st['history'].append(curve_point(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args, device,
-                                         step, st))
+    def curve_point(step):   # the held-out error at N = 2d, at the query and overall, on n_eval_during prompts
+        mean = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device).mean(0)
+        i2d = min(2 * args.d, mean.numel()) - 1
+        st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'],
+                              'at_2d': mean[i2d].item(), 'query': mean[-1].item(), 'mean': mean.mean().item(),
+                              'time_s': st['time_s']})
 
-    def save():           # the checkpoint <run_name>.pt (with --save): -> its path, or None
+    def save():              # the checkpoint <run_name>.pt (with --save): -> its path, or None
         if not args.save:
             return None
         save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
@@ -604,47 +483,16 @@ def train(args, run_name='run'):
                                     'data_rng': gen.get_state(), 'rng': rng_state()})
         return ckpt_path
 
+    body_params = sum(p.numel() for p in model.body.parameters())
     print(f'[{run_name}] attn={args.attn} L={args.n_layer} H={args.n_head} D={args.n_embd} '
           f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} '
-          f'body_params={sum(p.numel() for p in model.body.parameters())} device={device} '
-          f'threads: {torch.get_num_threads()}')
-    train_steps(model, opt, args, gen, st, evaluate, save, device, run_name)   # the loop
-    if not (st['history'] and st['history'][-1]['step'] == args.max_iters):
-        evaluate(args.max_iters)
-    results = final_results(model, args, st, ex, ey, device, run_name)          # final evaluation
-    results['outputs'] = {'checkpoint': save(), 'results': json_path}           # checkpoint and results
-    write_json(json_path, results)
-    results['_model'] = model   # handy for in-process callers (tests); not serialized
-    return results
-
-
-def final_results(model, args, st, ex, ey, device, run_name):
-    """The final evaluation on the full held-out set (and the shifted one, --test_cov), with the baselines on
-    the same prompts, printed in one line. -> the results dict."""
-    results = {'run': run_name, 'config': dict(vars(args)),
-               'body_params': sum(p.numel() for p in model.body.parameters()), 'train_flops': st['flops'],
-               'train_time_s': st['time_s'], 'cpu_time_s': st['cpu_s'], 'history': st['history'],
-               'steps_to_90': steps_to_90(st['history']), 'final_train_loss_ema': st['loss_ema']}
-    results['model'] = summarize(model_errors(model, ex, ey, args.d, device), args)
-    results['baselines'] = baseline_summaries(ex, ey, args)
-    if args.test_cov:
-        ax, ay, _ = eval_set(args, args.n_eval, args.test_cov)
-        results['model_shifted'] = summarize(model_errors(model, ax, ay, args.d, device), args)
-        results['baselines_shifted'] = baseline_summaries(ax, ay, args)
-    m = results['model']
-    print(f'[{run_name}] done in {st["time_s"]:.0f}s ({st["cpu_s"]:.0f}s CPU) | error at N=2d {m["at_2d"]:.4f} '
-          f'[{m["at_2d_ci"][0]:.4f}, {m["at_2d_ci"][1]:.4f}] | query {m["query"]:.4f} | '
-          + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {st["flops"]:.3e}')
-    return results
-
-
-def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
-    """Steps st['step'] .. args.max_iters - 1, updating st. Every eval_interval steps: evaluate, then save. A NaN or
-    inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step, saves and raises
-    Interrupted. A step's batch is drawn after the save, so a resumed run draws it from the saved generator."""
+          f'body_params={body_params} device={device} threads: {torch.get_num_threads()}')
+    # the loop. Every eval_interval steps: evaluate, then save. A NaN or inf loss stops the run at that step, before
+    # the update (Diverged); Ctrl-C ends the step, saves and raises Interrupted. A step's batch is drawn after the
+    # save, so a resumed run draws it from the saved generator
     flops_per_T = {}                                        # T -> body.forward_flops(T)
     time0, cpu0, t0, c0 = st['time_s'], st['cpu_s'], time.time(), time.process_time()
-    batches = training_batches(args, gen, st['step'])
+    x_scale = covariance_scale(args.train_cov, args.d)
     bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
                mininterval=2.0)
     model.train()
@@ -653,13 +501,14 @@ def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
             st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0  # wall, CPU
             if (args.eval_interval and step % args.eval_interval == 0
                     and not (st['history'] and st['history'][-1]['step'] == step)):
-                evaluate(step)
+                curve_point(step)
                 save()
             if ctrl_c.stop:
                 path = save()
                 raise Interrupted(f'[{run_name}] at step {step}: ' + (f'saved {path}; continue with --resume'
                                                                       if path else 'nothing saved (--no-save)'))
-            _, d_active, n_points, xs, ys = next(batches)
+            d_active, n_points = curriculum(step, args)   # a fresh batch from the training generator
+            xs, ys, _ = sample_prompts(gen, args.batch_size, args.d, n_points, d_active, x_scale, args.noise_std)
             xs, ys = xs.to(device), ys.to(device)
             t = time.time()
             for g in opt.param_groups:
@@ -684,17 +533,27 @@ def train_steps(model, opt, args, gen, st, evaluate, save, device, run_name):
                            f'train FLOPs {st["flops"]:.3e}')
     bar.close()
     st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0
+    if not (st['history'] and st['history'][-1]['step'] == args.max_iters):
+        curve_point(args.max_iters)
+    # the final evaluation: the full held-out set (and the shifted one, --test_cov), the baselines on the same prompts
+    results = {'run': run_name, 'config': dict(vars(args)), 'body_params': body_params, 'train_flops': st['flops'],
+               'train_time_s': st['time_s'], 'cpu_time_s': st['cpu_s'], 'history': st['history'],
+               'steps_to_90': steps_to_90(st['history']), 'final_train_loss_ema': st['loss_ema']}
+    results['model'], results['baselines'] = evaluate(model, ex, ey, args, device)
+    if args.test_cov:
+        ax, ay, _ = eval_set(args, args.n_eval, args.test_cov)
+        results['model_shifted'], results['baselines_shifted'] = evaluate(model, ax, ay, args, device)
+    m = results['model']
+    print(f'[{run_name}] done in {st["time_s"]:.0f}s ({st["cpu_s"]:.0f}s CPU) | error at N=2d {m["at_2d"]:.4f} '
+          f'[{m["at_2d_ci"][0]:.4f}, {m["at_2d_ci"][1]:.4f}] | query {m["query"]:.4f} | '
+          + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {st["flops"]:.3e}')
+    results['outputs'] = {'checkpoint': save(), 'results': json_path}
+    write_json(json_path, results)
+    results['_model'] = model   # handy for in-process callers (tests); not serialized
+    return results
 
 # -----------------------------------------------------------------------------
 # Plots
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
-
 
 BASELINE_STYLE = {'least_squares': ('k', ':'), 'averaging': ('C7', '--'), '3-NN': ('C8', '-.'), 'zero': ('C9', ':')}
 MODEL_COLOR = {'standard, 8 heads': 'C0', 'standard, 1 head': 'C1', 'bilinear BTT, 8 heads': 'C2',
@@ -705,136 +564,128 @@ def color(label):
     return next((c for k, c in MODEL_COLOR.items() if label.startswith(k)), None)
 
 
-def plot_positions(runs, path, title):
-    """Error per position (number of in-context examples) for each run, with the baselines of the first."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, r in runs.items():
-        m = r['model']
-        k = np.arange(len(m['mean']))
-        ax.plot(k, m['mean'], label=name, color=color(name))
-        ax.fill_between(k, m['lo'], m['hi'], alpha=0.25, color=color(name))
-    base = next(iter(runs.values()))
-    for name, b in base['baselines'].items():
-        ax.plot(np.arange(len(b['mean'])), np.maximum(b['mean'], 1e-4), color=BASELINE_STYLE[name][0],
-                ls=BASELINE_STYLE[name][1], label=name)
-    d = base['config']['d']
-    ax.axvline(d, color='gray', lw=0.5)
-    ax.axvline(2 * d - 1, color='gray', lw=0.5, ls='--')
-    ax.set(yscale='log', ylim=(1e-3, 3), xlabel='in-context examples (i - 1)', ylabel='normalized squared error',
-           title=title)
-    ax.legend(fontsize=7)
+def save_figure(fig, ax, path, **legend):
+    ax.legend(fontsize=7, **legend)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def results_of(runs):
-    """{run label: its run name and final error}: what tells two sweeps' runs apart."""
-    return {k: (r.get('run'), r['model']['at_2d']) for k, r in runs.items()}
+def plot_positions(results, path, title):
+    """Error per position (number of in-context examples) for each run, with the baselines of the first."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in results.items():
+        m = r['model']
+        ax.plot(m['mean'], label=name, color=color(name))
+        ax.fill_between(np.arange(len(m['mean'])), m['lo'], m['hi'], alpha=0.25, color=color(name))
+    base = next(iter(results.values()))
+    for name, b in base['baselines'].items():
+        ax.plot(np.maximum(b['mean'], 1e-4), color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], label=name)
+    d = base['config']['d']
+    ax.axvline(d, color='gray', lw=0.5)
+    ax.axvline(2 * d - 1, color='gray', lw=0.5, ls='--')
+    ax.set(yscale='log', ylim=(1e-3, 3), xlabel='in-context examples (i - 1)', ylabel='normalized squared error',
+           title=title)
+    save_figure(fig, ax, path)
 
 
-def write_sweep(args, name, payload, plot_fn):
-    os.makedirs(args.out_dir, exist_ok=True)
-    jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
-    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot of the same runs:
-        with open(jpath) as f:                                                      # keep the training's wall time
-            old = json.load(f)
-        if results_of(old['runs']) == results_of(payload['runs']):
-            payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
-    write_json(jpath, payload)
-    plot_fn(ppath)
-    if args.assets_dir:
-        os.makedirs(args.assets_dir, exist_ok=True)
-        shutil.copy(ppath, os.path.join(args.assets_dir, f'icl_{name}.png'))
-        shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
+def plot_curves(by_point, key, style, figsize):
+    """Training curves per sweep point: history[key] against step or FLOPs (style(label, rs) -> x key, color, line
+    style), the mean over seeds and their min-max band (on a log axis mean - std is often below 0 with 3 seeds)."""
+    fig, ax = plt.subplots(figsize=figsize)
+    for k, rs in by_point.items():
+        x_key, c, ls = style(k, rs)
+        steps = sorted(set.intersection(*({h['step'] for h in r['history']} for r in rs)))   # shared by all seeds
+        by_step = [{h['step']: h for h in r['history']} for r in rs]
+        y = np.array([[b[s][key] for s in steps] for b in by_step])                            # (seeds, evals)
+        x = np.array([by_step[0][s][x_key] for s in steps])
+        keep = (x > 0) | (x_key == 'step')                                                     # log axis: no 0 FLOPs
+        ax.plot(x[keep], y.mean(0)[keep], label=f'{k} ({len(rs)} seed{"s" * (len(rs) > 1)})', color=c, ls=ls)
+        ax.fill_between(x[keep], y.min(0)[keep], y.max(0)[keep], alpha=0.15, color=c)
+    return fig, ax
 
+
+def plot_bottleneck(path, table, base, widths, args):
+    """Fig. 2/3a: error at N = 2d against width D per model: the mean over seeds (line), each seed (dots) and
+    their range (band), the models drawn a little apart at each width; the baselines as horizontal lines."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    for k, label in enumerate(BOTTLENECK_MODELS):
+        rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
+        if not rows:
+            continue
+        shift = 1.008 ** (k - (len(BOTTLENECK_MODELS) - 1) / 2)    # side by side at one width, not on top
+        x, seeds = np.array([t['D'] for t in rows]) * shift, [np.array(t['err_at_2d_seeds'], float) for t in rows]
+        n = rows[0]['seeds']
+        ax.plot(x, [t['err_at_2d'] for t in rows], marker='o', label=f'{label} (mean, {n} seed{"s" * (n > 1)})',
+                color=color(label))
+        ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
+        for xi, v in zip(x, seeds):
+            ax.scatter(np.full(len(v), xi), v, s=12, color=color(label), alpha=0.6)
+    for name, b in base.items():
+        if name != 'least_squares':
+            ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
+    ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
+           ylabel=f'error at N = 2d (d = {args.d})',
+           title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps\n'
+                 f'lr {lr_text(args, widths)}\n(least squares = 0; dots: seeds, band: their range)')
+    ax.title.set_fontsize('medium')
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+    save_figure(fig, ax, path, loc='center left', bbox_to_anchor=(1.01, 0.5))   # outside: it hid seeds' dots
 
 # -----------------------------------------------------------------------------
-# Sweeps (the papers' figures at CPU scale; every model gets the same steps and batch)
+# Sweeps: the papers' figures at CPU scale, every model with the same steps and batch. A sweep is a list of points
+# {label: (settings, run name)}, trained with --seeds seeds each through runs.sweep, then a table and a plot.
+# Its CPU recipe departs from DEFAULTS where a CPU budget forces it, for the reasons (and trials) in docs/icl.md,
+# "The CPU recipe"; applied to every flag not given, then --quick's QUICK the same way.
 
-# Each sweep's CPU recipe: where it departs from DEFAULTS (the official settings) and why. Applied to every flag
-# not given on the command line; --quick then applies QUICK the same way. How it was found: README, "CPU recipe".
 CPU_RECIPE = dict(
-    # official 500 001 (GPU). At 5000 steps bilinear MLR 1|1|1 at D = 24 ended just above 0.1 on every seed (0.104 -
-    # 0.122, still falling); at 7000 every full-rank run at D = 24 ends <= 0.1 and 8 heads of width 3 stay >= 0.5
-    max_iters=7000,
-    # the low end of the official standard-attention grid (1e-3 ... 5e-5; the official default 1e-4). Under muP the
-    # hidden lr is lr x 768 / D, so 1e-4 is 3.2e-3 at D = 24: there a seed could stay on the "predict 0" plateau
-    # (1 head at d = 5: 0.084 / 0.628 / 0.112 over seeds 0-2); at 5e-5 every 1-head and BTT run ends <= 0.1 and the
-    # seeds agree (std <= 0.014). 3e-4 left 1 head on the plateau longer. README, "CPU recipe"
-    lr=5e-5,
-    # Curriculum: Garg et al.'s idea, stretched. The official one (dims from 4, +1 per 2000 of 500 001 steps) ends
-    # after ~6 % of the run, ~300 steps here, which is no curriculum at d = 5; without one, 1 head at D = 24 stayed
-    # on the predict-0 plateau for 5000 steps (1.04), with this one it reached 0.08. Dims from 2 and points from 4,
-    # +1 dim and +2 points every 500 steps: the full task (d = 5, N = 10) from step 1500 on
+    max_iters=7000,          # official 500 001; at 5000 bilinear MLR 1|1|1 (D = 24) ended just above 0.1
+    lr=5e-5,                 # at the official 1e-4 a 1-head run could stay on the "predict 0" plateau
+    # Garg's curriculum stretched (the official one ends after ~300 steps here): dims from 2, points from 4, +1 dim
+    # and +2 points every 500 steps, the full task (d = 5, N = 10) from step 1500 on
     curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
     n_eval_during=128, eval_interval=250)    # fewer, smaller evals during training: CPU time
-# Bilinear MLR at these head widths (3, 4): one LayerNorm over the head's features, all levels at once, instead
-# of the official one per level (bilinear_mlr_ln 'head', a departure). Per level, 1|1|2's levels of 1 and 2
-# features cannot learn (a LayerNorm over 1 feature outputs 0, over 2 a sign) and the model stayed on the plateau
-# (1.00 +- 0.04 over 3 seeds); with 'head' it reached 0.042 +- 0.011 (README, "CPU recipe" and Results)
-MLR_SMALL_HEADS = dict(bilinear_mlr_ln='head')
 SWEEP_RECIPE = {
-    # 8 heads of width 3 and 4 against d = 5: the failing side, and the first width that learns at d = 5 (trials:
-    # widths 2 and 3 fail, 4 learns). The full-rank models at D = 24 only, where 8 heads fail (as the d = 8 recipe
-    # does): the 15 runs fit the 60-min budget (31.7 min wall from scratch on the 2-core VM; all four models at both
-    # widths would hold ~1.8x the CPU, by its per-run CPU times, not run; --full_rank_widths 24,32 trains them).
-    # Bilinear MLR 1|1|1 at head width 3 (levels of 1, 2, 4 features: score rank 7 >= d once every level learns);
-    # 1|1|2 at head width 4 (1, 2, 8 features: rank 11) with --full_rank_widths
-    'bottleneck': dict(CPU_RECIPE, **MLR_SMALL_HEADS, widths='24,32', full_rank_widths='24',
+    # 8 heads of width 3 (fails at d = 5) and 4 (learns); the full-rank models at D = 24 only: 15 runs, 31.7 min
+    # wall on the 2-core VM. Bilinear MLR 1|1|1 at head width 3 (score rank 7 >= d), 1|1|2 at 4 (rank 11), with
+    # one LayerNorm per head (bilinear_mlr_ln 'head', a departure: see bottleneck_mlr_ranks)
+    'bottleneck': dict(CPU_RECIPE, bilinear_mlr_ln='head', widths='24,32', full_rank_widths='24',
                        bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
-    # the bottleneck sweep's D = 24, where 8 heads fail (its runs are reused): bilinear MLR 1|1|1 as there
-    'compute': dict(CPU_RECIPE, **MLR_SMALL_HEADS, compute_width=24, compute_ranks='1|1|1'),
-    # seed 003: softmax 30 000 steps, linear 7500 / 8000 / 10 000 (1 / 3 / 6 layers), best checkpoint by validation
-    # loss; CPU budget (~45 min with 2 workers): one length for all, the final model. Seed 003 says nothing of a
-    # curriculum; this one is the bottleneck recipe's. lr and batch per architecture: SEED003_OPTIMIZER
+    # the bottleneck sweep's D = 24 (its runs are reused)
+    'compute': dict(CPU_RECIPE, bilinear_mlr_ln='head', compute_width=24, compute_ranks='1|1|1'),
+    # seed 003 trained 7500 - 30 000 steps; one length for all here, lr and batch per architecture (SEED003_OPTIMIZER)
     'linear': dict(CPU_RECIPE, max_iters=12000),
 }
-# `--sweep bottleneck --d 8`, the one larger d: its recipe on top of SWEEP_RECIPE['bottleneck']. The d = 5 sweep at
-# d = 8 would take ~3.6 h (all four models at two widths, 10 000 steps), so it trains what the threshold needs:
-# 8 heads of width 4 (< d) and 8 (= d), and the full-rank models (1-head standard, bilinear BTT and MLR) at width 4.
-# Not D = 24 (width 3): there 8 heads stay >= 0.5 (0.76-0.84 after 12 000 steps), but the full-rank models are
-# slower too, with a seed of each model above 0.1 at 12 000 steps (README, "A narrower model at d = 8")
-LARGER_D_RECIPE = {8: dict(
-    widths='32,64', full_rank_widths='32',
-    # d = 8 needs more steps than d = 5: single-seed trials with 5000 steps left 1 head at 0.32 and falling; with
-    # 8000 the curriculum rule (+1 dim / +2 points every 500 steps within the first half) reaches d = 8 at 3000
-    max_iters=8000,
-    # the lr per width, as the official runs pick it from a grid per width (standard 1e-3 ... 5e-5, BTT 1e-4 and
-    # 5e-5, bilinear MLR 1e-2 ... 1e-4; here one lr for all models at a width, so bilinear MLR's 5e-5 at D = 32 is
-    # below its official grid). D = 32 keeps the recipe's 5e-5: at 1e-4, 1 head (seeds 0 / 1) ended 0.328 / 0.879,
-    # at 5e-5 0.051 / 0.042 (README, "CPU recipe"). D = 64 trains at 1e-4: under muP the hidden lr is lr x 768 / D,
-    # so both widths get 1.2e-3, and both models trained at D = 64 learned with it
-    width_lrs='64:1e-4',
-    bottleneck_ranks='4:1|1|2')}
-
-# Recipe settings that name the recipe's widths: with --widths given they are not applied (every width then trains
-# the full-rank models, at --lr), unless given too
-PER_WIDTH = {'full_rank_widths', 'width_lrs'}
-
-# --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2
+# `--sweep bottleneck --d 8`: on top of SWEEP_RECIPE['bottleneck'], what the threshold needs at d = 8: 8 heads of
+# width 4 (< d) and 8 (= d), the full-rank models at width 4; 8000 steps (the curriculum reaches d = 8 at 3000);
+# at D = 64 lr 1e-4, so that under muP (hidden lr x 768 / D) both widths get 1.2e-3 (docs/icl.md, "A larger d: 8")
+LARGER_D_RECIPE = {8: dict(widths='32,64', full_rank_widths='32', max_iters=8000, width_lrs='64:1e-4',
+                           bottleneck_ranks='4:1|1|2')}
+PER_WIDTH = {'full_rank_widths', 'width_lrs'}   # they name the recipe's widths: not applied with --widths given
+# --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2 (docs/icl.md)
 QUICK = {
-    # D = 24 only (8 heads of width 3 < d), one seed; no bilinear MLR (with it, its runs are the compute quick mode's
-    # four: 7.3 min longest first, a margin too thin for the 8-min budget on a machine that is not idle)
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200, bottleneck_ranks=''),
-    # the bottleneck quick mode's runs (reused in the same --out_dir) plus bilinear MLR 1|1|1: 7.3 min from scratch
-    # (the runs longest first; 8.9 min in the table's order), ~5 min (its MLR run) after the bottleneck quick mode
-    'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),
-    # 3 layers only: the depth at which seed 003 compares the two at their best (1.6 min once; README)
+    'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),   # the bottleneck's runs + bilinear MLR
     'linear': dict(depths='3', max_iters=3000, seeds=1, n_eval=500, n_boot=200),
 }
-
-
-NOT_TRAINING = {'sweep', 'run_name', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save', 'threads', 'device',
-                'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse', 'resume', 'overwrite',
-                'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths', 'full_rank_models',
-                'width_lrs'}
+# seed 003 §2.2.1-2.2.2: each architecture's tuned lr and batch with plain Adam (no muP); ours keeps AdamW's
+# official betas, eps and warmup (seed 003 does not give them)
+SEED003_OPTIMIZER = {'standard': dict(lr=1e-4, batch_size=32, mup=False),
+                     'linear': dict(lr=3e-4, batch_size=64, mup=False)}
+BOTTLENECK_MODELS = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
+                     'bilinear BTT, 8 heads': ('bilinear_btt', 8), 'bilinear MLR, 8 heads': ('bilinear_mlr', 8)}
+FULL_RANK_MODELS = {'standard_1head': 'standard, 1 head', 'bilinear_btt': 'bilinear BTT, 8 heads',
+                    'bilinear_mlr': 'bilinear MLR, 8 heads'}             # --full_rank_models: name -> label
+# flags that are not a run's training settings: a run differing only in these is the same run
+NOT_TRAINING = {'sweep', 'run_name', 'out_dir', 'assets_dir', 'workers', 'progress', 'log_interval', 'save',
+                'threads', 'device', 'widths', 'compute_width', 'linear_width', 'depths', 'compute_ranks', 'reuse',
+                'resume', 'overwrite', 'seeds', 'quick', 'bottleneck_ranks', 'optimizer_given', 'full_rank_widths',
+                'full_rank_models', 'width_lrs'}
 
 
 def variant(args, **overrides):
-    """One sweep run's settings. bilinear_mlr_ln, read by bilinear MLR only, stays at its default for the other
-    models, so that their runs equal (and reuse) runs trained before the sweeps set it."""
+    """One sweep run's settings; bilinear_mlr_ln stays at its default but for bilinear MLR (other runs are reused)."""
     a = copy.copy(args)
     a.sweep = ''
     for k, v in overrides.items():
@@ -844,13 +695,8 @@ def variant(args, **overrides):
     return a
 
 
-def training_seeds(args):
-    return list(range(args.seed, args.seed + args.seeds))
-
-
 def run_argv(a, name, run_dir):
-    """One sweep run's command line: every training setting of `a` as a flag (resolve() reads them back the same),
-    its own folder <out_dir>/<name>, one thread, no progress bar."""
+    """One sweep run's command line: every training setting of `a` as a flag, its own folder, one thread."""
     argv = [f'--run_name={name}', f'--out_dir={run_dir}', '--no-progress', '--threads=1',
             f'--log_interval={a.log_interval}', f'--device={a.device}', '--save' if a.save else '--no-save']
     for act in build_parser()._actions:
@@ -865,10 +711,8 @@ def run_argv(a, name, run_dir):
 
 
 def run_status(args, a, name, run_dir):
-    """-> (runs.run_state of the run folder, the step its checkpoint reached): 'done' when <name>.json holds these
-    training settings (the config less NOT_TRAINING), 'partial' when only <name>.pt does, else 'new'. A folder of
-    other settings is refused, unless --overwrite (then retrained); with --resume a checkpoint may continue to a
-    larger --max_iters (check_resume); --no-reuse: every run is 'new'."""
+    """-> (runs.run_state of the run folder: 'done', 'partial' or 'new', the step its checkpoint reached). Other
+    settings are refused unless --overwrite; with --resume a run may continue to a larger --max_iters."""
     json_path, ckpt_path = (os.path.join(run_dir, f'{name}.{ext}') for ext in ('json', 'pt'))
     want = resolve(a)
     if not args.reuse:
@@ -882,18 +726,18 @@ def run_status(args, a, name, run_dir):
         with open(json_path) as f:
             saved = json.load(f)['config']
     try:
-        return runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path)), ck['step'] if ck else 0
+        state = runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path))
     except ValueError as e:
         if args.overwrite:
             return 'new', 0
         raise ValueError(f'{e}'.replace('--sweep_dir', '--out_dir') + ' (or --overwrite: retrain these)') from None
+    return state, ck['step'] if ck else 0
 
 
 def run_seconds(a, start, ms):
-    """The estimate of a run's 1-thread seconds: the steps left (from `start`) at each prompt length N of the
-    curriculum x one step's time at N (measured once per model and N, kept in ms; timing every step at the full
-    length read ~40 % high with a long curriculum), plus its evaluations at the full length (a forward ~ 1/3 step)
-    and ~2 s of baselines."""
+    """A run's estimated 1-thread seconds: the steps left (from `start`) at each prompt length N of the curriculum
+    x one step's time at N (measured once per model and N, kept in ms; timing every step at the full length read
+    ~40 % high), plus its evaluations at the full length (a forward ~ 1/3 step) and ~2 s of baselines."""
     a = resolve(a)
     lengths = collections.Counter(curriculum(s, a)[1] for s in range(start, a.max_iters))
     model = (a.attn, a.layer_pattern, a.n_head, a.n_embd, a.n_layer, a.ranks, a.d, a.batch_size)
@@ -909,92 +753,100 @@ def run_seconds(a, start, ms):
 
 
 def run_points(args, points):
-    """Train every sweep point {label: (args, run name)} with --seeds training seeds, each (point, seed) a run in
-    its own folder <out_dir>/<name>_s<seed>, through runs.sweep: `python train_icl.py <argv>`, --workers processes,
-    finished runs reused and cut-off ones resumed. The held-out prompts are the same for every seed (eval_seed
-    fixed from --seed), so the spread over seeds is the training seed's. -> {label: [result of each seed]}."""
+    """Train each point {label: (settings, run name)} with --seeds seeds (the same held-out prompts), each a run in
+    <out_dir>/<name>_s<seed> (runs.sweep). -> ({label: [result of each seed]}, wall seconds)."""
+    t0 = time.time()
     prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
     if args.assets_dir:
         prepare_out_dir(args.assets_dir, flag='--assets_dir')
     eval_seed = args.eval_seed if args.eval_seed >= 0 else args.seed + 1000003
     todo, states, ms = [], {}, {}
     for label, (a, name) in points.items():
-        for s in training_seeds(args):
+        for s in range(args.seed, args.seed + args.seeds):
             a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
             run_dir = os.path.join(args.out_dir, run)
             states[run], step = run_status(args, a_s, run, run_dir)
             seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
             todo.append(runs.Run(run, label, s, run_argv(a_s, run, run_dir), run_dir, seconds))
-    codes = runs.sweep(todo, states, os.path.join(HERE, SCRIPT), main, args.workers, tag='icl')
+    codes = runs.sweep(todo, states, __file__, main, args.workers, tag='icl')
     failed = [r.name for r in todo if codes.get(r.name, 0) != 0]
     if failed:
         raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their train.log)")
-    results = {}
+    by_point = {}
     for r in todo:
         with open(os.path.join(r.out_dir, f'{r.name}.json')) as f:
-            results.setdefault(r.group, []).append(dict(json.load(f), **({'reused': True} if states[r.name] == 'done'
-                                                                          else {})))
-    return results
+            reused = {'reused': True} if states[r.name] == 'done' else {}
+            by_point.setdefault(r.group, []).append(dict(json.load(f), **reused))
+    return by_point, time.time() - t0
 
 
 def mean_std(values):
-    """(mean, sample std over seeds; 0 for one seed) of a list of numbers (None entries skipped)."""
-    v = np.array([x for x in values if x is not None], dtype=float)
-    if v.size == 0:
-        return None, None
-    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
+    """(mean, sample std; 0 for one value) of the values that are not None; (None, None) when none is."""
+    v = [x for x in values if x is not None]
+    return (None, None) if not v else (runs.mean_std(v)[0], runs.mean_std(v)[1] if len(v) > 1 else 0.0)
 
 
-def seed_summary(rs, key, get):
-    """{key: mean, key_std: std, key_seeds: per-seed values} of get(result) over one point's seeds."""
-    vals = [get(r) for r in rs]
-    m, s = mean_std(vals)
-    return {key: m, f'{key}_std': s, f'{key}_seeds': vals}
+def table_row(label, rs, **values):
+    """A sweep table's row for one point (rs: its results per seed): for each key=get, the mean, std and per-seed
+    values of get(result); the mean training and CPU seconds."""
+    row = {'model': label, 'seeds': len(rs)}
+    for key, get in values.items():
+        vals = [get(r) for r in rs]
+        row[key], row[f'{key}_std'] = mean_std(vals)
+        row[f'{key}_seeds'] = vals
+    row['time_s'], row['cpu_s'] = (mean_std([r.get(k) for r in rs])[0] for k in ('train_time_s', 'cpu_time_s'))
+    return row
 
 
-def n_seeds(n):
-    return f'{n} seed' + ('s' if n != 1 else '')
+def print_table(rows, cols):
+    """A markdown table; a column with a '<col>_std' companion prints as 'mean ± std' (over seeds)."""
+    def cell(v, s=None):
+        if isinstance(v, float):
+            return f'{v:.4g}' if s is None else f'{v:.4g} ± {s:.2g}'
+        return '[' + ', '.join('-' if x is None else f'{x:.3g}' for x in v) + ']' if isinstance(v, list) else str(v)
+    print('| ' + ' | '.join(cols) + ' |')
+    print('|' + '---|' * len(cols))
+    for r in rows:
+        print('| ' + ' | '.join(cell(r[c], r.get(f'{c}_std')) for c in cols) + ' |')
 
 
-def mean_history(rs, key):
-    """Training curves over seeds: (x steps, flops, mean, min, max) at the evaluation steps all seeds share. The
-    band is min-max over seeds: on a log axis mean - std is often below 0 with 3 seeds."""
-    steps = sorted(set.intersection(*({h['step'] for h in r['history']} for r in rs)))
-    by = [{h['step']: h for h in r['history']} for r in rs]
-    vals = np.array([[b[s][key] for s in steps] for b in by])                  # (seeds, evals)
-    return np.array(steps), np.array([by[0][s]['flops'] for s in steps]), vals.mean(0), vals.min(0), vals.max(0)
-
-
-def reused_runs(runs):
-    return [f'{k}, seed={r["config"]["seed"]}' for k, rs in runs.items() for r in rs if r.get('reused')]
-
-
-def seed_runs(runs):
-    """The sweep JSON's per-seed results: {'<label>, seed=<s>': run} (baselines kept once, outside)."""
-    return compact({f'{k}, seed={r["config"]["seed"]}': r for k, rs in runs.items() for r in rs})
-
-
-def full_rank_widths(args):
-    """The bottleneck sweep's widths for 1-head standard and bilinear BTT / MLR: --full_rank_widths, or every width."""
-    return [int(w) for w in (args.full_rank_widths or args.widths).split(',')]
+def write_sweep(args, by_point, wall, table, cols, plot, **extra):
+    """Print the table; write <out_dir>/sweep_<name>.json (every run per seed, the baselines, identical for runs on
+    the same prompts, kept once) and icl_<name>.png (plot(path)); copy both to --assets_dir. -> the JSON's dict."""
+    print_table(table, cols)
+    name = args.sweep + run_tag(args)          # 'bottleneck', 'bottleneck_d8', 'compute_quick', ...
+    seed_runs = {f'{k}, seed={r["config"]["seed"]}': r for k, rs in by_point.items() for r in rs}
+    payload = {'sweep': name, 'wall_s': wall, 'seeds': list(range(args.seed, args.seed + args.seeds)),
+               'reused': [k for k, r in seed_runs.items() if r.get('reused')], 'table': table, **extra,
+               'runs': {k: {f: v for f, v in r.items() if f not in ('baselines', 'baselines_shifted')}
+                        for k, r in seed_runs.items()}}
+    jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
+    if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot of the same runs
+        with open(jpath) as f:                                                      # keeps the training's wall time
+            old = json.load(f)
+        same = [{k: (r.get('run'), r['model']['at_2d']) for k, r in p['runs'].items()} for p in (old, payload)]
+        if same[0] == same[1]:
+            payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
+    write_json(jpath, payload)
+    plot(ppath)
+    if args.assets_dir:
+        shutil.copy(ppath, args.assets_dir)
+        shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
+    return payload
 
 
 def run_tag(args):
-    """What tells a sweep's files apart from the full d = 5 sweep's: '_d8' at d = 8 (not for the linear sweep,
-    seed 003's d = 5 whatever --d says), '_quick' with --quick, else ''. In its run names, its sweep JSON and its
-    plots, so that the sweeps' outputs lie side by side in one --out_dir / --assets_dir and a --quick run never
-    collides with (or is asked to --overwrite) a full one."""
+    """'_d8' at d = 8 (not linear: d = 5), '_quick' with --quick: sweeps' files lie side by side, never collide."""
     other_d = args.d != DEFAULTS['d'] and args.sweep != 'linear'
     return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
 
 
-def sweep_name(args):
-    """The sweep's name in its files: 'bottleneck', 'bottleneck_d8', 'compute_quick', ..."""
-    return args.sweep + run_tag(args)
-
-
-def position_plot_name(args):
-    return f'icl_position{run_tag(args)}.png'
+def score_rank(c):
+    """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
+    min(D, sum_l 2^l r_l) for bilinear MLR (paper §3.2, Table 1)."""
+    D, H = c['n_embd'], c['n_head']
+    mlr = min(D, sum(2 ** l * int(r) for l, r in enumerate((c['ranks'] or str(D // H)).split('|'))))
+    return {'bilinear_btt': D, 'bilinear_mlr': mlr}.get(c['attn'], D // H)
 
 
 def width_lrs(args):
@@ -1004,88 +856,22 @@ def width_lrs(args):
 
 def lr_text(args, widths):
     """The sweep's lr for a plot title: '1e-04', or per width with --width_lrs ('5e-05 at D = 32, 1e-04 at 64')."""
-    given = width_lrs(args)
-    lrs = {D: given.get(D, args.lr) for D in sorted(widths)}
+    lrs = {D: width_lrs(args).get(D, args.lr) for D in sorted(widths)}
     if len(set(lrs.values())) == 1:
-        return f'{lrs[min(lrs)]:g}'                 # one lr: --lr, or the --width_lrs value of every width
+        return f'{lrs[min(lrs)]:g}'
     return ', '.join(f'{lr:g} at {"D = " if i == 0 else ""}{D}' for i, (D, lr) in enumerate(lrs.items()))
 
 
 def bottleneck_mlr_ranks(spec, head_width):
-    """Bilinear-MLR ranks for one head width from --bottleneck_ranks ('width:ranks,...'), or None when the width
-    is not listed: the sweep then trains no bilinear MLR there. The ranks sum to the head width, as the official
-    code asserts. Small heads: with the official per-level LayerNorm (bilinear_mlr_ln 'level'), a level of 1
-    feature outputs 0 and one of 2 features +-g (a sign, zero gradient almost everywhere), so such levels never
-    learn (the official runs never meet this: head width 32, every level >= 8 features); the sweep recipe's
-    bilinear_mlr_ln 'head' (one LayerNorm over all levels) lets them learn. At width 8, 4|2|1|1 has >= 4
-    features on every level either way."""
-    for item in spec.split(','):
-        w, _, ranks = item.partition(':')
-        if w.strip() == str(head_width):
-            return ranks.strip()
-    return None
-
-
-BOTTLENECK_MODELS = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
-                     'bilinear BTT, 8 heads': ('bilinear_btt', 8), 'bilinear MLR, 8 heads': ('bilinear_mlr', 8)}
-FULL_RANK_MODELS = {'standard_1head': 'standard, 1 head', 'bilinear_btt': 'bilinear BTT, 8 heads',
-                    'bilinear_mlr': 'bilinear MLR, 8 heads'}             # --full_rank_models: name -> label
-
-
-def bottleneck_table(runs):
-    """One row per sweep point: width, head width, score rank, the error at N = 2d over seeds, FLOPs, time."""
-    table = []
-    for k, rs in runs.items():
-        c = rs[0]['config']
-        table.append({'model': k, 'D': c['n_embd'], 'head_width': c['n_embd'] // c['n_head'], 'ranks': c['ranks'],
-                      'score_rank': score_rank(c), 'seeds': len(rs),
-                      **seed_summary(rs, 'err_at_2d', lambda r: r['model']['at_2d']),
-                      'ci_seed0': rs[0]['model']['at_2d_ci'], 'train_flops': rs[0]['train_flops'],
-                      'time_s': mean_std([r['train_time_s'] for r in rs])[0],
-                      'cpu_s': mean_std([r.get('cpu_time_s') for r in rs])[0]})
-    return table
-
-
-def plot_bottleneck(path, table, base, widths, args):
-    """Fig. 2/3a: error at N = 2d against width D per model: the mean over seeds (line), each seed (dots) and
-    their range (band), the models drawn a little apart at each width; the baselines as horizontal lines."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8.5, 4.2))
-    for k, label in enumerate(BOTTLENECK_MODELS):
-        rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
-        if not rows:
-            continue
-        shift = 1.008 ** (k - (len(BOTTLENECK_MODELS) - 1) / 2)    # side by side at one width, not on top
-        x, m = np.array([t['D'] for t in rows]) * shift, np.array([t['err_at_2d'] for t in rows])
-        seeds = [np.array(t['err_at_2d_seeds'], dtype=float) for t in rows]
-        ax.plot(x, m, marker='o', label=f'{label} (mean, {n_seeds(rows[0]["seeds"])})', color=color(label))
-        ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
-        for xi, v in zip(x, seeds):
-            ax.scatter(np.full(len(v), xi), v, s=12, color=color(label), alpha=0.6)
-    for name, b in base.items():
-        if name != 'least_squares':
-            ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
-    ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
-           ylabel=f'error at N = 2d (d = {args.d})',
-           title=f'in-context regression, d={args.d}, {args.n_layer} layers, {args.max_iters} steps\n'
-                 f'lr {lr_text(args, widths)}\n(least squares = 0; dots: seeds, band: their range)')
-    ax.title.set_fontsize('medium')
-    ax.set_xticks(widths, [str(w) for w in widths])
-    ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.legend(fontsize=7, loc='center left', bbox_to_anchor=(1.01, 0.5))   # outside: it hid seeds' dots
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    """Bilinear-MLR ranks for a head width from --bottleneck_ranks ('width:ranks,...'), None when not listed. Under
+    a LayerNorm per level ('level', official) a level of 1 or 2 features never learns: the recipe's 'head' does."""
+    return {w.strip(): r.strip() for w, _, r in (item.partition(':') for item in spec.split(','))}.get(str(head_width))
 
 
 def sweep_bottleneck(args):
-    """Fig. 2/3a: error at N = 2d against width for 8-head and 1-head standard attention, 8-head bilinear BTT
-    and 8-head bilinear MLR, each point trained with --seeds seeds."""
-    widths, full_rank = [int(w) for w in args.widths.split(',')], full_rank_widths(args)
+    """Fig. 2/3a: error at N = 2d against width: 8-head and 1-head standard, 8-head bilinear BTT and MLR."""
+    widths, full_rank = ints(args.widths), ints(args.full_rank_widths or args.widths)
     full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
-    lrs = width_lrs(args)
-    name, tag = sweep_name(args), run_tag(args)
-    t0 = time.time()
     points = {}
     for D in sorted(widths, reverse=True):                            # costliest first
         for label, (attn, H) in reversed(BOTTLENECK_MODELS.items()):
@@ -1095,28 +881,29 @@ def sweep_bottleneck(args):
             if ranks is None:
                 print(f'{label}, D={D}: not trained (head width {D // H} has no entry in --bottleneck_ranks)')
                 continue
-            points[f'{label}, D={D}'] = (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks,
-                                                 lr=lrs.get(D, args.lr)),
-                                         f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}{tag}')
-    runs = run_points(args, points)
-    wall = time.time() - t0
-    table = bottleneck_table(runs)
-    print_table(table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'train_flops',
-                        'time_s'])
-    base = next(iter(runs.values()))[0]['baselines']
+            a = variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks, lr=width_lrs(args).get(D, args.lr))
+            points[f'{label}, D={D}'] = a, f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}{run_tag(args)}'
+    by_point, wall = run_points(args, points)
+    table = []
+    for k, rs in by_point.items():
+        c = rs[0]['config']
+        table.append({**table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'D': c['n_embd'],
+                      'head_width': c['n_embd'] // c['n_head'], 'ranks': c['ranks'], 'score_rank': score_rank(c),
+                      'ci_seed0': rs[0]['model']['at_2d_ci'], 'train_flops': rs[0]['train_flops']})
+    base = next(iter(by_point.values()))[0]['baselines']
+    payload = write_sweep(args, by_point, wall, table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d',
+                                                         'err_at_2d_seeds', 'train_flops', 'time_s'],
+                          lambda path: plot_bottleneck(path, table, base, widths, args), d=args.d,
+                          sum_run_time_s=sum(t['time_s'] * t['seeds'] for t in table),
+                          baselines_at_2d={k: v['at_2d'] for k, v in base.items()}, baselines=base)
     print('baselines at N=2d: ' + ', '.join(f'{k} {v["at_2d"]:.4f}' for k, v in base.items())
           + f' | sweep wall {wall:.0f}s')
-    payload = {'sweep': name, 'd': args.d, 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
-               'sum_run_time_s': sum(t['time_s'] * t['seeds'] for t in table), 'table': table,
-               'baselines_at_2d': {k: v['at_2d'] for k, v in base.items()},
-               'baselines': base, 'runs': seed_runs(runs)}
-    write_sweep(args, name, payload, lambda path: plot_bottleneck(path, table, base, widths, args))
     # per position at the narrowest width (the bottlenecked one), first seed
-    narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in runs.items() if rs[0]['config']['n_embd'] == min(widths)}
-    pos_path = os.path.join(args.out_dir, position_plot_name(args))
+    narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in by_point.items() if rs[0]['config']['n_embd'] == min(widths)}
+    pos_path = os.path.join(args.out_dir, f'icl_position{run_tag(args)}.png')
     plot_positions(narrowest, pos_path, f'error per position, D = {min(widths)}, d = {args.d}, seed {args.seed}')
     if args.assets_dir:
-        shutil.copy(pos_path, os.path.join(args.assets_dir, position_plot_name(args)))
+        shutil.copy(pos_path, args.assets_dir)
     return payload
 
 
@@ -1130,45 +917,23 @@ def sweep_compute(args):
     points = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
                       f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}{run_tag(args)}')
               for label, (attn, H, ranks) in models.items()}
-    t0 = time.time()
-    runs = run_points(args, points)
-    wall = time.time() - t0
-    table = [{'model': k, 'score_rank': score_rank(rs[0]['config']), 'seeds': len(rs),
-              **seed_summary(rs, 'err_at_2d', lambda r: r['model']['at_2d']),
-              'flops_per_step': rs[0]['train_flops'] / args.max_iters, 'train_flops': rs[0]['train_flops'],
-              'time_s': mean_std([r['train_time_s'] for r in rs])[0],
-              'cpu_s': mean_std([r.get('cpu_time_s') for r in rs])[0]} for k, rs in runs.items()]
-    print_table(table, ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'flops_per_step', 'train_flops',
-                        'time_s'])
+    by_point, wall = run_points(args, points)
+    table = [{**table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'score_rank': score_rank(rs[0]['config']),
+              'flops_per_step': rs[0]['train_flops'] / args.max_iters, 'train_flops': rs[0]['train_flops']}
+             for k, rs in by_point.items()]
+    first = next(iter(by_point))
 
     def plot(path):
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for k, rs in runs.items():
-            _, flops, m, lo, hi = mean_history(rs, 'at_2d')
-            keep = flops > 0
-            ls = ':' if k.startswith('bilinear MLR') and k != next(iter(runs)) else '-'
-            ax.plot(flops[keep], m[keep], label=f'{k} ({n_seeds(len(rs))})', color=color(k), ls=ls)
-            ax.fill_between(flops[keep], lo[keep], hi[keep], alpha=0.15, color=color(k))
+        fig, ax = plot_curves(by_point, 'at_2d', lambda k, rs: (
+            'flops', color(k), ':' if k.startswith('bilinear MLR') and k != first else '-'), (6.5, 4.2))
         ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
                ylabel=f'error at N = 2d (d = {args.d})',
                title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals in training, '
                      f'{args.n_eval_during} held-out prompts; mean, seed range)')
-        ax.legend(fontsize=7, loc='lower left')
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-
-    payload = {'sweep': 'compute', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
-               'table': table, 'baselines': next(iter(runs.values()))[0]['baselines'], 'runs': seed_runs(runs)}
-    write_sweep(args, sweep_name(args), payload, plot)
-    return payload
-
-
-# seed 003 §2.2.1-2.2.2 and its appendix: each architecture's tuned lr and batch (grids 5e-5 .. 1e-3 and 16 .. 128),
-# with plain Adam (no muP). Ours keeps AdamW's official betas (0.9, 0.95), eps and warmup (seed 003 does not give them).
-SEED003_OPTIMIZER = {'standard': dict(lr=1e-4, batch_size=32, mup=False),
-                     'linear': dict(lr=3e-4, batch_size=64, mup=False)}
+        save_figure(fig, ax, path, loc='lower left')
+    return write_sweep(args, by_point, wall, table, ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds',
+                                                     'flops_per_step', 'train_flops', 'time_s'], plot,
+                       baselines=by_point[first][0]['baselines'])
 
 
 def sweep_linear(args):
@@ -1184,90 +949,40 @@ def sweep_linear(args):
                                             n_points=11, test_cov='aniso', **optimizer[attn],
                                             grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
                                     f'linear_{attn}_L{L}{run_tag(args)}')
-              for L in sorted((int(x) for x in args.depths.split(',')), reverse=True)
-              for attn in ('standard', 'linear')}
-    t0 = time.time()
-    runs = run_points(args, points)
-    wall = time.time() - t0
+              for L in sorted(ints(args.depths), reverse=True) for attn in ('standard', 'linear')}
+    by_point, wall = run_points(args, points)
     table = []
-    for k, rs in runs.items():
-        row = {'model': k, 'params': rs[0]['body_params'], 'seeds': len(rs)}
-        for key, get in (('train_loss', lambda r: r['final_train_loss_ema'] / r['config']['d']),
-                         ('test', lambda r: r['model']['query']), ('aniso_test', lambda r: r['model_shifted']['query']),
-                         ('steps_to_90', lambda r: steps_to_90(r['history']))):
-            row.update(seed_summary(rs, key, get))
+    for k, rs in by_point.items():
+        row = table_row(k, rs, train_loss=lambda r: r['final_train_loss_ema'] / r['config']['d'],
+                        test=lambda r: r['model']['query'], aniso_test=lambda r: r['model_shifted']['query'],
+                        steps_to_90=lambda r: steps_to_90(r['history']))
         batch = rs[0]['config']['batch_size']
-        row.update(lr=rs[0]['config']['lr'], batch_size=batch)
-        row['samples_to_90'] = None if row['steps_to_90'] is None else row['steps_to_90'] * batch
-        row['time_s'] = mean_std([r['train_time_s'] for r in rs])[0]
-        row['cpu_s'] = mean_std([r.get('cpu_time_s') for r in rs])[0]
-        table.append(row)
-    print_table(table, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test', 'aniso_test', 'steps_to_90',
-                        'samples_to_90', 'time_s'])
-    base = next(iter(runs.values()))[0]
-    depths = sorted({rs[0]['config']['n_layer'] for rs in runs.values()})
+        table.append(dict(row, params=rs[0]['body_params'], lr=rs[0]['config']['lr'], batch_size=batch,
+                          samples_to_90=None if row['steps_to_90'] is None else row['steps_to_90'] * batch))
+    base = next(iter(by_point.values()))[0]
+    depths = sorted({rs[0]['config']['n_layer'] for rs in by_point.values()})
 
     def plot(path):
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for k, rs in runs.items():
-            steps, _, m, lo, hi = mean_history(rs, 'query')
-            c = f"C{depths.index(rs[0]['config']['n_layer'])}"
-            ax.plot(steps, m, ls='-' if k.startswith('standard') else '--', label=f'{k} ({n_seeds(len(rs))})', color=c)
-            ax.fill_between(steps, lo, hi, alpha=0.12, color=c)
+        fig, ax = plot_curves(by_point, 'query', lambda k, rs: (
+            'step', f"C{depths.index(rs[0]['config']['n_layer'])}", '-' if k.startswith('standard') else '--'), (6, 4))
         for name in ('averaging', 'zero'):
             ax.axhline(base['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')
         ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
                title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-
-    payload = {'sweep': 'linear', 'wall_s': wall, 'seeds': training_seeds(args), 'reused': reused_runs(runs),
-               'table': table,
-               'baselines_query': {k: v['query'] for k, v in base['baselines'].items()},
-               'baselines_query_aniso': {k: v['query'] for k, v in base['baselines_shifted'].items()},
-               'baselines': base['baselines'], 'runs': seed_runs(runs)}
-    write_sweep(args, sweep_name(args), payload, plot)
-    return payload
-
-
-def compact(runs):
-    """Runs for the sweep JSON: the baselines (identical for runs on the same prompts) kept once, outside."""
-    return {k: {f: v for f, v in r.items() if f not in ('baselines', 'baselines_shifted')} for k, r in runs.items()}
-
-
-def score_rank(config):
-    """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
-    min(D, sum_l 2^l r_l) for bilinear MLR (paper §3.2, Table 1)."""
-    D, H = config['n_embd'], config['n_head']
-    if config['attn'] == 'bilinear_btt':
-        return D
-    if config['attn'] == 'bilinear_mlr':
-        ranks = [int(r) for r in (config['ranks'] or str(D // H)).split('|')]
-        return min(D, sum(2 ** l * r for l, r in enumerate(ranks)))
-    return D // H
-
-
-def print_table(rows, cols):
-    """A markdown table; a column with a '<col>_std' companion prints as 'mean ± std' (over seeds)."""
-    def fmt(v):
-        if isinstance(v, float):
-            return f'{v:.4g}'
-        if isinstance(v, list):
-            return '[' + ', '.join('-' if x is None else f'{x:.3g}' for x in v) + ']'
-        return str(v)
-
-    def cell(r, c):
-        s = r.get(f'{c}_std')
-        return fmt(r[c]) if s is None or r[c] is None else f'{r[c]:.4g} ± {s:.2g}'
-    print('| ' + ' | '.join(cols) + ' |')
-    print('|' + '---|' * len(cols))
-    for r in rows:
-        print('| ' + ' | '.join(cell(r, c) for c in cols) + ' |')
+        save_figure(fig, ax, path)
+    return write_sweep(args, by_point, wall, table, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test',
+                                                     'aniso_test', 'steps_to_90', 'samples_to_90', 'time_s'], plot,
+                       baselines_query={k: v['query'] for k, v in base['baselines'].items()},
+                       baselines_query_aniso={k: v['query'] for k, v in base['baselines_shifted'].items()},
+                       baselines=base['baselines'])
 
 # -----------------------------------------------------------------------------
+# main
+
+
+def ints(text):
+    """'8,16' -> [8, 16] (ValueError when not integers)."""
+    return [int(v) for v in text.split(',')]
 
 
 def check_args(parser, args):
@@ -1287,14 +1002,12 @@ def check_args(parser, args):
         'curr_d_start', 'curr_n_start', 'seeds'], non_negative=[
         'n_points', 'warmup_iters', 'weight_decay', 'grad_clip', 'noise_std', 'pos_std', 'eval_interval',
         'curr_interval', 'threads', 'workers'])
-    for name in ('widths', 'depths', 'full_rank_widths'):
-        if name == 'full_rank_widths' and args.full_rank_widths == '':     # '' = every width
-            continue
+    for name in ('widths', 'depths') + (('full_rank_widths',) if args.full_rank_widths else ()):   # '' = every width
         try:
-            values = [int(v) for v in getattr(args, name).split(',')]
+            values = ints(getattr(args, name))
         except ValueError:
-            values = []
-        if not values or min(values) <= 0:
+            values = [0]
+        if min(values) <= 0:
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
         no_repeats(parser, name, values)
     bad = [m for m in args.full_rank_models.split(',') if m not in FULL_RANK_MODELS]
@@ -1310,6 +1023,8 @@ def check_args(parser, args):
                      "e.g. '32:5e-5'")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    if args.quick and not args.sweep:
+        parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
 
 
 @owns_run_folders
@@ -1317,8 +1032,6 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if args.quick and not args.sweep:
-        parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
     if args.sweep:   # the sweep's CPU recipe, then --quick, for every flag not given on the command line
         given = given_flags(parser, argv)
         larger_d = LARGER_D_RECIPE.get(args.d, {}) if args.sweep == 'bottleneck' else {}
@@ -1329,8 +1042,9 @@ def main(argv=None):
             if k not in given and not (k in PER_WIDTH and 'widths' in given):   # per-width: the recipe's widths
                 setattr(args, k, v)
         args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
-        for flag, ws in (('full_rank_widths', full_rank_widths(args)), ('width_lrs', width_lrs(args))):
-            if not set(ws) <= set(int(w) for w in args.widths.split(',')):
+        for flag in ('full_rank_widths', 'width_lrs'):
+            ws = ints(args.full_rank_widths or args.widths) if flag == 'full_rank_widths' else width_lrs(args)
+            if not set(ws) <= set(ints(args.widths)):
                 parser.error(f"--{flag} {getattr(args, flag)!r}: its widths must be among --widths {args.widths!r}")
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
@@ -1341,9 +1055,8 @@ def main(argv=None):
         raise SystemExit(f'error: {e}')
     if args.sweep:
         payload = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
-        name = sweep_name(args)
-        plots = [f'icl_{name}.png'] + ([position_plot_name(args)] if args.sweep == 'bottleneck' else [])
-        report_outputs(results=os.path.join(args.out_dir, f'sweep_{name}.json'),
+        plots = [f"icl_{payload['sweep']}.png"] + [f'icl_position{run_tag(args)}.png'] * (args.sweep == 'bottleneck')
+        report_outputs(results=os.path.join(args.out_dir, f"sweep_{payload['sweep']}.json"),
                        runs=os.path.join(args.out_dir, '<run>', '<run>.json and .pt'),
                        plots=', '.join(os.path.join(args.out_dir, p) for p in plots), copies_in=args.assets_dir or None)
         return payload
