@@ -1,21 +1,16 @@
 """
-Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ...
-(seed 004 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
+Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ... (seed 004
+§3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
 
-One bidirectional attention.Transformer (causal=False) reads token (or pixel) embeddings plus learned
-positions, with a padding mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval
-encodes both documents with the same encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
+A bidirectional attention.Transformer reads token (or pixel) embeddings plus learned positions under a padding
+mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval encodes both documents with the same
+encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
 
-Data. Without --data two tasks are generated here and cached under --cache_dir (default data/lra/):
-  ListOps     the LRA recipe: [MIN [MAX [MED [SM (sum mod 10) trees over digits, depth <= 10, 2..10
-              arguments, a node below the maximum depth is a leaf with probability 0.75, kept when
-              min_len < #tokens < max_len (parentheses not counted), label = value, deduplicated across
-              splits; written once as basic_{train,val,test}.tsv in the release's Source/Target format.
-  Pathfinder  32x32 grayscale: two dashed curves of 14 paddles, short distractor curves and two round
-              markers on the two ends of one curve (label 1) or on ends of different curves (label 0).
-With --data the official release layout is read instead (see the loaders' docstrings): ListOps TSVs,
-IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders.
-Every cache is keyed on the bytes of its files (runs.content_digest): an edited file is never read stale.
+Data. Without --data two tasks are generated here: ListOps (the LRA recipe, written as the release's TSVs) and
+Pathfinder (32x32: two dashed curves, distractors, and two markers on the ends of one curve, label 1, or of two
+curves, label 0). With --data the official release files are read: ListOps TSVs, IMDB bytes (aclImdb/), AAN pairs
+(new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders. Both are cached under --cache_dir, keyed on
+the bytes of their files (runs.content_digest): an edited file is never read stale.
 
 Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
   python train_lra.py --attn standard      # ListOps, max_len 256, 2 layers x 64 wide
@@ -25,11 +20,9 @@ Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2
   python train_lra.py --task pathfinder --attn brl             # 4000 generated 32 x 32 images (slow on CPU)
   python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
   python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
-The ListOps study: local, full, BRL, BRL w/o Attn-Diff, BRL with beta = 0 x 3 seeds, 300-1000 tokens,
-window 16, 2 layers; 96 min on an idle 2-core machine, resumable (rerun the same command):
-  python train_lra.py --sweep listops --estimate   # time a few steps per variant, print the study's minutes
-  python train_lra.py --sweep listops              # -> out/lra_listops_study/{sweep.json, table.md, lra_study.png}
-  python train_lra.py --sweep listops --quick      # the same machinery on 40-128 tokens, 60 steps (~2 min)
+  python train_lra.py --sweep listops      # the study: local, full, BRL, 2 BRL ablations x 3 seeds, 300-1000
+                                           # tokens, 96 min on an idle 2-core machine, resumable (rerun it);
+                                           # --estimate: its minutes only; --quick: 40-128 tokens, ~2 min
 GPU, the paper's Table 12 settings on the release files:
   python train_lra.py --preset lra --task listops --data lra_release/listops-1000 --attn brl
 """
@@ -215,9 +208,9 @@ def add_segments(scene, a, b, rad, cid):
 
 
 def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
-    """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from
-    the last; of n_cand random turns the first one that stays inside and clear of the scene (and of the
-    curve's own paddles 3+ back) wins. Returns (n_paddles, 2, 2) paddle endpoints, or None."""
+    """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from the last;
+    of n_cand random turns the first one that stays inside and clear of the scene and of the curve's own paddles
+    3+ back (as curve 0) wins. -> (n_paddles, 2, 2) paddle endpoints, or None."""
     S, pad, r = cfg['size'], cfg['padding'], cfg['line_radius']
     L, gap, turn = cfg['paddle_length'], cfg['paddle_margin'], math.radians(cfg['max_turn_deg'])
     s = np.linspace(0, 1, int(math.ceil(L / 0.5)) + 1)          # centre-line samples every <= 0.5 px
@@ -229,11 +222,8 @@ def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
             u = np.stack([np.cos(th), np.sin(th)], 1)                                  # (C, 2)
             ends = pos + L * u
             pts = (pos + (L * s)[None, :, None] * u[:, None, :]).reshape(-1, 2)        # (C * P, 2)
-            ok = clear_of(scene, pts, r, cid, cfg).reshape(n_cand, -1).all(1)
-            if k >= 3:
-                own = point_segment_distance(pts, pa[:k - 2], pb[:k - 2]).min(1).reshape(n_cand, -1)
-                ok &= own.min(1) >= 2 * r + cfg['clearance']
-            good = np.flatnonzero(ok & ((ends >= pad) & (ends <= S - pad)).all(1))
+            ok = clear_of(add_segments(scene, pa[:k - 2], pb[:k - 2], r, 0), pts, r, cid, cfg)
+            good = np.flatnonzero(ok.reshape(n_cand, -1).all(1) & ((ends >= pad) & (ends <= S - pad)).all(1))
             if len(good) == 0:
                 break
             c = good[0]
@@ -257,10 +247,8 @@ def pathfinder_scene(rng, label, cfg=PATHFINDER32):
         if len(curves) < 2:
             continue
         ends = [(c[0, 0], c[-1, 1]) for c in curves]
-        if label == 1:
-            markers = [(1, ends[0][0]), (1, ends[0][1])]
-        else:
-            markers = [(1, ends[0][rng.integers(2)]), (2, ends[1][rng.integers(2)])]
+        markers = [(1, ends[0][0]), (1, ends[0][1])] if label == 1 else \
+            [(1, ends[0][rng.integers(2)]), (2, ends[1][rng.integers(2)])]
         if not all(clear_of(scene, m[None], cfg['marker_radius'], cid, cfg)[0] for cid, m in markers):
             continue
         for cid, m in markers:
@@ -376,8 +364,6 @@ def load_listops_release(data_dir, max_len):
             if not re.fullmatch(r'\d(\.0*)?', target.strip()):
                 raise ValueError(f"{path} line {n}: label {target!r} is not a digit 0-9")
             labels.append(int(float(target)))
-        if not ids:
-            raise ValueError(f"{path}: no examples")
         cut = sum(len(r) > max_len for r in ids)
         if cut:   # said, not silent: a cut expression has another value
             print(f"note: {cut} of {len(ids)} {split} examples in {path} are longer than --max_len {max_len} and cut")
@@ -444,15 +430,13 @@ def load_pathfinder_release(data_dir):
                    key=lambda p: int(re.sub(r'\D', '', os.path.basename(p)) or 0))
     if not metas:
         raise FileNotFoundError(f"no metadata/*.npy under {data_dir}")
-    xs, ys = [], []
+    lines = []
     for meta in metas:
         with open(meta) as f:
-            for m in (line.split() for line in f.read().splitlines()):
-                if len(m) >= 4:
-                    img = Image.open(os.path.join(data_dir, m[0], m[1])).convert('L')
-                    xs.append(np.asarray(img, np.int64).ravel())
-                    ys.append(int(m[3]))
-    x, y = np.stack(xs), np.array(ys, np.int64)
+            lines += [m for m in map(str.split, f) if len(m) >= 4]
+    x = np.stack([np.asarray(Image.open(os.path.join(data_dir, m[0], m[1])).convert('L'), np.int64).ravel()
+                  for m in lines])
+    y = np.array([int(m[3]) for m in lines], np.int64)
     a, b = int(0.8 * len(x)), int(0.9 * len(x))
     return {'train': (x[:a], y[:a]), 'val': (x[a:b], y[a:b]), 'test': (x[b:], y[b:])}
 
@@ -606,8 +590,9 @@ CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'history', 'best', 'loop', 
 
 
 def train(args):
-    """Train, evaluating and checkpointing <out_dir>/ckpt.pt every eval_interval steps; --resume continues the
-    checkpoint exactly (batch order, RNGs, running log); Ctrl-C saves and stops; a NaN loss stops the run."""
+    """Train, evaluating and checkpointing <out_dir>/ckpt.pt every eval_interval steps and at the end; --resume
+    continues the checkpoint exactly (batch order, RNGs, running log); Ctrl-C ends the step, saves and raises
+    Interrupted; a NaN or inf loss stops the run at that step, before the update (Diverged)."""
     # config: the run folder; on --resume the checkpoint, whose settings win
     device = pick_device(args.device)
     ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
@@ -626,12 +611,13 @@ def train(args):
             show_pathfinder(data, path)
         return report_outputs(samples=path)
     pad = not meta['pixels']     # token tasks pad with 0 and mask it; pixel tasks are all 1024 long
+    (x, y), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
     # model, optimizer and the loop's state: step, running log, best, training time and the batch order (gen)
     model = build_model(args, meta)[0].to(device)
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(args.seed)
     st = dict(step=0, history=[], best={'val': -1.0, 'test': None, 'step': 0}, t_train=0.0,
-              order=torch.randperm(len(data['train'][0]), generator=gen), pos=0, losses=[], hits=0, seen=0)
+              order=torch.randperm(len(x), generator=gen), pos=0, losses=[], hits=0, seen=0)
     if state is not None:       # all of it from the checkpoint, so that the run continues exactly
         model.load_state_dict(state['model'])
         opt.load_state_dict(state['optimizer'])
@@ -639,9 +625,8 @@ def train(args):
         set_rng_state(state['rng'])
         st = state['loop']
     n_params = sum(p.numel() for p in model.parameters())
-    (xtr, _), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
-    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
-          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
+    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test {len(x)}/{len(xva)}/"
+          f"{len(xte)} | T {x.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
     config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT}
     print('config: ' + json.dumps(config, sort_keys=True))
 
@@ -655,34 +640,12 @@ def train(args):
                                         'rng': rng_state()})
         return ckpt_path
     # the loop: evaluates and saves every eval_interval steps and at the end
-    speed = train_steps(model, opt, args, st, gen, data, pad, device, save)
-    # the last evaluation and results.json
-    best, history = st['best'], st['history']
-    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config,
-               'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
-               'final_test_acc': evaluate(model, xte, yte, args, pad, device),
-               'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
-               'majority_test_acc': float(np.bincount(yte).max() / len(yte)),  # always guess the commonest class
-               'train_seconds': st['t_train'], **speed, 'history': history}
-    with io_errors('--out_dir', args.out_dir):
-        write_json(results_path, results)
-    print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
-          f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
-    report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
-    return results
-
-
-def train_steps(model, opt, args, st, gen, data, pad, device, save):
-    """Steps st['step'] .. args.max_iters - 1, updating st; evaluate and save every eval_interval steps and at the
-    end. A NaN or inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step,
-    saves and raises Interrupted. -> ms_per_step and tokens_per_second of this call."""
     start, t_start, n_tokens = st['step'], st['t_train'], 0
-    bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, desc=f'{args.task}/{args.attn}',
+    bar = tqdm(total=args.max_iters, initial=start, disable=not args.progress, desc=f'{args.task}/{args.attn}',
                leave=False)
     say = tqdm.write if args.progress else print
-    x, y = data['train']
     with ctrl_c_finishes_step() as ctrl_c:
-        for step in range(st['step'], args.max_iters):
+        for step in range(start, args.max_iters):
             if st['pos'] + args.batch_size > len(st['order']):     # the next batch; a new order when this one ends
                 st['order'], st['pos'] = torch.randperm(len(x), generator=gen), 0
             idx = st['order'][st['pos']:st['pos'] + args.batch_size].numpy()
@@ -714,11 +677,9 @@ def train_steps(model, opt, args, st, gen, data, pad, device, save):
                 st['losses'], st['hits'], st['seen'] = [], 0, 0
             saved = None
             if (step + 1) % args.eval_interval == 0 or step + 1 == args.max_iters:
-                # validation accuracy; the test accuracy where it is the best yet
-                val = evaluate(model, *data['val'], args, pad, device)
+                val = evaluate(model, *data['val'], args, pad, device)     # the test accuracy where val is best yet
                 if val > st['best']['val']:
-                    st['best'] = {'val': val, 'test': evaluate(model, *data['test'], args, pad, device),
-                                  'step': step + 1}
+                    st['best'] = {'val': val, 'test': evaluate(model, xte, yte, args, pad, device), 'step': step + 1}
                 st['history'].append({'step': step + 1, 'val_acc': val, 'train_seconds': st['t_train']})
                 say(f"eval step {step + 1}: val acc {val:.4f} | best val {st['best']['val']:.4f} "
                     f"(test {st['best']['test']:.4f})")
@@ -728,9 +689,21 @@ def train_steps(model, opt, args, st, gen, data, pad, device, save):
                 raise Interrupted(f"at step {step + 1}: " + (f"saved {path}; continue with --resume" if path
                                                              else "nothing saved (--no-save)"))
     bar.close()
-    seconds = st['t_train'] - t_start
-    return {'ms_per_step': 1e3 * seconds / max(1, args.max_iters - start),
-            'tokens_per_second': n_tokens / max(seconds, 1e-9)}
+    # the last evaluation and results.json
+    best, history, seconds = st['best'], st['history'], st['t_train'] - t_start
+    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config,
+               'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
+               'final_test_acc': evaluate(model, xte, yte, args, pad, device),
+               'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
+               'majority_test_acc': float(np.bincount(yte).max() / len(yte)),  # always guess the commonest class
+               'train_seconds': st['t_train'], 'ms_per_step': 1e3 * seconds / max(1, args.max_iters - start),
+               'tokens_per_second': n_tokens / max(seconds, 1e-9), 'history': history}
+    with io_errors('--out_dir', args.out_dir):
+        write_json(results_path, results)
+    print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
+          f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
+    report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
+    return results
 
 
 # -----------------------------------------------------------------------------
