@@ -2612,7 +2612,8 @@ def test_pathfinder_connectivity_shapes_and_show(tmp_path, capsys):
 def write_listops_release(d, bad_line=None):
     """basic_{train,val,test}.tsv of four expressions twice; bad_line replaces train line 3."""
     d.mkdir(parents=True, exist_ok=True)
-    rows = ['( ( ( [MAX 2 ) 9 ) ] )\t9', '( ( [SM 4 ) 7 ) ] )\t1', '( ( ( [MED 1 ) 3 ) ] )\t2', '( ( ( [MIN 5 ) 6 ) ] )\t5']
+    rows = ['( ( ( [MAX 2 ) 9 ) ] )\t9', '( ( [SM 4 ) 7 ) ] )\t1', '( ( ( [MED 1 ) 3 ) ] )\t2',
+            '( ( ( [MIN 5 ) 6 ) ] )\t5']
     for split in ('train', 'val', 'test'):
         line3 = bad_line if split == 'train' and bad_line else rows[1]
         (d / f'basic_{split}.tsv').write_text('\n'.join(['Source\tTarget', rows[0], line3, *rows[2:], *rows]) + '\n')
@@ -2672,7 +2673,8 @@ def test_release_loaders_and_runs(tmp_path, capsys):
     assert 'note: 8 of 8 train examples in' in capsys.readouterr().out
     data = lra.load_text_release(str(write_imdb(tmp_path)), 12)
     x, y = data['train']
-    assert x.shape == (2, 12) and y.tolist() == [0, 1] and bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12]
+    assert x.shape == (2, 12) and y.tolist() == [0, 1]
+    assert bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12]
     assert (x[0][len('dull (train)'):] == 0).all() and data['val'][0] is data['test'][0]
     data = lra.load_retrieval_release(str(write_aan(tmp_path)), 16)
     x, y = data['train']
@@ -2745,7 +2747,8 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     kinds = ','.join(k for k in ATTENTION if k != 'brl')
     args = [*LRA_SMALL, '--task', 'listops', '--ranks', '8|4|2|2', '--max_len', '64', '--min_len', '8',
             '--n_train', '24', '--n_val', '8', '--n_test', '8', '--cache_dir', lra_cache]
-    res = lra.main([*args, '--layer_pattern', kinds, '--n_layer', str(len(ATTENTION) - 1), '--out_dir', str(tmp_path / 'a')])
+    res = lra.main([*args, '--layer_pattern', kinds, '--n_layer', str(len(ATTENTION) - 1),
+                    '--out_dir', str(tmp_path / 'a')])
     assert 0.0 <= res['final_test_acc'] <= 1.0 and res['history'][-1]['step'] == 3 and res['config']['trim'] == 0
     ck = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
     assert ck['step'] == 3 and ck['config']['layer_pattern'] == kinds
