@@ -222,7 +222,8 @@ def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
             u = np.stack([np.cos(th), np.sin(th)], 1)                                  # (C, 2)
             ends = pos + L * u
             pts = (pos + (L * s)[None, :, None] * u[:, None, :]).reshape(-1, 2)        # (C * P, 2)
-            ok = clear_of(add_segments(scene, pa[:k - 2], pb[:k - 2], r, 0), pts, r, cid, cfg)
+            own = add_segments(scene, pa[:k - 2], pb[:k - 2], r, 0)                 # + paddles 3+ back (k >= 3)
+            ok = clear_of(own, pts, r, cid, cfg)
             good = np.flatnonzero(ok.reshape(n_cand, -1).all(1) & ((ends >= pad) & (ends <= S - pad)).all(1))
             if len(good) == 0:
                 break
