@@ -2759,6 +2759,9 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     lra.main(['--compare', f"{tmp_path / 'a'},{tmp_path / 'b'}", '--out_dir', str(tmp_path / 'c')])
     assert capsys.readouterr().out.strip().endswith(f"outputs: plot {tmp_path / 'c' / 'lra_compare.png'}")
     assert (tmp_path / 'c' / 'lra_compare.png').stat().st_size > 1000
+    # --attn global_swa (standard at --global_layers, SWA elsewhere) is a variant here; RoPE has no learned positions
+    assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
+    assert cfg_of('--pos', 'rope')[0].pos is None and cfg_of('--pos', 'learned')[0].pos is not None
 
 
 def test_preset_lra_applies_table12_but_flags_win():
