@@ -13,8 +13,8 @@ scripts share, and last that the repository stands on its own (README links, not
 import argparse
 import ast
 import collections
-import contextlib
 import dataclasses
+import contextlib
 import fcntl
 import glob
 import inspect
@@ -2398,146 +2398,89 @@ def test_rope_changes_the_output():
 # -----------------------------------------------------------------------------
 # train_lra.py: ListOps labels, Pathfinder connectivity, release loaders, padding, smoke runs
 
-# -----------------------------------------------------------------------------
-# ListOps
-
-def listops_eval_independent(source):
-    """Evaluate a release-format Source string with a stack, knowing nothing of the generator's trees."""
-    frames = [[]]
-    for tok in source.split():
-        if tok in ('(', ')'):
-            continue
-        if tok.startswith('['):
-            frames.append([tok])
-        elif tok == ']':
-            op, *args = frames.pop()
-            s = sorted(args)
-            med = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) // 2
-            frames[-1].append({'[MIN': min(args), '[MAX': max(args), '[SM': sum(args) % 10, '[MED': med}[op])
-        else:
-            frames[-1].append(int(tok))
-    assert len(frames) == 1 and len(frames[0]) == 1, f"malformed expression {source[:80]}"
-    return frames[0][0]
-
-
-def listops_structure(source):
-    """(max operator nesting depth, list of argument counts, parentheses balanced?)"""
-    depth, max_depth, counts, stack, paren = 0, 0, [], [], 0
+def listops_reference(source):
+    """(value, operator nesting depth, argument counts) of a release-format Source string, by a stack that knows
+    nothing of the generator; the parentheses must balance."""
+    frames, depth, counts, paren = [[]], 0, [], 0
     for tok in source.split():
         paren += (tok == '(') - (tok == ')')
-        if paren < 0:
-            return max_depth, counts, False
+        assert paren >= 0, source
         if tok.startswith('['):
-            depth += 1
-            max_depth = max(max_depth, depth)
-            stack.append(0)
+            frames.append([tok])
+            depth = max(depth, len(frames) - 1)
         elif tok == ']':
-            counts.append(stack.pop())
-            depth -= 1
-            if stack:
-                stack[-1] += 1
-        elif tok not in ('(', ')') and stack:
-            stack[-1] += 1
-    return max_depth, counts, paren == 0
+            op, *args = frames.pop()
+            counts.append(len(args))
+            s = sorted(args)
+            med = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) // 2   # int(np.median)
+            frames[-1].append({'[MIN': min(args), '[MAX': max(args), '[SM': sum(args) % 10, '[MED': med}[op])
+        elif tok not in ('(', ')'):
+            frames[-1].append(int(tok))
+    assert paren == 0 and len(frames) == 1 and len(frames[0]) == 1, source
+    return frames[0][0], depth, counts
 
 
-@pytest.fixture(scope='module')
-def listops_rows():
-    return lra.generate_listops(400, 20, 200, seed=3)
-
-
-def test_listops_labels_equal_independent_evaluation(listops_rows):
-    ops_seen = set()
-    for src, label in listops_rows:
-        assert label == listops_eval_independent(src), src
-        ops_seen.update(t for t in src.split() if t.startswith('['))
-    assert ops_seen == set(lra.OPERATORS)
-    # the median of an even number of arguments is the truncated mean of the middle two (LRA's int(np.median))
-    assert lra.listops_value(['[MED', 1, 2]) == 1 and lra.listops_value(['[MED', 3, 8, 0, 9]) == 5
-    assert lra.listops_value(['[SM', 9, 8, ['[MAX', 3, 7]]) == 4
-
-
-def test_listops_lengths_structure_and_dedup(listops_rows):
-    sources = [s for s, _ in listops_rows]
-    assert len(set(sources)) == len(sources)
-    for src in sources:
-        n = len(lra.listops_tokens(src))
-        assert 20 < n < 200, n
-        depth, counts, balanced = listops_structure(src)
-        assert balanced and depth <= 9 and all(2 <= c <= 10 for c in counts), (depth, counts)
-    lens = [len(lra.listops_tokens(s)) for s in sources]
-    assert max(lens) > 100 and min(lens) < 60          # the bounds are used, not some narrower band
-
-
-def test_listops_source_format():
-    # LRA's to_string of ((([MAX, 2), 9), ']')
-    assert lra.listops_source(['[MAX', 2, 9]) == '( ( ( [MAX 2 ) 9 ) ] )'
-    assert lra.listops_tokens('( ( ( [MAX 2 ) 9 ) ] )') == ['[MAX', '2', '9', ']']
-
-
-def test_listops_cache_splits_disjoint_and_loadable(tmp_path):
-    data = lra.listops_dataset(str(tmp_path), 60, 20, 20, 10, 64, seed=1)
+def test_listops_generated_splits(tmp_path):
+    """Generated ListOps: labels, lengths and structure by an independent stack, no expression twice in or across
+    the splits, the release-format TSVs loaded back token by token, the test split independent of n_train."""
+    data = lra.listops_dataset(str(tmp_path), 100, 10, 10, 20, 200, seed=1)
     d = next(tmp_path.iterdir())
-    srcs = {}
+    sources, lens = [], []
     for split in ('train', 'val', 'test'):
         lines = (d / f'basic_{split}.tsv').read_text().splitlines()
-        assert lines[0] == 'Source\tTarget'
-        srcs[split] = [ln.split('\t')[0] for ln in lines[1:]]
-        x, y = data[split]
-        assert x.shape == (len(srcs[split]), 64) and y.dtype == np.int64
-        for row, src, lab in zip(x, srcs[split], y):
-            toks = [lra.LISTOPS_VOCAB[i] for i in row if i != 0]
-            assert toks == lra.listops_tokens(src) and lab == listops_eval_independent(src)
-    assert not (set(srcs['train']) & set(srcs['test'])) and not (set(srcs['val']) & set(srcs['test']))
-    assert not (set(srcs['train']) & set(srcs['val']))
-    # the test split does not depend on n_train
-    other = lra.listops_dataset(str(tmp_path), 30, 20, 20, 10, 64, seed=1)
+        assert lines[0] == 'Source\tTarget' and data[split][0].shape == (len(lines) - 1, 200)
+        for row, label, line in zip(*data[split], lines[1:]):
+            src, target = line.split('\t')
+            value, depth, counts = listops_reference(src)
+            sources.append(src)
+            lens.append(len([t for t in src.split() if t not in ('(', ')')]))
+            assert [lra.LISTOPS_VOCAB[i] for i in row if i] == [t for t in src.split() if t not in ('(', ')')]
+            assert label == value == int(target) and 20 < lens[-1] < 200 and depth <= 9, src
+            assert all(2 <= c <= 10 for c in counts) and src.count('(') == sum(counts) + len(counts)   # LRA's to_string
+    assert len(set(sources)) == len(sources) == 120
+    assert max(lens) > 100 and min(lens) < 60          # the bounds are used, not some narrower band
+    assert {t for s in sources for t in s.split() if t.startswith('[')} == set(lra.OPERATORS)
+    assert lra.OPERATORS['[MED']([3, 8, 0, 9]) == 5 and lra.OPERATORS['[MED']([1, 2]) == 1   # LRA: int(np.median)
+    other = lra.listops_dataset(str(tmp_path), 50, 10, 10, 20, 200, seed=1)
     assert np.array_equal(other['test'][0], data['test'][0])
 
 
-# -----------------------------------------------------------------------------
-# Pathfinder
-
-def pf_solid_mask(curves, markers, scale=4, size=32, r_line=0.5, r_mark=1.5):
-    """Rasterize every curve as ONE solid polyline through all its paddle endpoints (the gaps bridged) and
-    the markers as discs, at scale x resolution. Independent of the generator's renderer."""
+def pf_solid_mask(curves, markers, scale=2, size=32, r_line=0.5, r_mark=1.5):
+    """Every curve as ONE solid polyline through all its paddle endpoints (the gaps bridged), the markers as
+    discs, at scale x resolution (a line is 2 pixels wide, curves 1 pixel apart are never 4-neighbours).
+    Independent of the generator's renderer."""
     n = size * scale
-    yy, xx = np.mgrid[0:n, 0:n]
-    c = np.stack([xx, yy], -1).reshape(-1, 2) / scale + 0.5 / scale
+    c = (np.stack(np.mgrid[0:n, 0:n][::-1], -1).reshape(-1, 2) + 0.5) / scale        # pixel centres (x, y)
     mask = np.zeros(n * n, bool)
-    for curve in curves:
-        verts = curve.reshape(-1, 2)                       # a0, b0, a1, b1, ...
+    for verts in (curve.reshape(-1, 2) for curve in curves):    # a0, b0, a1, b1, ...
         for p, q in zip(verts[:-1], verts[1:]):
-            pq = q - p
-            t = np.clip(((c - p) @ pq) / max(pq @ pq, 1e-12), 0, 1)
-            mask |= np.linalg.norm(c - p - t[:, None] * pq, axis=1) <= r_line
+            t = np.clip(((c - p) @ (q - p)) / max((q - p) @ (q - p), 1e-12), 0, 1)
+            mask |= np.linalg.norm(c - p - t[:, None] * (q - p), axis=1) <= r_line
     for m in markers:
         mask |= np.linalg.norm(c - m, axis=1) <= r_mark
     return mask.reshape(n, n)
 
 
 def pf_flood_fill(mask, start):
-    seen = np.zeros_like(mask)
-    q = collections.deque([start])
-    seen[start] = True
-    while q:
-        i, j = q.popleft()
-        for a, b in ((i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)):
-            if 0 <= a < mask.shape[0] and 0 <= b < mask.shape[1] and mask[a, b] and not seen[a, b]:
-                seen[a, b] = True
-                q.append((a, b))
-    return seen
+    """The 4-connected region of mask around start, grown a pixel ring at a time."""
+    reached = np.zeros_like(mask)
+    reached[start] = True
+    while True:
+        p = np.pad(reached, 1)
+        grown = mask & (reached | p[:-2, 1:-1] | p[2:, 1:-1] | p[1:-1, :-2] | p[1:-1, 2:])
+        if (grown == reached).all():
+            return reached
+        reached = grown
 
 
-def test_pathfinder_connectivity_by_flood_fill():
+def test_pathfinder_connectivity_shapes_and_show(tmp_path, capsys):
     rng = np.random.default_rng(7)
-    for i in range(8):
+    for i in range(4):
         label = i % 2
         curves, markers = lra.pathfinder_scene(rng, label)
         assert len(curves) >= 2 and all(len(c) == 14 for c in curves[:2])
-        mask = pf_solid_mask(curves, markers)
-        (x0, y0), (x1, y1) = (np.floor(markers * 4)).astype(int)
-        reached = pf_flood_fill(mask, (y0, x0))
+        (x0, y0), (x1, y1) = (np.floor(markers * 2)).astype(int)
+        reached = pf_flood_fill(pf_solid_mask(curves, markers), (y0, x0))
         assert bool(reached[y1, x1]) == bool(label), f"sample {i}: label {label}, flood fill says {reached[y1, x1]}"
         img = lra.render_pathfinder(curves, markers)
         for mx, my in markers:                                   # markers are drawn, fully covering their pixel
@@ -2545,35 +2488,29 @@ def test_pathfinder_connectivity_by_flood_fill():
         for c in curves:                                         # every paddle leaves ink at its midpoint
             mid = c.mean(1)
             assert (img[mid[:, 1].astype(int), mid[:, 0].astype(int)] > 0).all()
+    # --show: the splits generated and cached, the training samples drawn into --out_dir
+    out, cache = tmp_path / 'out', str(tmp_path / 'cache')
+    lra.main(['--task', 'pathfinder', '--show', '--n_train', '2', '--n_val', '1', '--n_test', '1', '--seed', '2',
+              '--cache_dir', cache, '--out_dir', str(out)])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"outputs: samples {out / 'lra_pathfinder_samples.png'}"
+    assert (out / 'lra_pathfinder_samples.png').stat().st_size > 1000
+    x, y = lra.pathfinder_dataset(cache, 2, 1, 1, seed=2)['train']
+    assert 'wrote' not in capsys.readouterr().out and x.shape == (2, 1024) and x.dtype == np.uint8
+    assert x.min() == 0 and x.max() == 255 and (x > 0).mean() > 0.1 and y.tolist() in ([0, 1], [1, 0])
+    assert lra.parse_args(['--task', 'pathfinder', '--show']).out_dir == os.path.join('out', 'lra_pathfinder_standard')
 
 
-def test_pathfinder_shapes_range_balance(tmp_path):
-    x, y = lra.generate_pathfinder(24, seed=5)
-    assert x.shape == (24, 32, 32) and x.dtype == np.uint8 and y.dtype == np.int64
-    assert x.min() == 0 and x.max() == 255 and (x > 0).mean() > 0.1
-    assert set(y.tolist()) == {0, 1} and y.sum() == 12
-    data = lra.pathfinder_dataset(str(tmp_path), 10, 4, 6, seed=2)
-    assert data['train'][0].shape == (10, 1024) and data['test'][1].sum() == 3
-    lra.main(['--task', 'pathfinder', '--show', '--n_train', '10', '--n_val', '4', '--n_test', '6',
-              '--seed', '2', '--cache_dir', str(tmp_path), '--out_dir', str(tmp_path)])
-    assert (tmp_path / 'lra_pathfinder_samples.png').stat().st_size > 1000
+# release-format fixture folders written here in the exact layout
 
-
-# -----------------------------------------------------------------------------
-# release-format loaders on fixture files written here in the exact layout
-
-def test_listops_release_loader(tmp_path):
-    rows = {'train': [('( ( ( [MAX 2 ) 9 ) ] )', 9), ('( ( [SM 4 ) 7 ) ] )', 1)],
-            'val': [('( ( ( [MED 1 ) 3 ) ] )', 2)], 'test': [('( ( ( [MIN 5 ) 6 ) ] )', 5)]}
-    for split, r in rows.items():
-        lra.write_tsv(str(tmp_path / f'basic_{split}.tsv'), ['Source', 'Target'], r)
-    data = lra.load_listops_release(str(tmp_path), 8)
-    x, y = data['train']
-    assert x.shape == (2, 8) and y.tolist() == [9, 1]
-    assert [lra.LISTOPS_VOCAB[i] for i in x[0] if i] == ['[MAX', '2', '9', ']']
-    (tmp_path / 'basic_test.tsv').write_text('Source\tTarget\n( ( [POW 2 ) ] )\t4\n')
-    with pytest.raises(ValueError, match='POW'):
-        lra.load_listops_release(str(tmp_path), 8)
+def write_listops_release(d, bad_line=None):
+    """basic_{train,val,test}.tsv of four expressions twice; bad_line replaces train line 3."""
+    d.mkdir(parents=True, exist_ok=True)
+    rows = ['( ( ( [MAX 2 ) 9 ) ] )\t9', '( ( [SM 4 ) 7 ) ] )\t1', '( ( ( [MED 1 ) 3 ) ] )\t2',
+            '( ( ( [MIN 5 ) 6 ) ] )\t5']
+    for split in ('train', 'val', 'test'):
+        line3 = bad_line if split == 'train' and bad_line else rows[1]
+        (d / f'basic_{split}.tsv').write_text('\n'.join(['Source\tTarget', rows[0], line3, *rows[2:], *rows]) + '\n')
+    return d
 
 
 def write_imdb(root):
@@ -2585,27 +2522,12 @@ def write_imdb(root):
     return root / 'aclImdb'
 
 
-def test_text_release_loader(tmp_path):
-    data = lra.load_text_release(str(write_imdb(tmp_path)), 12)
-    x, y = data['train']
-    assert x.shape == (2, 12) and y.tolist() == [0, 1]
-    assert bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12]
-    assert (x[0][len('dull (train)'):] == 0).all() and data['val'][0] is data['test'][0]
-
-
 def write_aan(root):
+    (root / 'aan').mkdir()
     for name, n in (('train', 4), ('eval', 2), ('test', 2)):
         lines = [f'{i % 2}\tid{i}a\tid{i}b\tpaper {i} text one\tsecond paper {i}' for i in range(n)]
-        (root / f'new_aan_pairs.{name}.tsv').write_text('\n'.join(lines) + '\n')
-    return root
-
-
-def test_retrieval_release_loader(tmp_path):
-    data = lra.load_retrieval_release(str(write_aan(tmp_path)), 16)
-    x, y = data['train']
-    assert x.shape == (4, 2, 16) and y.tolist() == [0, 1, 0, 1] and data['val'][0].shape == (2, 2, 16)
-    assert bytes((x[1, 0][x[1, 0] > 0] - 1).tolist()) == b'paper 1 text one'
-    assert bytes((x[1, 1][x[1, 1] > 0] - 1).tolist()) == b'second paper 1'
+        (root / 'aan' / f'new_aan_pairs.{name}.tsv').write_text('\n'.join(lines) + '\n')
+    return root / 'aan'
 
 
 def write_cifar(root):
@@ -2619,13 +2541,6 @@ def write_cifar(root):
             pickle.dump({b'batch_label': name.encode(), b'labels': [3, 7], b'data': data,
                          b'filenames': [b'a.png', b'b.png']}, f, protocol=2)
     return d
-
-
-def test_image_release_loader(tmp_path):
-    data = lra.load_image_release(str(write_cifar(tmp_path)))
-    x, y = data['train']
-    assert x.shape == (9, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (2, 1024)
-    assert (x[0] == int(0.2989 * 255)).all() and 0 <= x.min() and x.max() <= 255 and y[:2].tolist() == [3, 7]
 
 
 def write_pathfinder_release(root, n=10):
@@ -2643,11 +2558,40 @@ def write_pathfinder_release(root, n=10):
     return d
 
 
-def test_pathfinder_release_loader(tmp_path):
+def test_release_loaders_and_runs(tmp_path, capsys):
+    x, y = lra.load_listops_release(str(write_listops_release(tmp_path / 'lo')), 4)['train']
+    assert x.shape == (8, 4) and y.tolist()[:4] == [9, 1, 2, 5] and 'note' not in capsys.readouterr().out
+    assert [lra.LISTOPS_VOCAB[i] for i in x[1] if i] == ['[SM', '4', '7', ']']
+    lra.load_listops_release(str(tmp_path / 'lo'), 3)                       # 4-token expressions cut: said
+    assert 'note: 8 of 8 train examples in' in capsys.readouterr().out
+    data = lra.load_text_release(str(write_imdb(tmp_path)), 12)
+    x, y = data['train']
+    assert x.shape == (2, 12) and y.tolist() == [0, 1]
+    assert bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12]
+    assert (x[0][len('dull (train)'):] == 0).all() and data['val'][0] is data['test'][0]
+    data = lra.load_retrieval_release(str(write_aan(tmp_path)), 16)
+    x, y = data['train']
+    assert x.shape == (4, 2, 16) and y.tolist() == [0, 1, 0, 1] and data['val'][0].shape == (2, 2, 16)
+    assert bytes((x[1, 0][x[1, 0] > 0] - 1).tolist()) == b'paper 1 text one'
+    assert bytes((x[1, 1][x[1, 1] > 0] - 1).tolist()) == b'second paper 1'
+    data = lra.load_image_release(str(write_cifar(tmp_path)))
+    x, y = data['train']
+    assert x.shape == (9, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (2, 1024)
+    assert (x[0] == int(0.2989 * 255)).all() and 0 <= x.min() and x.max() <= 255 and y[:2].tolist() == [3, 7]
     data = lra.load_pathfinder_release(str(write_pathfinder_release(tmp_path)))
     x, y = data['train']
     assert x.shape == (8, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (1, 1024)
     assert y.tolist() == [0, 1] * 4 and (x[3].reshape(32, 32)[3] == 200).all() and x[3].sum() == 200 * 32
+    # each folder through --data: a model trains on it
+    common = ['--cache_dir', str(tmp_path / 'lra_cache'), *LRA_SMALL, '--max_iters', '1', '--eval_interval', '1',
+              '--batch_size', '2']
+    for task, folder, extra in (('retrieval', tmp_path / 'aan', ['--max_len', '32']),
+                                ('text', tmp_path / 'aclImdb', ['--max_len', '32', '--pooling', 'cls']),
+                                ('image', tmp_path / 'cifar-10-batches-py', ['--pooling', 'max', '--attn', 'swa']),
+                                ('pathfinder', tmp_path / 'curv_contour_length_14', ['--attn', 'brl',
+                                                                                     '--pixel_embed', 'linear'])):
+        r = lra.main(['--task', task, '--data', str(folder), '--out_dir', str(tmp_path / task), *common, *extra])
+        assert r['history'][-1]['step'] == 1 and r['config']['task'] == task
 
 
 # -----------------------------------------------------------------------------
@@ -2665,9 +2609,7 @@ def test_padding_is_invisible(attn, pooling):
     x[0, 40:] = 0
     xb, mask = lra.make_batch(x.numpy(), pad=True, trim=0, device='cpu')
     with torch.no_grad():
-        full = model(xb, mask)
-        alone0 = model(x[:1, :40], None)
-        alone1 = model(x[1:], None)
+        full, alone0, alone1 = model(xb, mask), model(x[:1, :40], None), model(x[1:], None)
     assert_close(full[0], alone0[0], 1e-5, 1e-4, f'{attn}/{pooling} padded row')
     assert_close(full[1], alone1[0], 1e-5, 1e-4, f'{attn}/{pooling} full row')
 
@@ -2683,8 +2625,8 @@ def test_trim_keeps_results():
 # smoke runs of the script
 
 LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
-         '--max_iters', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1', '--warmup_iters', '1',
-         '--no-progress', '--threads', '1']
+             '--max_iters', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1',
+             '--warmup_iters', '1', '--no-progress', '--threads', '1']
 
 
 @pytest.fixture(scope='module')
@@ -2692,46 +2634,27 @@ def lra_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp('lra_cache'))
 
 
-@pytest.mark.parametrize('attn', list(ATTENTION))
-def test_smoke_listops_each_attention(attn, lra_cache, tmp_path):
-    extra = ['--ranks', '8|4|2|2'] if attn in ('mlr', 'bilinear_mlr') else []
-    out = tmp_path / attn
-    res = lra.main(['--task', 'listops', '--attn', attn, '--max_len', '64', '--min_len', '8', '--n_train', '48',
-                    '--n_val', '16', '--n_test', '16', '--cache_dir', lra_cache, '--out_dir', str(out)] + LRA_SMALL + extra)
-    assert 0.0 <= res['final_test_acc'] <= 1.0 and res['history'][-1]['step'] == 3
-    ck = torch.load(out / 'ckpt.pt', weights_only=True)
-    assert ck['step'] == 3 and ck['config']['attn'] == attn
-    assert json.loads((out / 'results.json').read_text())['attn'] == attn
-
-
-def test_lra_smoke_resume(lra_cache, tmp_path):
-    args = ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
-            '--n_test', '16', '--cache_dir', lra_cache, '--out_dir', str(tmp_path)] + LRA_SMALL
-    lra.main(args)
-    with pytest.raises(ValueError, match='--n_embd: checkpoint 32 vs given 64'):   # a conflict is refused
-        lra.main([a if a != '3' else '6' for a in args] + ['--resume', '--n_embd', '64'])
-    res = lra.main([a if a != '3' else '6' for a in args] + ['--resume'])
-    assert [h['step'] for h in res['history']] == [3, 6] and res['config']['n_embd'] == 32
-
-
-def test_smoke_release_tasks(tmp_path):
-    common = ['--cache_dir', str(tmp_path / 'lra_cache')] + LRA_SMALL
-    r = lra.main(['--task', 'retrieval', '--data', str(write_aan(tmp_path)), '--max_len', '32',
-                  '--out_dir', str(tmp_path / 'r')] + common)
-    assert r['params'] > 0
-    lra.main(['--task', 'text', '--data', str(write_imdb(tmp_path)), '--max_len', '32', '--pooling', 'cls',
-              '--out_dir', str(tmp_path / 't')] + common)
-    lra.main(['--task', 'image', '--data', str(write_cifar(tmp_path)), '--pooling', 'max', '--attn', 'swa',
-              '--out_dir', str(tmp_path / 'i')] + common)
-    lra.main(['--task', 'pathfinder', '--data', str(write_pathfinder_release(tmp_path)), '--attn', 'brl',
-              '--pixel_embed', 'linear', '--out_dir', str(tmp_path / 'p')] + common)
-
-
-def test_lra_bad_input_is_a_clear_error():
-    with pytest.raises(FileNotFoundError, match='train.tsv'):
-        lra.load_retrieval_release('/nonexistent', 8)
-    with pytest.raises(ValueError, match='min_len'):
-        lra.generate_listops(1, 50, 40, seed=0)
+def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
+    """One model with every variant but BRL (which cannot be mixed) as a layer, and one BRL model, train on
+    ListOps; --resume with more steps goes on; --compare plots the two."""
+    kinds = ','.join(k for k in ATTENTION if k != 'brl')
+    args = [*LRA_SMALL, '--task', 'listops', '--ranks', '8|4|2|2', '--max_len', '64', '--min_len', '8',
+            '--n_train', '24', '--n_val', '8', '--n_test', '8', '--cache_dir', lra_cache]
+    res = lra.main([*args, '--layer_pattern', kinds, '--n_layer', str(len(ATTENTION) - 1),
+                    '--out_dir', str(tmp_path / 'a')])
+    assert 0.0 <= res['final_test_acc'] <= 1.0 and res['history'][-1]['step'] == 3 and res['config']['trim'] == 0
+    ck = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
+    assert ck['step'] == 3 and ck['config']['layer_pattern'] == kinds
+    assert json.loads((tmp_path / 'a' / 'results.json').read_text())['params'] == res['params']
+    lra.main([*args, '--attn', 'brl', '--out_dir', str(tmp_path / 'b')])
+    res = lra.main([*args, '--attn', 'brl', '--out_dir', str(tmp_path / 'b'), '--resume', '--max_iters', '4'])
+    assert [h['step'] for h in res['history']] == [3, 4] and res['config']['attn'] == 'brl'
+    lra.main(['--compare', f"{tmp_path / 'a'},{tmp_path / 'b'}", '--out_dir', str(tmp_path / 'c')])
+    assert capsys.readouterr().out.strip().endswith(f"outputs: plot {tmp_path / 'c' / 'lra_compare.png'}")
+    assert (tmp_path / 'c' / 'lra_compare.png').stat().st_size > 1000
+    # --attn global_swa (standard at --global_layers, SWA elsewhere) is a variant here; RoPE has no learned positions
+    assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
+    assert cfg_of('--pos', 'rope')[0].pos is None and cfg_of('--pos', 'learned')[0].pos is not None
 
 
 def test_preset_lra_applies_table12_but_flags_win():
@@ -2739,21 +2662,23 @@ def test_preset_lra_applies_table12_but_flags_win():
     assert (a.n_layer, a.max_iters, a.n_embd, a.max_len) == (2, 9, 512, 2000)
 
 
-def test_bench_point_and_plot(tmp_path):
-    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '32', '--window', '16',
-                                             '--n_compressed', '4', '--bench_reps', '1', '--threads', '1']), 'cpu')
-    rows = [lra.bench_one(k, 128, opts) for k in ('standard', 'standard_unfused', 'swa', 'brl')]
-    assert all(r['ms'] > 0 and np.isfinite(r['peak_mb']) for r in rows)
-    lra.plot_bench(rows + [{'attn': 'standard', 'T': 256, 'skipped': 'x'}], str(tmp_path / 'b.png'), opts)
-    assert (tmp_path / 'b.png').exists()
-    # the CLI path: one fresh process per point, a memory guard, JSON and plot
-    rows = lra.main(['--bench', '--bench_lens', '64,4096', '--bench_attn', 'standard_unfused', '--bench_max_gb',
-                     '0.1', '--bench_max_sec', '1e9', '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--out_dir', str(tmp_path)])
-    assert rows[0]['ms'] > 0 and 'GB' in rows[1]['skipped']
+def test_bench_points_skips_and_plot(tmp_path, monkeypatch):
+    """--bench: one fresh process per point, a memory guard and a time guard, JSON and plot; bench_one of a
+    windowed variant in this process."""
+    monkeypatch.setitem(sys.modules, '__main__', type(sys)('__main__'))   # the point's process imports no tests.py
+    rows = lra.main(['--bench', '--bench_lens', '64,128,4096', '--bench_attn', 'standard_unfused', '--bench_max_gb',
+                     '0.1', '--bench_max_sec', '1e-9', '--bench_reps', '1', '--n_layer', '1', '--n_embd', '16',
+                     '--n_head', '2', '--threads', '1', '--out_dir', str(tmp_path)])
+    assert rows[0]['ms'] > 0 and 'predicted' in rows[1]['skipped'] and 'GB' in rows[2]['skipped']
     assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
+    assert (tmp_path / 'lra_bench.png').stat().st_size > 1000
+    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--window', '16',
+                                             '--n_compressed', '4', '--bench_reps', '1', '--threads', '1']), 'cpu')
+    r = lra.bench_one('brl', 64, opts)
+    assert r['ms'] > 0 and np.isfinite(r['peak_mb'])
 
 
-# train_lra.py flags: shared model group, --pos and --rope
+# train_lra.py flags: the shared model group
 
 META = dict(vocab=len(lra.LISTOPS_VOCAB), classes=10, dual=False)
 
@@ -2782,28 +2707,6 @@ def test_every_model_flag_reaches_the_config():
     assert cfg_of('--max_len', '64', '--pooling', 'cls')[1].block_size == 65    # + the CLS vector
 
 
-def lra_n_params(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-def test_lra_new_model_flags_change_the_model():
-    """Flags the script did not have before: they change the built model, not only its config."""
-    # grouped-query attention: 1 key/value head of 2 shrinks k and v from D x D to D x D/2 in each layer
-    full, gqa = cfg_of('--n_head', '2')[0], cfg_of('--n_head', '2', '--n_kv_head', '1')[0]
-    assert lra_n_params(full) - lra_n_params(gqa) == 2 * 2 * 64 * 32
-    # BRL's learned relative bias: its buckets are parameters
-    assert lra_n_params(cfg_of('--attn', 'brl')[0]) > lra_n_params(cfg_of('--attn', 'brl', '--brl_rel_buckets', '0')[0])
-    # --pos rope: no parameters of its own, but the attention rotates q and k (same weights, other output;
-    # randomized, as the zero-init output maps would hide the attention)
-    x = torch.randint(1, len(lra.LISTOPS_VOCAB), (2, 32))
-    none, rope = (cfg_of('--pos', pos, '--max_len', '32')[0].eval() for pos in ('none', 'rope'))
-    with torch.no_grad():                  # (tests.py: randomize_)
-        for p in none.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    rope.load_state_dict(none.state_dict())
-    assert (none(x) - rope(x)).abs().max() > 1e-3
-    # global_swa (standard attention in the layers of --global_layers, SWA elsewhere) is an --attn here now
-    assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
 
 
 def test_bench_uses_the_model_flags():
@@ -2820,8 +2723,8 @@ def test_bench_uses_the_model_flags():
 
 # 2 variants x 2 seeds x 3 steps on 8..32-token ListOps; --quick's other settings (window 4, m = 4)
 STUDY_TINY = ['--sweep', 'listops', '--quick', '--variants', 'local,brl', '--seeds', '2', '--max_iters', '3',
-        '--eval_interval', '1', '--warmup_iters', '1', '--n_train', '64', '--n_val', '16', '--n_test', '16',
-        '--min_len', '8', '--max_len', '32', '--batch_size', '8', '--eval_batch_size', '16']
+              '--eval_interval', '1', '--warmup_iters', '1', '--n_train', '24', '--n_val', '8', '--n_test', '8',
+              '--min_len', '8', '--max_len', '32', '--batch_size', '8', '--eval_batch_size', '16', '--n_embd', '32']
 
 
 def study_tiny_argv(tmp_path, *extra):
@@ -2833,34 +2736,20 @@ def study_results(run_dir):
         return json.load(f)
 
 
-def cut_off_run(tmp_path, monkeypatch, variant, seed):
-    """Train one run of the study in this process and Ctrl-C it after step 2 of 3 (the real SIGINT path: the loop
-    ends its step, saves ckpt.pt and raises Interrupted). -> (run_dir, the checkpoint's history)."""
-    args = lra.parse_args(study_tiny_argv(tmp_path))
-    argv = lra.study_run_argv(args, variant, seed)
-    real = lra.guarded_update
-
-    def update_then_ctrl_c(loss, step, *rest):
-        out = real(loss, step, *rest)
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-    monkeypatch.setattr(lra, 'guarded_update', update_then_ctrl_c)
-    with pytest.raises(lra.Interrupted):
-        lra.main(argv + ['--overwrite'])
-    monkeypatch.setattr(lra, 'guarded_update', real)
-    run_dir = lra.study_run_dir(args, variant, seed)
-    ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=False)
-    assert ckpt['step'] == 2 and not os.path.exists(os.path.join(run_dir, 'results.json'))
-    return run_dir, ckpt['history']
-
-
 def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
-    # 1. the whole study in 2 worker processes: 4 runs trained, the JSON, table and plot written
+    # the runs train in this process (runs.sweep's processes are tested with train_lm.py), from this script
+    real, started = R.sweep, []
+
+    def in_process(runs, states, script, main, workers, tag):
+        started.append((os.path.basename(script), workers, [r.name for r in runs if states[r.name] != 'done']))
+        return real(runs, states, script, main, 0, tag)
+    monkeypatch.setattr(lra, 'sweep', in_process)
+    # 1. the whole study: 4 runs trained, the JSON, table and plot written
     r = lra.main(study_tiny_argv(tmp_path))
     names = ['local_seed0', 'brl_seed0', 'local_seed1', 'brl_seed1']
-    assert sorted(r['codes']) == sorted(names) and set(r['states'].values()) == {'new'}
-    assert set(r['codes'].values()) == {0} and len(r['runs']) == 4
+    assert [(s, w, sorted(n)) for s, w, n in started] == [('train_lra.py', 2, sorted(names))]
+    assert set(r['states'].values()) == {'new'}
+    assert r['codes'] == dict.fromkeys(names, 0) and len(r['runs']) == 4
     assert all([h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
     assert all(os.path.isfile(p) for p in r['paths'].values())
     saved = json.load(open(r['paths']['json']))
@@ -2873,22 +2762,28 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     # the paired difference is BRL - local on the same seed, of the test accuracy at the best validation accuracy
     acc = {(run['variant'], run['seed']): run['test_acc_at_best_val'] for run in r['runs']}
     assert r['stats']['paired']['local']['diffs'] == [acc['brl', s] - acc['local', s] for s in (0, 1)]
-    # 2. run again: every run reused, nothing trained, the results untouched
-    mtime = os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json'))
-    r2 = lra.main(study_tiny_argv(tmp_path))
-    assert set(r2['states'].values()) == {'done'} and r2['codes'] == {}
-    assert os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json')) == mtime
-    # 3. a run cut off after step 2: the study resumes it from its checkpoint (its first two evaluations, timings
-    # included, are kept exactly; a restart would measure new ones) and reuses the other three
-    run_dir, before = cut_off_run(tmp_path, monkeypatch, 'brl', 1)
+    # 2. a run Ctrl-C'd after step 2 (its loop saves ckpt.pt): run again, the study resumes it from its checkpoint
+    # (its first two evaluations, timings included, are kept exactly; a restart would measure new ones) and reuses
+    # the finished runs, untouched
+    monkeypatch.setattr(lra, 'plot_seed_bands', lambda *args, **kw: None)    # drawn above
+    results = os.path.join(r['runs'][0]['out_dir'], 'results.json')
+    mtime = os.path.getmtime(results)
+    args = lra.parse_args(study_tiny_argv(tmp_path))
+    run_dir = lra.study_run_dir(args, 'brl', 1)
+    tap = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2)
+    with pytest.raises(lra.Interrupted):
+        lra.main(lra.study_run_argv(args, 'brl', 1) + ['--overwrite'])
+    monkeypatch.setattr(F, 'cross_entropy', tap.real)
+    before = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=True)['history']
+    assert [h['step'] for h in before] == [1, 2] and not os.path.exists(os.path.join(run_dir, 'results.json'))
     r3 = lra.main(study_tiny_argv(tmp_path))
     assert r3['codes'] == {'brl_seed1': 0} and r3['states'] == {**dict.fromkeys(names, 'done'), 'brl_seed1': 'partial'}
     after = study_results(run_dir)['history']
-    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before
-    # 4. a study of other settings in the same folder is refused in one line, before any training
+    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before and os.path.getmtime(results) == mtime
+    # 3. a study of other settings in the same folder is refused in one line, before any training
     with pytest.raises(ValueError, match=r'--lr .* use another --sweep_dir'):
         lra.main(study_tiny_argv(tmp_path, '--lr', '0.002'))
-    # 5. --estimate: the minutes of every run, nothing trained
+    # 4. --estimate: the minutes of every run, nothing trained
     est = lra.main(study_tiny_argv(tmp_path, '--estimate', '--no-reuse'))
     assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
 
@@ -2910,11 +2805,10 @@ def test_study_bad_input_is_one_line(extra, named, capsys):
 def test_run_argv_keeps_given_flags_and_variant_wins():
     """A flag given to the study reaches every run; the variant's own flags come after it, so they win."""
     args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3', '--seeds', '2'])
-    beta0 = lra.parse_args(lra.study_run_argv(args, 'brl_beta0', 1))
-    brl = lra.parse_args(lra.study_run_argv(args, 'brl', 1))
-    assert (beta0.brl_beta, brl.brl_beta, brl.lr, brl.seed, brl.threads) == (0.0, 0.3, 3e-3, 1, 1)
-    assert (brl.max_len, brl.window, brl.data_seed, brl.sweep) == (1000, 16, 0, None)   # the study's setting
-    kinds = {v: lra.parse_args(lra.study_run_argv(args, v, 0)) for v in lra.STUDY_VARIANTS}
+    kinds = {v: lra.parse_args(lra.study_run_argv(args, v, 1)) for v in lra.STUDY_VARIANTS}
+    brl = kinds['brl']
+    assert (brl.lr, brl.seed, brl.threads, brl.max_len, brl.window, brl.data_seed, brl.sweep) == \
+        (3e-3, 1, 1, 1000, 16, 0, None)                              # the study's setting
     assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in kinds.items()} == {
         'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
         'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
@@ -3944,53 +3838,37 @@ def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys,
 # -----------------------------------------------------------------------------
 # train_lra.py
 
-
-
 def lra_argv(out, cache, *extra):
     return ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
             '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL, *extra]
 
 
-def write_listops_release(d, bad_line=None):
-    """A release-layout ListOps folder (basic_{train,val,test}.tsv); bad_line replaces train line 3."""
-    d.mkdir(parents=True, exist_ok=True)
-    rows = [('( ( ( [MAX 2 ) 9 ) ] )', 9), ('( ( [SM 4 ) 7 ) ] )', 1), ('( ( ( [MED 1 ) 3 ) ] )', 2),
-            ('( ( ( [MIN 5 ) 6 ) ] )', 5)]
-    for split in ('train', 'val', 'test'):
-        lra.write_tsv(str(d / f'basic_{split}.tsv'), ['Source', 'Target'], rows * 2)
-    if bad_line is not None:
-        lines = (d / 'basic_train.tsv').read_text().splitlines()
-        lines[2] = bad_line
-        (d / 'basic_train.tsv').write_text('\n'.join(lines) + '\n')
-    return d
+LRA_BAD_LINES = dict(no_tab='( ( [MAX 2 ) ] ) 2', bad_label='( ( [MAX 2 ) ] )\tseven', label_range='( ( [MAX 2 ) ] )\t12',
+                     unknown_token='( ( [POW 2 ) ] )\t4')
 
 
 def lra_setup(out, cache, how, tmp_path):
-    if how == 'no_tab':
-        write_listops_release(tmp_path / 'rel', bad_line='( ( [MAX 2 ) ] ) 2')
-    elif how == 'bad_label':
-        write_listops_release(tmp_path / 'rel', bad_line='( ( [MAX 2 ) ] )\tseven')
-    elif how == 'label_range':
-        write_listops_release(tmp_path / 'rel', bad_line='( ( [MAX 2 ) ] )\t12')
-    elif how == 'binary_tsv':
-        write_listops_release(tmp_path / 'rel')
-        (tmp_path / 'rel' / 'basic_val.tsv').write_bytes(b'\xff\xfe\x00\x01' * 50)
+    rel = tmp_path / 'rel'
+    if how in LRA_BAD_LINES or how == 'binary_tsv':
+        write_listops_release(rel, LRA_BAD_LINES.get(how))
+        if how == 'binary_tsv':
+            (rel / 'basic_val.tsv').write_bytes(b'\xff\xfe\x00\x01' * 50)
     elif how == 'wrong_folder':
-        (tmp_path / 'rel').mkdir()
-        (tmp_path / 'rel' / 'README.txt').write_text('not LRA')
+        rel.mkdir()
+        (rel / 'README.txt').write_text('not LRA')
     elif how == 'old_run':       # a results.json written by another version of the script (no 'format')
         (tmp_path / 'old').mkdir()
         R.write_json(str(tmp_path / 'old' / 'results.json'), {'attn': 'brl', 'config': {'attn': 'brl'}})
     elif how == 'random_cifar':
         d = write_cifar(tmp_path)
         (d / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
-        os.rename(d, tmp_path / 'rel')
+        os.rename(d, rel)
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lra.main(lra_argv(out, cache)), 'train_ts.py')
 
 
-LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0') + \
-    range_cases(lr='11.5', weight_decay='nan', grad_clip='inf', seed='-1', data_seed='-2', max_len=str(2 ** 63),
-                threads='100000', bench_max_gb='inf', max_iters=str(2 ** 64)) + [
+# (the cases every script shares: EXIT_RULE_CASES and shared_cases)
+LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0',
+                      weight_decay='1.5', seed='-1', data_seed='-2', max_len=str(2 ** 63), bench_max_gb='inf') + [
     ('n_train_memory', ['--n_train', '10000000000000'], None, 2, ['GiB of memory', '--n_train']),
     ('bench_lens_twice', ['--bench', '--bench_lens', '64,64'], None, 2, ["--bench_lens names 64 twice"]),
     ('bench_attn_twice', ['--bench', '--bench_attn', 'swa,swa'], None, 2, ["--bench_attn names 'swa' twice"]),
@@ -4004,13 +3882,14 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('compare_other_format', ['--compare', 'OLDRUN'], 'old_run', 1, ['--compare', 'another version']),
     ('bench_lens', ['--bench', '--bench_lens', '0'], None, 2, ["--bench_lens '0'"]),
     ('bench_reps', ['--bench', '--bench_reps', '0'], None, 2, ['--bench_reps 0']),
-    ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('pathfinder_len', ['--task', 'pathfinder', '--max_len', '500'], None, 2, ['--max_len 500']),
     ('n_head', ['--n_head', '3'], None, 2, ['n_head', '3']),        # checked with the flags (meta-device model)
+    ('min_len', ['--min_len', '63'], None, 1, ['need 0 <= min_len < max_len - 1', 'min_len=63']),
     ('no_data_dir', ['--data', '/nonexistent/lra'], None, 1, ["--data '/nonexistent/lra'"]),
     ('tsv_no_tab', ['--data', 'REL'], 'no_tab', 1, ['basic_train.tsv line 3', 'Source<TAB>Target']),
     ('tsv_bad_label', ['--data', 'REL'], 'bad_label', 1, ['basic_train.tsv line 3', "'seven'"]),
     ('tsv_label_range', ['--data', 'REL'], 'label_range', 1, ['basic_train.tsv line 3', "label '12'"]),
+    ('tsv_unknown_token', ['--data', 'REL'], 'unknown_token', 1, ['basic_train.tsv line 3', "token '[POW'"]),
     ('tsv_binary', ['--data', 'REL'], 'binary_tsv', 1, ['not a readable listops release folder', 'decode']),
     ('wrong_release_folder', ['--data', 'REL'], 'wrong_folder', 1, ['not a readable listops release folder',
                                                                          '*_train.tsv']),
@@ -4029,7 +3908,7 @@ def test_lra_bad_input_one_line(lra_cache, tmp_path, capsys, case, extra, setup,
     subst = {'REL': str(tmp_path / 'rel'), 'UNWRITABLE': str(tmp_path / 'a_file' / 'x'), 'NOWHERE': 'NOWHERE',
              'OLDRUN': str(tmp_path / 'old')}
     extra = [subst.get(a, a) for a in extra]
-    cache = str(tmp_path / 'cache') if (tmp_path / 'rel').exists() else lra_cache
+    cache = str(tmp_path / 'cache') if (tmp_path / 'rel').exists() or case == 'min_len' else lra_cache
     got, err = run_cli(lra.main, lra_argv(out, cache, *extra), capsys)
     assert_one_line_error(got, err, code, words, 'train_lra.py')
     assert code != 2 or not out.exists()          # a bad flag is refused before any work
@@ -4065,25 +3944,22 @@ def same_size_edit(path, old, new):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-@pytest.mark.parametrize('edited', ['release', 'generated'])
-def test_lra_caches_follow_file_content(tmp_path, edited):
+def test_lra_caches_follow_file_content(tmp_path):
     """An edited file is read again, however its size and mtime look: the caches are keyed on the bytes."""
     cache = tmp_path / 'cache'
-    if edited == 'release':
-        d = write_listops_release(tmp_path / 'rel')
-        args = lra.parse_args(['--data', str(d), '--max_len', '16', '--cache_dir', str(cache)])
-        assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [9, 1]
-        same_size_edit(d / 'basic_train.tsv', b'\t9\n', b'\t3\n')
-        assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [3, 1]
-        assert len(glob.glob(str(cache / '*.npz'))) == 2 and not tmp_files(cache)
-    else:   # a generated file damaged in the cache is generated again
-        args = lra.parse_args(['--max_len', '32', '--min_len', '4', '--n_train', '20', '--n_val', '5', '--n_test', '5',
-                               '--cache_dir', str(cache)])
-        first = lra.load_task(args)[0]['test']
-        tsv = next(cache.glob('*/basic_test.tsv'))
-        same_size_edit(tsv, b'[MAX', b'[MIN')
-        again = lra.load_task(args)[0]['test']
-        assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+    d = write_listops_release(tmp_path / 'rel')
+    args = lra.parse_args(['--data', str(d), '--max_len', '16', '--cache_dir', str(cache)])
+    assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [9, 1]
+    same_size_edit(d / 'basic_train.tsv', b'\t9\n', b'\t3\n')
+    assert lra.load_task(args)[0]['train'][1].tolist()[:2] == [3, 1]
+    assert len(glob.glob(str(cache / '*.npz'))) == 2 and not tmp_files(cache)
+    # a generated file damaged in the cache is generated again
+    args = lra.parse_args(['--max_len', '32', '--min_len', '4', '--n_train', '20', '--n_val', '5', '--n_test', '5',
+                           '--cache_dir', str(cache)])
+    first = lra.load_task(args)[0]['test']
+    same_size_edit(next(cache.glob('*/basic_test.tsv')), b'[MAX', b'[MIN')
+    again = lra.load_task(args)[0]['test']
+    assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
 def test_lra_nan_stops_at_that_step_without_nan_checkpoint(lra_cache, tmp_path, monkeypatch, capsys):
@@ -4118,14 +3994,6 @@ def test_lra_kill_during_checkpoint_loses_nothing(lra_cache, tmp_path, monkeypat
     res = kill_mid_checkpoint(lra.main, argv, 'cross_entropy', tmp_path / 'ckpt.pt', orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['history']] == [2, 4, 6]
 
-
-def test_lra_show_writes_to_out_dir_not_assets(tmp_path, capsys):
-    lra.main(['--task', 'pathfinder', '--show', '--n_train', '16', '--n_val', '2', '--n_test', '2',
-              '--cache_dir', str(tmp_path / 'cache'), '--out_dir', str(tmp_path / 'out')])
-    assert (tmp_path / 'out' / 'lra_pathfinder_samples.png').exists()
-    assert capsys.readouterr().out.strip().splitlines()[-1] == \
-        f"outputs: samples {tmp_path / 'out' / 'lra_pathfinder_samples.png'}"
-    assert lra.parse_args(['--task', 'pathfinder', '--show']).out_dir == os.path.join('out', 'lra_pathfinder_standard')
 
 # -----------------------------------------------------------------------------
 # train_ts.py

@@ -1,21 +1,16 @@
 """
-Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ...
-(seed 004 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
+Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ... (seed 004
+§3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
 
-One bidirectional attention.Transformer (causal=False) reads token (or pixel) embeddings plus learned
-positions, with a padding mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval
-encodes both documents with the same encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
+A bidirectional attention.Transformer reads token (or pixel) embeddings plus learned positions under a padding
+mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval encodes both documents with the same
+encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
 
-Data. Without --data two tasks are generated here and cached under --cache_dir (default data/lra/):
-  ListOps     the LRA recipe: [MIN [MAX [MED [SM (sum mod 10) trees over digits, depth <= 10, 2..10
-              arguments, a node below the maximum depth is a leaf with probability 0.75, kept when
-              min_len < #tokens < max_len (parentheses not counted), label = value, deduplicated across
-              splits; written once as basic_{train,val,test}.tsv in the release's Source/Target format.
-  Pathfinder  32x32 grayscale: two dashed curves of 14 paddles, short distractor curves and two round
-              markers on the two ends of one curve (label 1) or on ends of different curves (label 0).
-With --data the official release layout is read instead (see the loaders' docstrings): ListOps TSVs,
-IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders.
-Every cache is keyed on the bytes of its files (runs.content_digest): an edited file is never read stale.
+Data. Without --data two tasks are generated here: ListOps (the LRA recipe, written as the release's TSVs) and
+Pathfinder (32x32: two dashed curves, distractors, and two markers on the ends of one curve, label 1, or of two
+curves, label 0). With --data the official release files are read: ListOps TSVs, IMDB bytes (aclImdb/), AAN pairs
+(new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders. Both are cached under --cache_dir, keyed on
+the bytes of their files (runs.content_digest): an edited file is never read stale.
 
 Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
   python train_lra.py --attn standard      # ListOps, max_len 256, 2 layers x 64 wide
@@ -25,11 +20,9 @@ Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2
   python train_lra.py --task pathfinder --attn brl             # 4000 generated 32 x 32 images (slow on CPU)
   python train_lra.py --bench              # fwd+bwd time and peak memory vs T = 1k..16k (Figs. 5-6)
   python train_lra.py --compare out/lra_listops_standard,out/lra_listops_swa,out/lra_listops_brl
-The ListOps study: local, full, BRL, BRL w/o Attn-Diff, BRL with beta = 0 x 3 seeds, 300-1000 tokens,
-window 16, 2 layers; 96 min on an idle 2-core machine, resumable (rerun the same command):
-  python train_lra.py --sweep listops --estimate   # time a few steps per variant, print the study's minutes
-  python train_lra.py --sweep listops              # -> out/lra_listops_study/{sweep.json, table.md, lra_study.png}
-  python train_lra.py --sweep listops --quick      # the same machinery on 40-128 tokens, 60 steps (~2 min)
+  python train_lra.py --sweep listops      # the study: local, full, BRL, 2 BRL ablations x 3 seeds, 300-1000
+                                           # tokens, 96 min on an idle 2-core machine, resumable (rerun it);
+                                           # --estimate: its minutes only; --quick: 40-128 tokens, ~2 min
 GPU, the paper's Table 12 settings on the release files:
   python train_lra.py --preset lra --task listops --data lra_release/listops-1000 --attn brl
 """
@@ -69,131 +62,29 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
-from runs import (check_numbers, io_errors, no_repeats, physical_memory, FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,  # noqa: E402
-                  atomic_write, check_format, check_ranges, content_digest, ctrl_c_finishes_step, given_flags,
-                  guarded_update, load_checkpoint, longest_first_wall, mean_std, model_config, one_thread_seconds,
-                  owns_run_folders, paired_difference, paired_rows, pick_device, plot_seed_bands, pm,
-                  prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main,
-                  run_state, save_checkpoint, set_rng_state, sweep, write_json)
+from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,  # noqa: E402
+                  atomic_write, check_format, check_numbers, check_ranges, content_digest, ctrl_c_finishes_step,
+                  given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
+                  no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows,
+                  physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
+                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
+                  sweep, write_json)
 
 SCRIPT = 'train_lra.py'
 TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
 
-# Table 12 of seed 004 (depth, features, heads, FF size, batch, pooling, lr) plus LRA's sequence lengths.
-# m = w = 256 is Table 1's best BRL row.
-LRA_PRESETS = {   # mlp_hidden: Table 12's FF size
-    'listops': dict(n_layer=6, n_embd=512, n_head=8, mlp_hidden=1024, batch_size=64, pooling='mean', lr=1e-4,
-                    max_len=2000),
-    'text': dict(n_layer=6, n_embd=512, n_head=8, mlp_hidden=1024, batch_size=64, pooling='mean', lr=1e-4,
-                 max_len=4000),
-    'retrieval': dict(n_layer=4, n_embd=128, n_head=8, mlp_hidden=512, batch_size=16, pooling='mean', lr=5e-4,
-                      max_len=4000),
-    'image': dict(n_layer=3, n_embd=64, n_head=8, mlp_hidden=128, batch_size=16, pooling='max', lr=5e-4,
-                  max_len=1024),
-    'pathfinder': dict(n_layer=4, n_embd=128, n_head=8, mlp_hidden=128, batch_size=16, pooling='mean', lr=5e-4,
-                       max_len=1024),
-}
+# Table 12 of seed 004 (its FF size is mlp_hidden) plus LRA's sequence lengths; m = w = 256 is Table 1's best BRL row.
+PRESET_KEYS = ('n_layer', 'n_embd', 'n_head', 'mlp_hidden', 'batch_size', 'pooling', 'lr', 'max_len')
+LRA_PRESETS = {task: dict(zip(PRESET_KEYS, row)) for task, row in {
+    'listops': (6, 512, 8, 1024, 64, 'mean', 1e-4, 2000),
+    'text': (6, 512, 8, 1024, 64, 'mean', 1e-4, 4000),
+    'retrieval': (4, 128, 8, 512, 16, 'mean', 5e-4, 4000),
+    'image': (3, 64, 8, 128, 16, 'max', 5e-4, 1024),
+    'pathfinder': (4, 128, 8, 128, 16, 'mean', 5e-4, 1024)}.items()}
 PRESET_COMMON = dict(window=256, n_compressed=256, max_iters=5000, warmup_iters=1000,   # LRA's ListOps run
                      min_len=500, n_train=96000, n_val=2000, n_test=2000)     # LRA's ListOps generator
 # Without --preset: a CPU-sized model (the model flags' defaults where they differ from attention.ModelConfig's)
 LRA_MODEL_DEFAULTS = dict(n_layer=2, n_embd=64, window=32)
-
-
-# -----------------------------------------------------------------------------
-# ListOps (LRA recipe; tokens: PAD 0, then digits, operators, ']')
-
-OPERATORS = ['[MIN', '[MAX', '[MED', '[SM']
-END = ']'
-LISTOPS_VOCAB = ['<pad>'] + [str(v) for v in range(10)] + OPERATORS + [END]
-LISTOPS_ID = {t: i for i, t in enumerate(LISTOPS_VOCAB)}
-
-
-class _TooLong(Exception):
-    pass
-
-
-def listops_tree(rng, max_len, depth=1, max_depth=10, max_args=10, count=None):
-    """One random tree: a digit, or [op, child, ...]. Below max_depth a node is an operator with probability
-    0.25 (LRA: leaf if random() > 0.25) with randint(2, max_args) children. Gives up (raises _TooLong) as
-    soon as the tree has max_len tokens: those trees are rejected anyway, so the kept ones are unchanged."""
-    count = [0] if count is None else count
-    if depth < max_depth and rng.random() <= 0.25:
-        count[0] += 2                                   # the operator and its ']'
-        children = [listops_tree(rng, max_len, depth + 1, max_depth, max_args, count)
-                    for _ in range(rng.randint(2, max_args))]
-        return [rng.choice(OPERATORS)] + children
-    count[0] += 1
-    if count[0] >= max_len:
-        raise _TooLong
-    return rng.randrange(10)
-
-
-def listops_value(tree):
-    if isinstance(tree, int):
-        return tree
-    op, args = tree[0], [listops_value(c) for c in tree[1:]]
-    if op == '[MIN':
-        return min(args)
-    if op == '[MAX':
-        return max(args)
-    if op == '[MED':
-        return int(np.median(args))                     # LRA: int(np.median), the mean of the middle two truncated
-    return sum(args) % 10
-
-
-def listops_source(tree):
-    """The release's Source string: ( ( ( [MAX 2 ) 9 ) ] ) for [MAX 2 9 ]."""
-    if isinstance(tree, int):
-        return str(tree)
-    s = f'( {tree[0]} {listops_source(tree[1])} )'
-    for child in tree[2:]:
-        s = f'( {s} {listops_source(child)} )'
-    return f'( {s} {END} )'
-
-
-def listops_tokens(source):
-    """Source string -> token strings without parentheses (what the model reads)."""
-    return [t for t in source.split() if t not in ('(', ')')]
-
-
-def generate_listops(n, min_len, max_len, seed, exclude=(), max_depth=10, max_args=10):
-    """n distinct (source, label) examples with min_len < #tokens < max_len, none of them in `exclude`."""
-    if not 0 <= min_len < max_len - 1:
-        raise ValueError(f"need 0 <= min_len < max_len - 1, got min_len={min_len}, max_len={max_len}")
-    rng, seen, rows = random.Random(seed), set(exclude), []
-    while len(rows) < n:
-        count = [0]
-        try:
-            tree = listops_tree(rng, max_len, 1, max_depth, max_args, count)
-        except _TooLong:
-            continue
-        src = listops_source(tree)
-        if min_len < count[0] < max_len and src not in seen:
-            seen.add(src)
-            rows.append((src, listops_value(tree)))
-    return rows
-
-
-def write_tsv(path, header, rows):
-    write_text(path, '\t'.join(header) + '\n' + ''.join('\t'.join(str(c) for c in r) + '\n' for r in rows))
-
-
-def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
-    """Generate once into <cache_dir>/listops_<...>/basic_*.tsv; the test split is drawn first (seed),
-    then val (seed+1), then train (seed+2), each avoiding the earlier ones, so the test set does not
-    depend on n_train."""
-    d = os.path.join(cache_dir, f'listops_len{min_len}-{max_len}_n{n_train}-{n_val}-{n_test}_seed{seed}')
-    splits = [('test', n_test), ('val', n_val), ('train', n_train)]
-
-    def make():
-        seen = set()
-        for i, (split, n) in enumerate(splits):
-            rows = generate_listops(n, min_len, max_len, seed + i, exclude=seen)
-            seen.update(r[0] for r in rows)
-            write_tsv(os.path.join(d, f'basic_{split}.tsv'), ['Source', 'Target'], rows)
-        print(f'wrote ListOps to {d}')
-    cached(os.path.join(d, 'sha256'), [os.path.join(d, f'basic_{s}.tsv') for s, _ in splits], make)
-    return load_listops_release(d, max_len)
 
 
 # -----------------------------------------------------------------------------
@@ -214,9 +105,8 @@ def save_npz(path, arrays):
 
 
 def cached(digest_path, paths, make):
-    """Data files made once: make() writes `paths`, then digest_path records their content_digest. A later run
-    uses the files while their bytes match it, and makes them again if not (an edit of the same size with its
-    mtime restored included: file times are never trusted)."""
+    """make() writes `paths`, then digest_path records their content_digest. A later run uses the files while their
+    bytes match it, and makes them again if not (file times are never trusted)."""
     with contextlib.suppress(FileNotFoundError):
         with open(digest_path) as f:
             if f.read().strip() == content_digest(paths):
@@ -226,6 +116,72 @@ def cached(digest_path, paths, make):
     remove_orphan_tmp(os.path.dirname(digest_path))    # of an earlier write that was killed
     make()
     write_text(digest_path, content_digest(paths))
+
+
+# -----------------------------------------------------------------------------
+# ListOps (LRA recipe; tokens: PAD 0, then digits, operators, ']')
+
+OPERATORS = {'[MIN': min, '[MAX': max, '[MED': lambda a: int(np.median(a)),   # LRA: the middle two's mean, truncated
+             '[SM': lambda a: sum(a) % 10}
+END = ']'
+LISTOPS_VOCAB = ['<pad>'] + [str(v) for v in range(10)] + list(OPERATORS) + [END]
+LISTOPS_ID = {t: i for i, t in enumerate(LISTOPS_VOCAB)}
+
+
+class TooLong(Exception):
+    pass
+
+
+def listops_tree(rng, max_len, count, depth=1):
+    """One random tree -> (the release's Source string, its value); [MAX 2 9 ] is '( ( ( [MAX 2 ) 9 ) ] )'. Below
+    depth 10 a node is an operator with probability 0.25 (LRA: leaf if random() > 0.25) with randint(2, 10)
+    children. count[0] counts tokens; TooLong as soon as there are max_len (such trees are rejected anyway)."""
+    if depth < 10 and rng.random() <= 0.25:
+        count[0] += 2                                   # the operator and its ']'
+        args = [listops_tree(rng, max_len, count, depth + 1) for _ in range(rng.randint(2, 10))]
+        op = rng.choice(list(OPERATORS))
+        source = f'( {op} {args[0][0]} )'
+        for child, _ in args[1:]:
+            source = f'( {source} {child} )'
+        return f'( {source} {END} )', OPERATORS[op]([v for _, v in args])
+    count[0] += 1
+    if count[0] >= max_len:
+        raise TooLong
+    digit = rng.randrange(10)
+    return str(digit), digit
+
+
+def generate_listops(n, min_len, max_len, seed, exclude=()):
+    """n distinct (source, label) examples with min_len < #tokens < max_len, none of them in `exclude`."""
+    if not 0 <= min_len < max_len - 1:
+        raise ValueError(f"need 0 <= min_len < max_len - 1, got min_len={min_len}, max_len={max_len}")
+    rng, seen, rows = random.Random(seed), set(exclude), []
+    while len(rows) < n:
+        count = [0]
+        with contextlib.suppress(TooLong):
+            source, label = listops_tree(rng, max_len, count)
+            if min_len < count[0] < max_len and source not in seen:
+                seen.add(source)
+                rows.append((source, label))
+    return rows
+
+
+def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
+    """Generated once into <cache_dir>/listops_<...>/basic_*.tsv: test first (seed), then val (seed+1), then train
+    (seed+2), each avoiding the earlier ones, so that the test set does not depend on n_train."""
+    d = os.path.join(cache_dir, f'listops_len{min_len}-{max_len}_n{n_train}-{n_val}-{n_test}_seed{seed}')
+    splits = [('test', n_test), ('val', n_val), ('train', n_train)]
+
+    def make():
+        seen = set()
+        for i, (split, n) in enumerate(splits):
+            rows = generate_listops(n, min_len, max_len, seed + i, exclude=seen)
+            seen.update(r[0] for r in rows)
+            lines = ['Source\tTarget'] + [f'{source}\t{label}' for source, label in rows]
+            write_text(os.path.join(d, f'basic_{split}.tsv'), '\n'.join(lines) + '\n')
+        print(f'wrote ListOps to {d}')
+    cached(os.path.join(d, 'sha256'), [os.path.join(d, f'basic_{s}.tsv') for s, _ in splits], make)
+    return load_listops_release(d, max_len)
 
 
 # -----------------------------------------------------------------------------
@@ -247,34 +203,22 @@ def point_segment_distance(p, a, b):
     return np.sqrt((e * e).sum(-1))
 
 
-class Scene:
-    """What is drawn so far: segments a-b of half-width rad, each owned by curve cid."""
+def clear_of(scene, pts, rad, cid, cfg):
+    """scene (N, 6): the segments drawn so far, rows [a, b, half-width, curve id]. For points (M, 2) of half-width
+    rad: True where every segment of another curve is >= clearance away."""
+    other = scene[scene[:, 5] != cid]
+    gap = point_segment_distance(pts, other[:, 0:2], other[:, 2:4]) - other[:, 4] - rad
+    return (gap >= cfg['clearance']).all(1)
 
-    def __init__(self):
-        self.a, self.b, self.rad, self.cid = np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0), np.zeros(0, int)
-        self.half = np.zeros(0)
 
-    def add(self, a, b, rad, cid):
-        self.a, self.b = np.vstack([self.a, a]), np.vstack([self.b, b])
-        self.rad, self.cid = np.append(self.rad, np.full(len(a), rad)), np.append(self.cid, np.full(len(a), cid))
-        self.half = np.sqrt(((self.b - self.a) ** 2).sum(1)) / 2
-
-    def clear_of(self, pts, rad, cid, clearance):
-        """For points (M, 2) of half-width rad: True where every other curve is >= clearance away."""
-        ctr = pts.mean(0)
-        d = self.a + self.b - 2 * ctr                                   # 2 x (segment midpoint - centre)
-        reach = np.abs(pts - ctr).max() * 1.5 + self.half + self.rad + rad + clearance
-        near = (self.cid != cid) & ((d * d).sum(1) <= 4 * reach * reach)   # cheap pre-filter
-        if not near.any():
-            return np.ones(len(pts), bool)
-        gap = point_segment_distance(pts, self.a[near], self.b[near]) - self.rad[near] - rad
-        return (gap >= clearance).all(1)
+def add_segments(scene, a, b, rad, cid):
+    return np.vstack([scene, np.column_stack([a, b, np.full(len(a), rad), np.full(len(a), cid)])])
 
 
 def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
-    """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from
-    the last; of n_cand random turns the first one that stays inside and clear of the scene (and of the
-    curve's own paddles 3+ back) wins. Returns (n_paddles, 2, 2) paddle endpoints, or None."""
+    """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from the last;
+    of n_cand random turns the first one that stays inside and clear of the scene and of the curve's own paddles
+    3+ back (as curve 0) wins. -> (n_paddles, 2, 2) paddle endpoints, or None."""
     S, pad, r = cfg['size'], cfg['padding'], cfg['line_radius']
     L, gap, turn = cfg['paddle_length'], cfg['paddle_margin'], math.radians(cfg['max_turn_deg'])
     s = np.linspace(0, 1, int(math.ceil(L / 0.5)) + 1)          # centre-line samples every <= 0.5 px
@@ -286,12 +230,9 @@ def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
             u = np.stack([np.cos(th), np.sin(th)], 1)                                  # (C, 2)
             ends = pos + L * u
             pts = (pos + (L * s)[None, :, None] * u[:, None, :]).reshape(-1, 2)        # (C * P, 2)
-            ok = scene.clear_of(pts, r, cid, cfg['clearance']).reshape(n_cand, -1).all(1)
-            if k >= 3:
-                own = point_segment_distance(pts, pa[:k - 2], pb[:k - 2]).min(1).reshape(n_cand, -1)
-                ok &= own.min(1) >= 2 * r + cfg['clearance']
-            ok &= ((ends >= pad) & (ends <= S - pad)).all(1)
-            good = np.flatnonzero(ok)
+            own = add_segments(scene, pa[:k - 2], pb[:k - 2], r, 0)                 # + paddles 3+ back (k >= 3)
+            ok = clear_of(own, pts, r, cid, cfg)
+            good = np.flatnonzero(ok.reshape(n_cand, -1).all(1) & ((ends >= pad) & (ends <= S - pad)).all(1))
             if len(good) == 0:
                 break
             c = good[0]
@@ -304,31 +245,27 @@ def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
 
 def pathfinder_scene(rng, label, cfg=PATHFINDER32):
     """Two target curves, the two markers, then distractors. -> (curves [(n, 2, 2)], markers (2, 2))."""
-    r_line, r_mark, clear = cfg['line_radius'], cfg['marker_radius'], cfg['clearance']
     while True:
-        scene, targets = Scene(), []
+        scene, curves = np.zeros((0, 6)), []
         for cid in (1, 2):
             c = grow_curve(rng, cfg['contour_length'], scene, cid, cfg)
             if c is None:
                 break
-            scene.add(c[:, 0], c[:, 1], r_line, cid)
-            targets.append(c)
-        if len(targets) < 2:
+            scene = add_segments(scene, c[:, 0], c[:, 1], cfg['line_radius'], cid)
+            curves.append(c)
+        if len(curves) < 2:
             continue
-        ends = [(c[0, 0], c[-1, 1]) for c in targets]
-        if label == 1:
-            markers = [(1, ends[0][0]), (1, ends[0][1])]
-        else:
-            markers = [(1, ends[0][rng.integers(2)]), (2, ends[1][rng.integers(2)])]
-        if not all(scene.clear_of(m[None], r_mark, cid, clear)[0] for cid, m in markers):
+        ends = [(c[0, 0], c[-1, 1]) for c in curves]
+        markers = [(1, ends[0][0]), (1, ends[0][1])] if label == 1 else \
+            [(1, ends[0][rng.integers(2)]), (2, ends[1][rng.integers(2)])]
+        if not all(clear_of(scene, m[None], cfg['marker_radius'], cid, cfg)[0] for cid, m in markers):
             continue
         for cid, m in markers:
-            scene.add(m[None], m[None], r_mark, cid)
-        curves = list(targets)
+            scene = add_segments(scene, m[None], m[None], cfg['marker_radius'], cid)
         for i in range(cfg['n_distractors']):
             c = grow_curve(rng, cfg['distractor_length'], scene, 3 + i, cfg)
             if c is not None:
-                scene.add(c[:, 0], c[:, 1], r_line, 3 + i)
+                scene = add_segments(scene, c[:, 0], c[:, 1], cfg['line_radius'], 3 + i)
                 curves.append(c)
         return curves, np.array([m for _, m in markers])
 
@@ -377,70 +314,69 @@ def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
 
 def show_pathfinder(data, path, n=16):
     plt = _plt()
-    x, y = data['train']
     fig, axes = plt.subplots(2, n // 2, figsize=(1.6 * n // 2, 3.6))
     for ax in axes.flat:
         ax.axis('off')
-    for ax, img, lab in zip(axes.flat, x[:n], y[:n]):
+    x, y = data['train']
+    for ax, img, label in zip(axes.flat, x[:n], y[:n]):
         ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
-        ax.set_title('connected (1)' if lab else 'not (0)', fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    print(f'saved {path}')
+        ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
+    save_figure(plt, fig, path, dpi=80)
 
 
 # -----------------------------------------------------------------------------
 # loaders for the official release layout (each split -> (x int array, y int64 array))
 
-def _bytes_ids(text, max_len):
+def byte_ids(text, max_len):
     """LRA's byte-level encoding: UTF-8 bytes + 1 (0 is padding), truncated to max_len."""
     return np.frombuffer(text.encode('utf-8'), np.uint8)[:max_len].astype(np.int64) + 1
 
 
-def _pad_rows(rows, max_len):
+def pad_rows(rows, max_len):
     x = np.zeros((len(rows), max_len), np.int64)
     for i, r in enumerate(rows):
         x[i, :len(r)] = r[:max_len]
     return x
 
 
-def _one(pattern):
+def tsv_rows(pattern, n_cols, what):
+    """(file, line number, columns) of each line of the one file matching pattern, blank lines left out; a line
+    of another number of columns is a ValueError naming the file and the line."""
     hits = sorted(glob.glob(pattern))
     if len(hits) != 1:
         raise FileNotFoundError(f"expected exactly one file matching {pattern}, found {hits or 'none'}")
-    return hits[0]
+    with open(hits[0], encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+            cols = line.rstrip('\n').split('\t')
+            if line.strip() and len(cols) != n_cols:
+                raise ValueError(f"{f.name} line {n}: expected {what}, got {len(cols)} column(s)")
+            if line.strip():
+                yield f.name, n, cols
 
 
 def load_listops_release(data_dir, max_len):
-    """lra_release/listops-1000/basic_{train,val,test}.tsv: header Source<TAB>Target."""
+    """lra_release/listops-1000/basic_{train,val,test}.tsv: header Source<TAB>Target, then one expression (the
+    model reads it without parentheses) and its value a line."""
     out = {}
     for split in ('train', 'val', 'test'):
+        rows = tsv_rows(os.path.join(data_dir, f'*_{split}.tsv'), 2, 'Source<TAB>Target')
+        path, _, header = next(rows, (data_dir, 0, None))
+        if header != ['Source', 'Target']:
+            raise ValueError(f"{path}: expected header Source<TAB>Target, got {header}")
         ids, labels = [], []
-        with open(_one(os.path.join(data_dir, f'*_{split}.tsv')), encoding='utf-8') as f:
-            header = f.readline().rstrip('\n').split('\t')
-            if header[:2] != ['Source', 'Target']:
-                raise ValueError(f"{f.name}: expected header Source<TAB>Target, got {header}")
-            for n, line in enumerate(f, 2):
-                if not line.strip():
-                    continue
-                cols = line.rstrip('\n').split('\t')
-                if len(cols) != 2:
-                    raise ValueError(f"{f.name} line {n}: expected Source<TAB>Target, got {len(cols)} column(s)")
-                try:
-                    ids.append([LISTOPS_ID[t] for t in listops_tokens(cols[0])])
-                except KeyError as e:
-                    raise ValueError(f"{f.name} line {n}: unknown ListOps token {e.args[0]!r}; valid: "
-                                     f"{LISTOPS_VOCAB[1:]}") from None
-                if not re.fullmatch(r'\d(\.0*)?', cols[1].strip()):
-                    raise ValueError(f"{f.name} line {n}: label {cols[1]!r} is not a digit 0-9")
-                labels.append(int(float(cols[1])))
-        if not ids:
-            raise ValueError(f"{f.name}: no examples")
+        for path, n, (source, target) in rows:
+            try:
+                ids.append([LISTOPS_ID[t] for t in source.split() if t not in ('(', ')')])
+            except KeyError as e:
+                raise ValueError(f"{path} line {n}: unknown ListOps token {e.args[0]!r}; valid: "
+                                 f"{LISTOPS_VOCAB[1:]}") from None
+            if not re.fullmatch(r'\d(\.0*)?', target.strip()):
+                raise ValueError(f"{path} line {n}: label {target!r} is not a digit 0-9")
+            labels.append(int(float(target)))
         cut = sum(len(r) > max_len for r in ids)
         if cut:   # said, not silent: a cut expression has another value
-            print(f"note: {cut} of {len(ids)} {split} examples in {f.name} are longer than --max_len {max_len} and cut")
-        out[split] = (_pad_rows(ids, max_len), np.array(labels, np.int64))
+            print(f"note: {cut} of {len(ids)} {split} examples in {path} are longer than --max_len {max_len} and cut")
+        out[split] = (pad_rows(ids, max_len), np.array(labels, np.int64))
     return out
 
 
@@ -450,17 +386,16 @@ def load_text_release(data_dir, max_len):
     out = {}
     for split in ('train', 'test'):
         rows, labels = [], []
-        for lab, name in ((0, 'neg'), (1, 'pos')):
+        for label, name in enumerate(('neg', 'pos')):
             files = sorted(glob.glob(os.path.join(data_dir, split, name, '*.txt')))
             if not files:
                 raise FileNotFoundError(f"no reviews in {os.path.join(data_dir, split, name)}/*.txt")
             for fn in files:
                 with open(fn, encoding='utf-8') as f:
-                    rows.append(_bytes_ids(f.read(), max_len))
-                labels.append(lab)
-        out[split] = (_pad_rows(rows, max_len), np.array(labels, np.int64))
-    out['val'] = out['test']
-    return out
+                    rows.append(byte_ids(f.read(), max_len))
+            labels += [label] * len(files)
+        out[split] = (pad_rows(rows, max_len), np.array(labels, np.int64))
+    return {**out, 'val': out['test']}
 
 
 def load_retrieval_release(data_dir, max_len):
@@ -469,14 +404,10 @@ def load_retrieval_release(data_dir, max_len):
     out = {}
     for split, name in (('train', 'train'), ('val', 'eval'), ('test', 'test')):
         pairs, labels = [], []
-        with open(_one(os.path.join(data_dir, f'*.{name}.tsv')), encoding='utf-8') as f:
-            for n, line in enumerate(f, 1):
-                cols = line.rstrip('\n').split('\t')
-                if len(cols) != 5:
-                    raise ValueError(f"{f.name} line {n}: expected 5 tab-separated columns "
-                                     f"(label, id1, id2, text1, text2), got {len(cols)}")
-                labels.append(int(float(cols[0])))
-                pairs.append(np.stack([_pad_rows([_bytes_ids(t, max_len)], max_len)[0] for t in cols[3:5]]))
+        for _, _, cols in tsv_rows(os.path.join(data_dir, f'*.{name}.tsv'), 5,
+                                   '5 tab-separated columns (label, id1, id2, text1, text2)'):
+            labels.append(int(float(cols[0])))
+            pairs.append(pad_rows([byte_ids(t, max_len) for t in cols[3:5]], max_len))
         out[split] = (np.stack(pairs), np.array(labels, np.int64))
     return out
 
@@ -508,16 +439,13 @@ def load_pathfinder_release(data_dir):
                    key=lambda p: int(re.sub(r'\D', '', os.path.basename(p)) or 0))
     if not metas:
         raise FileNotFoundError(f"no metadata/*.npy under {data_dir}")
-    xs, ys = [], []
+    lines = []
     for meta in metas:
         with open(meta) as f:
-            for line in f.read().splitlines():
-                m = line.split()
-                if len(m) < 4:
-                    continue
-                xs.append(np.asarray(Image.open(os.path.join(data_dir, m[0], m[1])).convert('L'), np.int64).ravel())
-                ys.append(int(m[3]))
-    x, y = np.stack(xs), np.array(ys, np.int64)
+            lines += [m for m in map(str.split, f) if len(m) >= 4]
+    x = np.stack([np.asarray(Image.open(os.path.join(data_dir, m[0], m[1])).convert('L'), np.int64).ravel()
+                  for m in lines])
+    y = np.array([int(m[3]) for m in lines], np.int64)
     a, b = int(0.8 * len(x)), int(0.9 * len(x))
     return {'train': (x[:a], y[:a]), 'val': (x[a:b], y[a:b]), 'test': (x[b:], y[b:])}
 
@@ -525,27 +453,12 @@ def load_pathfinder_release(data_dir):
 RELEASE_CACHE_FORMAT = 2  # bump when a loader changes what it returns
 
 
-def release_cache_path(args):
-    """<cache_dir>/release_<task>_<max_len>_<key>.npz, the key a digest of the loader's version, the task, max_len
-    and the names and bytes of every file under --data: an edited or replaced release file is parsed again."""
-    files = []
-    for root, dirs, names in os.walk(args.data):
-        dirs.sort()
-        files += [os.path.join(root, n) for n in sorted(names)]
-    key = json.dumps([RELEASE_CACHE_FORMAT, args.task, args.max_len, [os.path.relpath(f, args.data) for f in files],
-                      content_digest(files)])
-    return os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
-                                        f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
-
-
 def read_release(args, meta):
     """The --data folder through its task's loader; a wrong folder or a damaged file is one line naming both."""
-    loader = {'listops': lambda d: load_listops_release(d, args.max_len),
-              'text': lambda d: load_text_release(d, args.max_len),
-              'retrieval': lambda d: load_retrieval_release(d, args.max_len),
+    loader = {'listops': load_listops_release, 'text': load_text_release, 'retrieval': load_retrieval_release,
               'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
     try:
-        data = loader(args.data)
+        data = loader(args.data, args.max_len) if args.task in ('listops', 'text', 'retrieval') else loader(args.data)
     except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"--data {args.data!r} is not a readable {args.task} release folder: "
                          f"{type(e).__name__}: {e}") from None
@@ -564,22 +477,27 @@ def task_meta(task):
 
 
 def load_task(args):
-    """-> (splits {train, val, test: (x, y)}, task_meta)."""
+    """-> (splits {train, val, test: (x, y)}, task_meta). The release cache is keyed on the loader's version, the
+    task, max_len and the names and bytes of every file under --data: an edited release file is parsed again."""
     meta, seed = task_meta(args.task), args.seed if args.data_seed < 0 else args.data_seed
-    if args.data:
-        if not os.path.isdir(args.data):
-            raise ValueError(f"--data {args.data!r}: no such folder")
-        with io_errors('--data', args.data):
-            path = release_cache_path(args)
+    if not args.data:
         with io_errors('--cache_dir', args.cache_dir):
-            cached(path[:-len('.npz')] + '.sha256', [path], lambda: save_npz(path, read_release(args, meta)))
-            z = np.load(path)
-        return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
+            if args.task == 'listops':
+                return listops_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.min_len,
+                                       args.max_len, seed), meta
+            return pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, seed), meta
+    if not os.path.isdir(args.data):
+        raise ValueError(f"--data {args.data!r}: no such folder")
+    with io_errors('--data', args.data):
+        files = sorted(os.path.join(root, n) for root, _, names in os.walk(args.data) for n in names)
+        key = json.dumps([RELEASE_CACHE_FORMAT, args.task, args.max_len, [os.path.relpath(f, args.data) for f in files],
+                          content_digest(files)])
+    path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
+                                        f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
     with io_errors('--cache_dir', args.cache_dir):
-        if args.task == 'listops':
-            return listops_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, args.min_len,
-                                   args.max_len, seed), meta
-        return pathfinder_dataset(args.cache_dir, args.n_train, args.n_val, args.n_test, seed), meta
+        cached(path[:-len('.npz')] + '.sha256', [path], lambda: save_npz(path, read_release(args, meta)))
+        z = np.load(path)
+    return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
 
 
 # -----------------------------------------------------------------------------
@@ -650,8 +568,6 @@ def make_batch(x, pad, trim, device):
     return x.to(device), (None if bool(mask.all()) else mask.to(device))
 
 
-
-
 # -----------------------------------------------------------------------------
 # training and evaluation
 
@@ -681,24 +597,10 @@ RESUME_OVERRIDES = {'max_iters', 'eval_interval', 'eval_batch_size', 'log_interv
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'history', 'best', 'loop', 'data_rng', 'rng')
 
 
-def loop_state(n_train, gen, state, model, opt):
-    """The loop's state besides weights, optimizer and RNGs: step, running log, best, training time and the
-    batch order (gen). On --resume (state) the weights, optimizer, loop state and RNGs come from the
-    checkpoint, so that the run continues exactly."""
-    st = dict(step=0, history=[], best={'val': -1.0, 'test': None, 'step': 0}, t_train=0.0,
-              order=torch.randperm(n_train, generator=gen), pos=0, losses=[], hits=0, seen=0)
-    if state is None:
-        return st
-    model.load_state_dict(state['model'])
-    opt.load_state_dict(state['optimizer'])
-    gen.set_state(state['data_rng'])
-    set_rng_state(state['rng'])
-    return state['loop']
-
-
 def train(args):
-    """Train, evaluating and checkpointing <out_dir>/ckpt.pt every eval_interval steps; --resume continues the
-    checkpoint exactly (batch order, RNGs, running log); Ctrl-C saves and stops; a NaN loss stops the run."""
+    """Train, evaluating and checkpointing <out_dir>/ckpt.pt every eval_interval steps and at the end; --resume
+    continues the checkpoint exactly (batch order, RNGs, running log); Ctrl-C ends the step, saves and raises
+    Interrupted; a NaN or inf loss stops the run at that step, before the update (Diverged)."""
     # config: the run folder; on --resume the checkpoint, whose settings win
     device = pick_device(args.device)
     ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
@@ -717,18 +619,24 @@ def train(args):
             show_pathfinder(data, path)
         return report_outputs(samples=path)
     pad = not meta['pixels']     # token tasks pad with 0 and mask it; pixel tasks are all 1024 long
-    # model and optimizer
+    (x, y), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
+    # model, optimizer and the loop's state: step, running log, best, training time and the batch order (gen)
     model = build_model(args, meta)[0].to(device)
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
-    gen = torch.Generator().manual_seed(args.seed)           # the batch order
-    st = loop_state(len(data['train'][0]), gen, state, model, opt)
+    gen = torch.Generator().manual_seed(args.seed)
+    st = dict(step=0, history=[], best={'val': -1.0, 'test': None, 'step': 0}, t_train=0.0,
+              order=torch.randperm(len(x), generator=gen), pos=0, losses=[], hits=0, seen=0)
+    if state is not None:       # all of it from the checkpoint, so that the run continues exactly
+        model.load_state_dict(state['model'])
+        opt.load_state_dict(state['optimizer'])
+        gen.set_state(state['data_rng'])
+        set_rng_state(state['rng'])
+        st = state['loop']
     n_params = sum(p.numel() for p in model.parameters())
-    (xtr, _), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
-    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test "
-          f"{len(xtr)}/{len(xva)}/{len(xte)} | T {xtr.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
+    print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test {len(x)}/{len(xva)}/"
+          f"{len(xte)} | T {x.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
     config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT}
     print('config: ' + json.dumps(config, sort_keys=True))
-    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config}
 
     def save():   # ckpt.pt: all that an exact resume needs
         if not args.save:
@@ -740,52 +648,18 @@ def train(args):
                                         'rng': rng_state()})
         return ckpt_path
     # the loop: evaluates and saves every eval_interval steps and at the end
-    speed = train_steps(model, opt, args, st, gen, data, pad, device, save)
-    # the last evaluation and results.json
-    best, history = st['best'], st['history']
-    results.update({'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
-                    'final_test_acc': evaluate(model, xte, yte, args, pad, device),
-                    'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
-                    'majority_test_acc': float(np.bincount(yte).max() / len(yte)),  # always guess the commonest class
-                    'train_seconds': st['t_train'], **speed, 'history': history})
-    with io_errors('--out_dir', args.out_dir):
-        write_json(results_path, results)
-    print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
-          f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
-    report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
-    return results
-
-
-def next_batch(st, gen, x, y, args, pad, device):
-    """The next training batch in the run's order (st); a new order from gen when this one runs out."""
-    if st['pos'] + args.batch_size > len(st['order']):
-        st['order'], st['pos'] = torch.randperm(len(x), generator=gen), 0
-    idx = st['order'][st['pos']:st['pos'] + args.batch_size].numpy()
-    st['pos'] += args.batch_size
-    xb, mb = make_batch(x[idx], pad, args.trim, device)
-    return xb, mb, torch.as_tensor(y[idx]).to(device)
-
-
-def eval_step(model, args, st, step, data, pad, device, say):
-    """Validation accuracy after `step` steps into st['history']; the test accuracy where it is the best yet."""
-    val = evaluate(model, *data['val'], args, pad, device)
-    if val > st['best']['val']:
-        st['best'] = {'val': val, 'test': evaluate(model, *data['test'], args, pad, device), 'step': step}
-    st['history'].append({'step': step, 'val_acc': val, 'train_seconds': st['t_train']})
-    say(f"eval step {step}: val acc {val:.4f} | best val {st['best']['val']:.4f} (test {st['best']['test']:.4f})")
-
-
-def train_steps(model, opt, args, st, gen, data, pad, device, save):
-    """Steps st['step'] .. args.max_iters - 1, updating st; evaluate and save every eval_interval steps and at the
-    end. A NaN or inf loss stops the run at that step, before the update (Diverged); Ctrl-C ends the step,
-    saves and raises Interrupted. -> ms_per_step and tokens_per_second of this call."""
     start, t_start, n_tokens = st['step'], st['t_train'], 0
-    bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, desc=f'{args.task}/{args.attn}',
+    bar = tqdm(total=args.max_iters, initial=start, disable=not args.progress, desc=f'{args.task}/{args.attn}',
                leave=False)
     say = tqdm.write if args.progress else print
     with ctrl_c_finishes_step() as ctrl_c:
-        for step in range(st['step'], args.max_iters):
-            xb, mb, yb = next_batch(st, gen, *data['train'], args, pad, device)
+        for step in range(start, args.max_iters):
+            if st['pos'] + args.batch_size > len(st['order']):     # the next batch; a new order when this one ends
+                st['order'], st['pos'] = torch.randperm(len(x), generator=gen), 0
+            idx = st['order'][st['pos']:st['pos'] + args.batch_size].numpy()
+            st['pos'] += args.batch_size
+            xb, mb = make_batch(x[idx], pad, args.trim, device)
+            yb = torch.as_tensor(y[idx]).to(device)
             for g in opt.param_groups:
                 g['lr'] = lr_at(step, args) * g.get('lr_mult', 1.0)
             t0 = time.perf_counter()
@@ -811,25 +685,37 @@ def train_steps(model, opt, args, st, gen, data, pad, device, save):
                 st['losses'], st['hits'], st['seen'] = [], 0, 0
             saved = None
             if (step + 1) % args.eval_interval == 0 or step + 1 == args.max_iters:
-                eval_step(model, args, st, step + 1, data, pad, device, say)
+                val = evaluate(model, *data['val'], args, pad, device)     # the test accuracy where val is best yet
+                if val > st['best']['val']:
+                    st['best'] = {'val': val, 'test': evaluate(model, xte, yte, args, pad, device), 'step': step + 1}
+                st['history'].append({'step': step + 1, 'val_acc': val, 'train_seconds': st['t_train']})
+                say(f"eval step {step + 1}: val acc {val:.4f} | best val {st['best']['val']:.4f} "
+                    f"(test {st['best']['test']:.4f})")
                 saved = save()
             if ctrl_c.stop and step + 1 < args.max_iters:
                 path = saved or save()
                 raise Interrupted(f"at step {step + 1}: " + (f"saved {path}; continue with --resume" if path
                                                              else "nothing saved (--no-save)"))
     bar.close()
-    seconds = st['t_train'] - t_start
-    return {'ms_per_step': 1e3 * seconds / max(1, args.max_iters - start),
-            'tokens_per_second': n_tokens / max(seconds, 1e-9)}
+    # the last evaluation and results.json
+    best, history, seconds = st['best'], st['history'], st['t_train'] - t_start
+    results = {'task': args.task, 'attn': args.attn, 'params': n_params, 'config': config,
+               'final_val_acc': history[-1]['val_acc'],           # the loop always evaluates its last step
+               'final_test_acc': evaluate(model, xte, yte, args, pad, device),
+               'best_val_acc': best['val'], 'test_acc_at_best_val': best['test'], 'best_step': best['step'],
+               'majority_test_acc': float(np.bincount(yte).max() / len(yte)),  # always guess the commonest class
+               'train_seconds': st['t_train'], 'ms_per_step': 1e3 * seconds / max(1, args.max_iters - start),
+               'tokens_per_second': n_tokens / max(seconds, 1e-9), 'history': history}
+    with io_errors('--out_dir', args.out_dir):
+        write_json(results_path, results)
+    print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
+          f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
+    report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)
+    return results
 
 
 # -----------------------------------------------------------------------------
 # --bench: forward+backward time and peak memory against T on the same model (seed 004 Figs. 5-6)
-
-def _rss_kb(field):
-    with open('/proc/self/status') as f:
-        return int(re.search(field + r':\s+(\d+)', f.read()).group(1))
-
 
 def bench_one(attn, T, opts):
     """Runs in a fresh process. One fwd+bwd step of the classifier on a random length-T batch: the peak
@@ -837,12 +723,10 @@ def bench_one(attn, T, opts):
     high-water mark VmHWM, reset through /proc/self/clear_refs, minus VmRSS before), then the median time
     of `reps` more steps. 'standard_unfused' is standard attention forced onto SDPA's plain math backend,
     which forms the T x T scores like a textbook implementation (the full attention of seed 004 Fig. 5)."""
-    from contextlib import nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    unfused = attn == 'standard_unfused'
+    unfused, dev = attn == 'standard_unfused', opts['device']
     torch.manual_seed(0)
     torch.set_num_threads(opts['threads'])
-    dev = opts['device']
     a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'layer_pattern': '', 'max_len': T,
                               'pooling': 'mean', 'pixel_embed': 'token'})
     model = build_model(a, dict(vocab=len(LISTOPS_VOCAB), classes=10, dual=False))[0].to(dev)
@@ -851,10 +735,14 @@ def bench_one(attn, T, opts):
 
     def step():
         model.zero_grad(set_to_none=True)
-        with sdpa_kernel(SDPBackend.MATH) if unfused else nullcontext():
+        with sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext():
             F.cross_entropy(model(x), y).backward()
         if dev.startswith('cuda'):
             torch.cuda.synchronize()
+
+    def rss_kb(field):
+        with open('/proc/self/status') as f:
+            return int(re.search(field + r':\s+(\d+)', f.read()).group(1))
     if dev.startswith('cuda'):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -862,11 +750,11 @@ def bench_one(attn, T, opts):
         peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
     else:
         model.zero_grad(set_to_none=True)
-        before = _rss_kb('VmRSS')
+        before = rss_kb('VmRSS')
         with open('/proc/self/clear_refs', 'w') as f:
             f.write('5')                      # resets VmHWM to the current RSS
         step()
-        peak_mb = (_rss_kb('VmHWM') - before) / 1024
+        peak_mb = (rss_kb('VmHWM') - before) / 1024
     times = []
     for _ in range(opts['reps']):
         t0 = time.perf_counter()
@@ -885,6 +773,9 @@ def bench_options(args, device):
 
 
 def bench(args):
+    """Each --bench_attn variant at each --bench_lens length in a fresh process (a clean allocator and peak); a
+    point is skipped where its T x T scores or its predicted time exceed the limits, or where it fails (e.g. CUDA
+    out of memory). -> the rows, also in <out_dir>/bench.json and lra_bench.png."""
     import multiprocessing as mp
     device = pick_device(args.device)
     prepare_out_dir(args.out_dir)
@@ -903,9 +794,9 @@ def bench(args):
                 skip = f'predicted > {args.bench_max_sec:g} s per step'
             if skip is None:
                 try:
-                    with ctx.Pool(1) as pool:        # a fresh process per point: clean allocator and peak
+                    with ctx.Pool(1) as pool:
                         r = pool.apply(bench_one, (kind, T, opts))
-                except Exception as e:               # e.g. CUDA out of memory: recorded, not fatal
+                except Exception as e:
                     skip = f'{type(e).__name__}: {str(e)[:120]}'
             rows.append(r if skip is None else {'attn': kind, 'T': T, 'skipped': skip})
             print(f"{kind:16s} T={T:6d}  " + (f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB" if skip is None
@@ -928,27 +819,29 @@ def _plt():
     return plt
 
 
+def save_figure(plt, fig, path, dpi):
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print(f'saved {path}')
+
+
 def plot_bench(rows, path, opts):
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for kind in dict.fromkeys(r['attn'] for r in rows):
         ok = [r for r in rows if r['attn'] == kind and 'ms' in r]
+        label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
         for ax, key in zip(axes, ('ms', 'peak_mb')):
-            label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
             ax.plot([r['T'] for r in ok], [r[key] for r in ok], 'o-', label=label)
-    for ax, lab in zip(axes, ('fwd+bwd time per step (ms)', 'peak memory above model (MB)')):
+    for ax, ylabel in zip(axes, ('fwd+bwd time per step (ms)', 'peak memory above model (MB)')):
         ax.set_xscale('log', base=2)
-        ax.set_yscale('log')
-        ax.set_xlabel('sequence length T')
-        ax.set_ylabel(lab)
+        ax.set(yscale='log', xlabel='sequence length T', ylabel=ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(f"{opts['n_layer']} layers, D={opts['n_embd']}, w={opts['window']}, m={opts['n_compressed']}, "
                  f"batch {opts['batch']}, {opts['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    print(f'saved {path}')
+    save_figure(plt, fig, path, dpi=90)
 
 
 def read_results(run_dir, flag):
@@ -974,15 +867,12 @@ def compare(args):
         ax.plot([e['train_seconds'] for e in h], [e['val_acc'] for e in h], 'o-', ms=3,
                 label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
     ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
-    ax.set_xlabel('training time (s)')
-    ax.set_ylabel('validation accuracy')
+    ax.set(xlabel='training time (s)', ylabel='validation accuracy')
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
     path = os.path.join(args.out_dir, 'lra_compare.png')
     with io_errors('--out_dir', args.out_dir):
-        fig.savefig(path, dpi=90)
-    plt.close(fig)
+        save_figure(plt, fig, path, dpi=90)
     report_outputs(plot=path)
 
 
@@ -1002,21 +892,19 @@ STUDY_VARIANTS = {
 # the paper's ListOps test accuracy (%; 2k tokens, 6 layers x 512, m = w = 256), beside ours in table.md
 PAPER_LISTOPS = {'local': '15.82', 'full': '36.37 (LRA) / 47.90 (our-imp)', 'brl': '49.98', 'brl_no_gamma': '48.10',
                  'brl_beta0': '-'}
-# The study's setting: the defaults of --sweep listops (flags given win). Differs from the paper (Table 12) and LRA
-# for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds; what makes locality a real handicap is kept:
+# The study's setting: the defaults of --sweep listops (flags given win). Smaller than the paper's (Table 12) and
+# LRA's, for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds, keeping what makes locality a handicap:
 STUDY = dict(
-    min_len=300, max_len=1000,   # LRA 500 < tokens < 2000; here 300..1000 (mean ~600): a step at T = 1000 costs
-                                 # 0.4-0.53 s on an idle core; LRA's T = 2000 would leave too few steps
-    window=16, n_layer=2,        # local attention reaches 2 x 16 = 32 tokens each side over both layers: 65 of ~600
-                                 # tokens (~1/9, at most 1/5), so most operands of the outer operators are out of reach
+    min_len=300, max_len=1000,   # LRA 500 < tokens < 2000; at T = 1000 a step costs 0.4-0.53 s on an idle core
+    window=16, n_layer=2,        # local attention reaches 2 x 16 = 32 tokens each side: 65 of ~600 (at most 1/5)
     n_embd=64, n_head=4,         # Table 12: 6 layers x 512 wide, 8 heads; CPU size (mean pooling as Table 12)
     mlp_hidden=128,              # Table 12's FF size is 2x the width (1024 for 512), not the 4x default
     n_compressed=16,             # BRL m = w, as every BRL row of Table 1 (256 there)
     n_train=20000, n_val=500, n_test=500,   # LRA 96000 / 2000 / 2000; 500 test examples: +-2 points of noise
-    batch_size=16,               # Table 12: 64; a quarter, for 1200 steps in the budget (batch 32 timed at ~170 min)
+    batch_size=16,               # Table 12: 64; a quarter, for 1200 steps in the budget (batch 32: ~170 min)
     lr=1e-3, warmup_iters=100,   # Table 12: 1e-4 (with 5000+ steps at width 512); ours 1e-3 (muP, width 64)
-    max_iters=1200, eval_interval=100,      # the budget: 15 runs x 1200 steps ~ 93 min on an idle 2-core machine
-                                 # (--estimate); full attention left the 17% plateau by step 150, local did not
+    max_iters=1200, eval_interval=100,      # 15 runs x 1200 steps ~ 93 min on an idle 2-core machine (--estimate);
+                                            # full attention left the 17% plateau by step 150, local did not
     data_seed=0)                 # one data set for every run: seeds vary init and batch order, pairs share the test set
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
@@ -1172,26 +1060,22 @@ def build_parser():
     p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
     g = p.add_argument_group('task and data')
     g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
-    g.add_argument('--data', default='', help='folder with the official release files of --task (see the '
-                   'loaders); empty = generate ListOps / Pathfinder here')
-    g.add_argument('--cache_dir', default='data/lra', help='where generated data and parsed release data are cached')
-    g.add_argument('--max_len', type=int, default=None, help='sequence length; default ListOps 256 (CPU size; '
-                   'LRA 2000), Text 4000, Retrieval 4000 per document, Image / Pathfinder 1024 (fixed)')
-    g.add_argument('--min_len', type=int, default=64, help='ListOps generator: keep trees with > min_len tokens (LRA: 500)')
+    g.add_argument('--data', default='', help='release files of --task (see the loaders); empty = generate here')
+    g.add_argument('--cache_dir', default='data/lra', help='cache of generated data and parsed release data')
+    g.add_argument('--max_len', type=int, default=None, help='sequence length; default ListOps 256 (LRA 2000), '
+                   'Text and Retrieval (per document) 4000, Image and Pathfinder 1024 (fixed)')
+    g.add_argument('--min_len', type=int, default=64, help='ListOps: keep trees with > min_len tokens (LRA: 500)')
     g.add_argument('--n_train', type=int, default=4000, help='generated training examples (LRA ListOps: 96000)')
     g.add_argument('--n_val', type=int, default=500, help='generated validation examples (LRA: 2000)')
     g.add_argument('--n_test', type=int, default=500, help='generated test examples (LRA: 2000)')
-    g.add_argument('--data_seed', type=int, default=-1, help='seed of the generated data (-1 = --seed; the ListOps '
-                   'study fixes it, so that every run sees the same splits)')
-    g.add_argument('--show', action='store_true', help='pathfinder: save a PNG grid of 16 training samples with '
-                   'labels to <out_dir>/lra_pathfinder_samples.png, then exit')
+    g.add_argument('--data_seed', type=int, default=-1, help='seed of the generated data (-1 = --seed)')
+    g.add_argument('--show', action='store_true', help='pathfinder: <out_dir>/lra_pathfinder_samples.png, then exit')
     g = p.add_argument_group('LRA model: preset, embedding, positions, pooling (the encoder: model flags below)')
-    g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': seed 004 Table 12 settings "
-                   "for --task (depth, width, heads, FF size, batch, pooling, lr), w = m = 256, LRA lengths, "
-                   "5000 steps; flags given explicitly still win")
+    g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': seed 004 Table 12 for --task, "
+                   "w = m = 256, LRA lengths, 5000 steps (flags given win)")
     g.add_argument('--pooling', choices=['mean', 'cls', 'max'], default='mean', help='sequence pooling')
     g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
-                   help='image / pathfinder: pixel value as a token (LRA, 256 entries) or Linear(1 -> D) of value/255')
+                   help='image / pathfinder: pixel value as a token (LRA) or Linear(1 -> D) of value/255')
     add_model_args(p, **LRA_MODEL_DEFAULTS)          # attention.ModelConfig's fields, as in every train script
     g = p.add_argument_group('optimization')
     g.add_argument('--max_iters', type=int, default=600, help='training steps')
@@ -1201,7 +1085,7 @@ def build_parser():
     g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip (0 = off)')
     g.add_argument('--trim', type=int, default=64, help='cut each padded batch to its longest row rounded up to '
-                   'this multiple (0 = always use max_len; mlr needs T divisible by its finest block)')
+                   'this multiple (0 = always max_len)')
     g = p.add_argument_group('evaluation and logging')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between validation passes')
     g.add_argument('--eval_batch_size', type=int, default=128, help='batch size of evaluation')
@@ -1211,30 +1095,26 @@ def build_parser():
     g = p.add_argument_group('benchmark (--bench: the model above, random tokens, one fwd+bwd per point)')
     g.add_argument('--bench', action='store_true', help='time and peak memory vs sequence length, then exit')
     g.add_argument('--bench_lens', default='1024,2048,4096,8192,16384', help='comma list of sequence lengths')
-    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl', help='comma list of attention '
-                   'variants; standard_unfused = standard on SDPA\'s math backend (forms T x T, like Fig. 5)')
+    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl', help='comma list of variants; '
+                   'standard_unfused = standard on SDPA\'s math backend (forms T x T, like Fig. 5)')
     g.add_argument('--bench_batch', type=int, default=1, help='batch size of the benchmark')
     g.add_argument('--bench_reps', type=int, default=2, help='timed steps per point (median reported)')
-    g.add_argument('--bench_max_sec', type=float, default=30.0, help='skip a point when the last one of that '
-                   'variant, scaled by (T/T_last)^2, predicts more seconds per step than this')
-    g.add_argument('--bench_max_gb', type=float, default=4.0, help='skip standard_unfused where its T x T '
-                   'scores, probabilities and their gradient would take more than this (GB)')
+    g.add_argument('--bench_max_sec', type=float, default=30.0, help='skip a point whose predicted seconds per '
+                   'step (the last point x (T/T_last)^2) are more')
+    g.add_argument('--bench_max_gb', type=float, default=4.0, help="skip standard_unfused where its T x T "
+                   "scores, probabilities and their gradient take more GB")
     g = add_sweep_args(p, 'listops', STUDY_VARIANTS, '', 'ListOps study (--sweep listops): local, full, BRL, 2 BRL '
                        'ablations x seeds', 'train --variants x --seeds on the study setting (STUDY in the source; '
                        'flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir',
-                       dir_help='run folders and results (default out/lra_listops_study, with --quick '
-                       'out/lra_listops_study_quick)')
-    g.add_argument('--quick', action='store_true', help='--sweep: 40-128 tokens, window 4, 60 steps: the machinery '
-                   'end to end in minutes (its accuracies mean little)')
+                       dir_help='run folders and results (default out/lra_listops_study[_quick])')
+    g.add_argument('--quick', action='store_true', help='--sweep: 40-128 tokens, window 4, 60 steps (minutes)')
     g = p.add_argument_group('system / io')
     g.add_argument('--out_dir', default='', help='output folder (default out/lra_<task>_<attn>)')
     g.add_argument('--device', default='auto', help='auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...')
-    g.add_argument('--seed', type=int, default=0, help='seed of init and batch order, and of data generation unless --data_seed')
+    g.add_argument('--seed', type=int, default=0, help='seed of init, batch order and (see --data_seed) data')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
-    g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt (its settings win; a '
-                   'flag that conflicts with them is refused)')
-    g.add_argument('--overwrite', action='store_true', help='replace the run in --out_dir (without it, or --resume, '
-                   'an out_dir that holds a run is refused)')
+    g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt (its settings win)')
+    g.add_argument('--overwrite', action='store_true', help='replace the run in --out_dir')
     g.add_argument('--save', action=argparse.BooleanOptionalAction, default=True, help='write ckpt.pt at each eval')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
     return p
@@ -1243,18 +1123,11 @@ def build_parser():
 # The ranges of the numeric flags (the other model flags: attention.check_config, on the meta-device model). Every
 # number must be finite and an integer fit int64 (torch's seeds and sizes); these bounds come on top.
 POSITIVE = ('n_layer', 'n_embd', 'n_head', 'window', 'n_compressed', 'max_len', 'n_train', 'n_val', 'n_test',
-            'max_iters', 'batch_size', 'lr', 'eval_interval', 'eval_batch_size', 'log_interval', 'bench_batch', 'bench_reps', 'bench_max_sec', 'bench_max_gb')
+            'max_iters', 'batch_size', 'lr', 'eval_interval', 'eval_batch_size', 'log_interval', 'bench_batch',
+            'bench_reps', 'bench_max_sec', 'bench_max_gb')
 NON_NEGATIVE = ('mlp_hidden', 'min_len', 'warmup_iters', 'weight_decay', 'grad_clip', 'trim', 'seed', 'threads',
                 'workers')
 LRA_RANGES = dict(weight_decay='[0, 1]', seeds='(0, 1000]')   # AdamW decays weights by lr * weight_decay per step
-
-
-def check_numbers_lra(p, args):
-    """parser.error (exit 2) at the first numeric flag outside the range the code can use."""
-    check_numbers(p, args, LRA_RANGES)
-    check_ranges(p, args, POSITIVE, NON_NEGATIVE)
-    if args.data_seed < -1:
-        p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
 
 
 def comma_list(p, args, name, kind=str, valid=None):
@@ -1291,7 +1164,10 @@ def check_memory(p, args, model):
 
 def check_args(p, args):
     """One-line errors (exit 2) for flags out of range or in conflict, before any work."""
-    check_numbers_lra(p, args)
+    check_numbers(p, args, LRA_RANGES)
+    check_ranges(p, args, POSITIVE, NON_NEGATIVE)
+    if args.data_seed < -1:
+        p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
     if args.attn not in ATTENTION and args.attn != 'global_swa':
         p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}, global_swa")
     if args.task in ('image', 'pathfinder') and args.max_len != 1024:
