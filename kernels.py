@@ -1167,31 +1167,27 @@ def _out_and_grads(fn, q, k, v, do, dtype, **kw):
 
 
 def _selftest_interpret():
-    """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients,
-    at tiny shapes: tiles smaller and larger than the finest MLR block, T not a multiple of the tile."""
+    """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients, at
+    tiny shapes (the interpreter is slow): tiles smaller than, equal to and unaligned with the MLR blocks, windows
+    below, above and past the tile, T not a multiple of the tile, key masks that leave queries no key."""
     torch.manual_seed(0)
-    mask = torch.ones(2, 48, dtype=torch.bool)
-    mask[0, 40:] = False
-    mask[1, 10:21] = False  # with window 2 some queries see no key at all: their output must be 0
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, 4:12] = mask[1, 20:] = False  # causal: MLR queries 4..11 see keys 0..3 only, SWA w=3 queries 7..11 none
     mlr = (mlr_attention_triton, mlr_attention_reference)
     swa = (sliding_window_attention_triton, sliding_window_attention_reference)
-    cases = [  # name, (triton, reference), B, T, d, dv, kwargs; H = 2 throughout
-        ('mlr 8|4|2|2, blocks 64,32,16,8 (< tile)', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2])),
-        ('mlr 16|8|8, d=32, blocks 64,32,16 (= tile)', mlr, 1, 64, 32, 32, dict(ranks=[16, 8, 8])),
-        ('mlr 6|6|4, blocks 40,20,10, T=40', mlr, 1, 40, 16, 16, dict(ranks=[6, 6, 4], level_sizes=[40, 20, 10])),
-        ('mlr 16 (one level), T=50, dv=24', mlr, 1, 50, 16, 24, dict(ranks=[16])),
-        ('mlr 8|4|2|2, divide_by_levels', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2], divide_by_levels=True)),
-        ('mlr 8|8, key_mask, B=2', mlr, 2, 48, 16, 16, dict(ranks=[8, 8], key_mask=mask)),
-        ('swa w=4, T=72', swa, 1, 72, 16, 16, dict(window=4)),
-        ('swa w=19, d=32', swa, 1, 64, 32, 32, dict(window=19)),
-        ('swa w=99 > T=40', swa, 1, 40, 16, 16, dict(window=99)),
-        ('swa w=2, key_mask, B=2', swa, 2, 48, 16, 16, dict(window=2, key_mask=mask)),
+    cases = [  # name, (triton, reference), (B, H, T, d, dv), kwargs
+        ('mlr 8|4|2|2, blocks 40,20,10,5, divide_by_levels, key_mask', mlr, (1, 1, 40, 16, 24),
+         dict(ranks=[8, 4, 2, 2], level_sizes=[40, 20, 10, 5], divide_by_levels=True, key_mask=mask[:1])),
+        ('mlr 24|8, d=32, blocks 32,16 (= tile)', mlr, (1, 1, 32, 32, 32), dict(ranks=[24, 8])),
+        ('swa w=3, key_mask, B=H=2, dv=24', swa, (2, 2, 24, 16, 24), dict(window=3, key_mask=mask[:, :24])),
+        ('swa w=17 > tile', swa, (1, 1, 40, 16, 16), dict(window=17)),
+        ('swa w=99 > T', swa, (1, 1, 20, 16, 16), dict(window=99)),
     ]
     failed = 0
-    for name, (fast, ref), B, T, d, dv, kw in cases:
+    for name, (fast, ref), (B, H, T, d, dv), kw in cases:
         for causal in (True, False):
-            q, k, v = (torch.randn(B, 2, T, n, dtype=torch.float64) for n in (d, d, dv))
-            grad = torch.randn(B, 2, T, dv, dtype=torch.float64)
+            q, k, v = (torch.randn(B, H, T, n, dtype=torch.float64) for n in (d, d, dv))
+            grad = torch.randn(B, H, T, dv, dtype=torch.float64)
             t0 = time.process_time()
             results = [_out_and_grads(fn, q, k, v, grad, dtype, causal=causal, **kw)
                        for fn, dtype in ((fast, torch.float32), (ref, torch.float64))]
