@@ -604,11 +604,6 @@ def _shift_blocks(x, offset, c):
     return out
 
 
-def _swa_offsets(causal):
-    """The key blocks a query block sees, relative to its own: its own first (it writes o, lse), then the past."""
-    return (0, -1) if causal else (0, -1, 1)
-
-
 def _swa_tile(k, v, valid, window, causal, c, offset):
     """Keys and values of the key block `offset` blocks from each query block, (B*H*n, c, f), and the keep
     masks: the band (c, c) of the window and the keys' validity (B*H*n, 1, c)."""
@@ -630,7 +625,7 @@ class _SWAFlash(torch.autograd.Function):
         o = torch.empty(B, H, Tp, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Tp, 1, dtype=q.dtype, device=q.device)
         Q, O, Lse = (x.view(-1, c, x.shape[-1]) for x in (q, o, lse))        # (B*H*n, c, f) views
-        for offset in _swa_offsets(causal):                                  # the own block first: it writes
+        for offset in (0, -1) if causal else (0, -1, 1):     # the key blocks seen; the own block first: it writes
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
             for n, r in _pieces(Q.shape[0], c, c):
                 s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
@@ -648,7 +643,7 @@ class _SWAFlash(torch.autograd.Function):
         dq = torch.zeros_like(q)
         Q, dO, Lse, D, dQ = (x.view(-1, c, x.shape[-1]) for x in (q, do, lse, delta, dq))
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for offset in _swa_offsets(causal):
+        for offset in (0, -1) if causal else (0, -1, 1):
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
             if offset == 0:                                                   # k, v unshifted: straight into dk, dv
                 dK, dV = dk.view(K.shape), dv.view(V.shape)
@@ -989,8 +984,11 @@ def _prune_configs(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs['CHUNK'] <= kwargs['BLOCK_D']] or configs[:1]
 
 
-def _launch(kernel, grid, *args, **consts):
-    """Fixed small tiles under the interpreter; on a GPU the autotuner picks tiles and feature chunk."""
+def _launch(kernel, block, *args, **consts):
+    """One program per `block` (BLOCK_M or BLOCK_N) rows of each (batch, head): fixed small tiles under the
+    interpreter; on a GPU the autotuner picks tiles and feature chunk."""
+    B, H, T, _ = args[0].shape                                   # args[0] is q
+    grid = lambda META: (triton.cdiv(T, META[block]), B * H)
     if _interpreting():
         return kernel[grid](*args, **consts, **_INTERPRET_CONFIG)
     if kernel not in _AUTOTUNED:
@@ -1004,44 +1002,36 @@ def _pow2(n):
 
 
 class _TritonAttention(torch.autograd.Function):
-    """softmax over the kept tiles of MLR-level scores, times v. Levels: block sizes `sizes` (level 0 = T)
-    and feature prefixes `feats` = [0, r_0, r_0 + r_1, ..., d]; SWA passes one level and its window, MLR
-    window = T. q arrives with its scales applied. Inputs are checked by the *_triton functions."""
+    """softmax over the kept tiles of MLR-level scores, times v. Levels: block sizes `sizes` (level 0 = T) and
+    feature prefixes `feats` = [0, r_0, r_0 + r_1, ..., d]; SWA passes one level and its window, MLR window = T.
+    q arrives with its scales applied; the *_triton functions check the inputs."""
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, sizes, feats, window, causal, divide_by_levels):
-        dtype = q.dtype
+        ctx.dtype = q.dtype
         if _interpreting():  # the interpreter's tl.dot is numpy: keep it in float32
             q, k, v = q.float(), k.float(), v.float()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, d = q.shape
-        dv = v.shape[-1]
-        sizes = torch.tensor(sizes, dtype=torch.int32, device=q.device)
-        feats = torch.tensor(feats, dtype=torch.int32, device=q.device)
+        levels = [torch.tensor(x, dtype=torch.int32, device=q.device) for x in (sizes, feats)]
         keep = q if key_mask is None else key_mask.to(torch.int8).contiguous()  # q: a pointer never read
-        consts = dict(N_LEVELS=len(sizes), CAUSAL=bool(causal), DIVIDE=bool(divide_by_levels),
-                      HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv))
-        o = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
+        ctx.args = (*levels, T, H, d, v.shape[-1], window)        # the kernels' arguments after their tensors
+        ctx.consts = dict(N_LEVELS=len(sizes), CAUSAL=bool(causal), DIVIDE=bool(divide_by_levels),
+                          HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(v.shape[-1]))
+        o = torch.empty_like(v)
         lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)      # log-sum-exp of each row
-        _launch(_attn_fwd, lambda META: (triton.cdiv(T, META['BLOCK_M']), B * H),
-                q, k, v, keep, o, lse, sizes, feats, T, H, d, dv, window, **consts)
-        ctx.save_for_backward(q, k, v, keep, o, lse, sizes, feats)
-        ctx.window, ctx.consts, ctx.dtype = window, consts, dtype
-        return o.to(dtype)
+        _launch(_attn_fwd, 'BLOCK_M', q, k, v, keep, o, lse, *ctx.args, **ctx.consts)
+        ctx.save_for_backward(q, k, v, keep, o, lse)
+        return o.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, keep, o, lse, sizes, feats = ctx.saved_tensors
-        B, H, T, d = q.shape
-        dv_width = v.shape[-1]
+        q, k, v, keep, o, lse = ctx.saved_tensors
         do = do.to(q.dtype).contiguous()
         delta = (do.float() * o.float()).sum(-1)                             # (B, H, T) rowsum(do * o)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        shared = (sizes, feats, T, H, d, dv_width, ctx.window)
-        _launch(_attn_bwd_dkdv, lambda META: (triton.cdiv(T, META['BLOCK_N']), B * H),
-                q, k, v, keep, do, lse, delta, dk, dv, *shared, **ctx.consts)
-        _launch(_attn_bwd_dq, lambda META: (triton.cdiv(T, META['BLOCK_M']), B * H),
-                q, k, v, keep, do, lse, delta, dq, *shared, **ctx.consts)
+        _launch(_attn_bwd_dkdv, 'BLOCK_N', q, k, v, keep, do, lse, delta, dk, dv, *ctx.args, **ctx.consts)
+        _launch(_attn_bwd_dq, 'BLOCK_M', q, k, v, keep, do, lse, delta, dq, *ctx.args, **ctx.consts)
         return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None, None, None, None, None
 
 
