@@ -447,14 +447,6 @@ def _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels)
         yield n, r, Q, rows, f, _piece_scores(Q, Kb[n], rows, f, keep)
 
 
-def _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
-    into them."""
-    Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
-    for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-        _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
-
-
 def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
     """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
     contribution to each block's diagonal, and it touches every row, key and feature."""
@@ -482,8 +474,11 @@ class _MLRFlash(torch.autograd.Function):
         j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
-        _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels)  # writes o, lse
-        # sibling tiles of the levels above: query child a against key child a2, prefix features R_l
+        # the bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
+        Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
+        for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
+            _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
+        # into them: the sibling tiles of the levels above, query child a against key child a2, prefix R_l
         for size, a, a2, b, R, alpha in tiles:
             Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copy, scaled
             K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)  # (N, b, R), (N, b, dv) views

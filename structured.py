@@ -305,15 +305,11 @@ class BTT(StructuredLinear):
             y = torch.einsum('...kir,imkr->...mi', h, self.L)          # (..., e1, e2)
         return y.reshape(*y.shape[:-2], self.d_out)                    # (..., d_out), index m*e2 + i
 
-    def full_cores(self):
-        """R[k, i, ρ, j] and L[i, m, k, ρ] of the class docstring; for block_coupled, zero except k = i."""
-        if not self.block_coupled:
-            return self.R, self.L
-        eye = torch.eye(self.c1, dtype=self.R.dtype, device=self.R.device)
-        return torch.einsum('krj,ki->kirj', self.R, eye), torch.einsum('imr,ik->imkr', self.L, eye)
-
     def to_dense(self):
-        R, L = self.full_cores()
+        R, L = self.R, self.L
+        if self.block_coupled:  # the full R[k, i, ρ, j], L[i, m, k, ρ] of the class docstring: zero unless k = i
+            eye = torch.eye(self.c1, dtype=R.dtype, device=R.device)
+            R, L = torch.einsum('krj,ki->kirj', R, eye), torch.einsum('imr,ik->imkr', L, eye)
         W = torch.einsum('imkr,kirj->mikj', L, R)      # W[(m, i), (k, j)] = Σ_ρ L[i,m,k,ρ] R[k,i,ρ,j]
         return W.reshape(self.d_out, self.d_in)
 

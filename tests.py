@@ -155,8 +155,9 @@ def test_table1_params_and_ranks():
 # -----------------------------------------------------------------------------
 # to_dense is the paper's definition (built here independently)
 
-def test_block_diagonal_and_mlr_layout():
-    """BlockDiagonal: block k's outputs are contiguous; MLR: the sum of its levels' low-rank blocks."""
+def test_to_dense_is_the_papers_definition():
+    """BlockDiagonal: block k's outputs are contiguous; MLR: the sum of its levels' low-rank blocks; BTT:
+    W = P_L (⊕_i L_i) P_R (⊕_k R_k^T) (Eq. 5 / App. A.2) with explicit permutation matrices (s = 1: Monarch)."""
     m = BlockDiagonal(12, 24, 3).double()
     W = torch.zeros(24, 12, dtype=torch.float64)
     for k in range(3):
@@ -169,21 +170,15 @@ def test_block_diagonal_and_mlr_layout():
         for k in range(p):
             W[k * bo:(k + 1) * bo, k * bi:(k + 1) * bi] += lv.L[k] @ lv.R[k].T
     assert_exact(m.to_dense(), W)
-
-
-@pytest.mark.parametrize('d_in,d_out,s,cf,ef', [(16, 16, 1, (4, 4), (4, 4)), (12, 24, 2, (3, 4), (6, 4)),
-                                                (24, 8, 3, (6, 4), (2, 4))])
-def test_btt_is_PL_blockdiag_PR_blockdiag(d_in, d_out, s, cf, ef):
-    """W = P_L (⊕_i L_i) P_R (⊕_k R_k^T), the paper's form (Eq. 5 / App. A.2), built with explicit
-    permutation matrices; s = 1 is Monarch."""
-    (c1, c2), (e1, e2) = cf, ef
     perm_matrix = lambda perm: torch.eye(len(perm), dtype=torch.float64)[perm]      # (P v)[o] = v[perm[o]]
-    m = BTT(d_in, d_out, s, cf, ef).double()
-    right = torch.block_diag(*[m.R[k].reshape(e2 * s, c2) for k in range(c1)])           # rows (k, i, ρ)
-    P_R = perm_matrix(torch.arange(c1 * e2 * s).view(c1, e2, s).transpose(0, 1).reshape(-1))  # -> (i, k, ρ)
-    left = torch.block_diag(*[m.L[i].reshape(e1, c1 * s) for i in range(e2)])            # rows (i, m)
-    P_L = perm_matrix(transpose_perm(e2, e1))                                              # -> (m, i)
-    assert_exact(m.to_dense(), P_L @ left @ P_R @ right)
+    for d_in, d_out, s, (c1, c2), (e1, e2) in [(16, 16, 1, (4, 4), (4, 4)), (12, 24, 2, (3, 4), (6, 4)),
+                                               (24, 8, 3, (6, 4), (2, 4))]:
+        m = BTT(d_in, d_out, s, (c1, c2), (e1, e2)).double()
+        right = torch.block_diag(*[m.R[k].reshape(e2 * s, c2) for k in range(c1)])           # rows (k, i, ρ)
+        P_R = perm_matrix(torch.arange(c1 * e2 * s).view(c1, e2, s).transpose(0, 1).reshape(-1))  # -> (i, k, ρ)
+        left = torch.block_diag(*[m.L[i].reshape(e1, c1 * s) for i in range(e2)])            # rows (i, m)
+        P_L = perm_matrix(transpose_perm(e2, e1))                                              # -> (m, i)
+        assert_exact(m.to_dense(), P_L @ left @ P_R @ right)
 
 
 # -----------------------------------------------------------------------------
@@ -204,31 +199,27 @@ def test_mlbtc_contains_mlr_and_btt(build):
     assert (mlbtc.num_params, mlbtc.flops, mlbtc.rank) == (m.num_params, m.flops, m.rank)
 
 
-@pytest.mark.parametrize('shapes', [((3, 4), (5, 2)), ((1, 6), (7, 1))])
-def test_monarch_and_kronecker_are_btts(shapes):
+def test_btt_contains_monarch_kronecker_and_low_rank():
     torch.manual_seed(0)
     mon = monarch(36, 36).double()
     torch.manual_seed(0)
     assert isinstance(mon, BTT) and mon.s == 1 and mon.num_params == 2 * 36 ** 1.5
     assert_exact(mon.to_dense(), BTT(36, 36, rank=1).double().to_dense())
-    A, B = torch.randn(*shapes[0], dtype=torch.float64), torch.randn(*shapes[1], dtype=torch.float64)
-    m = kronecker(A, B)
-    x = torch.randn(2, m.d_in, dtype=torch.float64)
-    assert m.s == 1
-    assert_exact(m.to_dense(), torch.kron(A, B))
-    assert_exact(m(x), x @ torch.kron(A, B).T)
-
-
-@pytest.mark.parametrize('d_in,d_out,r', [(12, 20, 5), (20, 12, 20)])
-def test_btt_with_c1_e2_one_is_low_rank(d_in, d_out, r):
-    torch.manual_seed(0)
-    lr = LowRank(d_in, d_out, r).double()
-    btt = BTT(d_in, d_out, rank=r, in_factors=(1, d_in), out_factors=(d_out, 1)).double()
-    with torch.no_grad():
-        btt.L.copy_(lr.L[None, :, None, :])      # L[0, m, 0, ρ] = L_lowrank[m, ρ]
-        btt.R.copy_(lr.R.T[None, None])          # R[0, 0, ρ, j] = R_lowrank[j, ρ]
-    assert_exact(btt.to_dense(), lr.to_dense())
-    assert btt.num_params == lr.num_params and btt.rank == lr.rank
+    for shape_a, shape_b in [((3, 4), (5, 2)), ((1, 6), (7, 1))]:
+        A, B = torch.randn(*shape_a, dtype=torch.float64), torch.randn(*shape_b, dtype=torch.float64)
+        m = kronecker(A, B)
+        x = torch.randn(2, m.d_in, dtype=torch.float64)
+        assert m.s == 1
+        assert_exact(m.to_dense(), torch.kron(A, B))
+        assert_exact(m(x), x @ torch.kron(A, B).T)
+    for d_in, d_out, r in [(12, 20, 5), (20, 12, 20)]:      # c1 = e2 = 1: low rank r
+        lr = LowRank(d_in, d_out, r).double()
+        btt = BTT(d_in, d_out, rank=r, in_factors=(1, d_in), out_factors=(d_out, 1)).double()
+        with torch.no_grad():
+            btt.L.copy_(lr.L[None, :, None, :])      # L[0, m, 0, ρ] = L_lowrank[m, ρ]
+            btt.R.copy_(lr.R.T[None, None])          # R[0, 0, ρ, j] = R_lowrank[j, ρ]
+        assert_exact(btt.to_dense(), lr.to_dense())
+        assert btt.num_params == lr.num_params and btt.rank == lr.rank
 
 
 # -----------------------------------------------------------------------------
@@ -409,22 +400,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 
 
-def load_kernels(name):
-    """A second kernels module, imported afresh from kernels.py (with this moment's sys.modules)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, 'kernels.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_triton
 def test_interpreter_matches_reference():
-    """`kernels.py --selftest-interpret` runs the Triton kernels on CPU tensors (TRITON_INTERPRET=1 must be set
-    before triton is imported, hence a process of its own): MLR with tiles smaller than, equal to and unaligned
-    with the level blocks, divide_by_levels; SWA windows below, above and past the tile; key masks leaving
-    queries no key; T not a multiple of the tile; causal and bidirectional: o, dq, dk, dv match the float64
-    references."""
+    """`kernels.py --selftest-interpret`: the Triton kernels run on CPU tensors (TRITON_INTERPRET=1 must be set
+    before triton is imported, hence a process of their own) and match the float64 references (see its cases)."""
     out = subprocess.run([sys.executable, 'kernels.py', '--selftest-interpret'], cwd=HERE, capture_output=True,
                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1'))
     assert out.returncode == 0 and 'FAIL' not in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
@@ -434,15 +413,11 @@ def test_interpreter_matches_reference():
 @needs_triton
 def test_kernels_compile_for_gpu():
     """The forward and both backward kernels compile to sm_90 machine code (MLR with 3 levels; `python
-    kernels.py --compile-check` does 8 levels and SWA, for sm_80 and sm_90)."""
+    kernels.py --compile-check` does 8 levels and SWA, for sm_80 and sm_90); the autotuner drops feature chunks
+    wider than BLOCK_D."""
     if K._interpreting():
         pytest.skip("TRITON_INTERPRET=1 is set in this process; the compile check needs the real kernels")
     K._compile_check(archs=(90,), levels=(3,))
-
-
-@needs_triton
-def test_gpu_configs_prune_to_the_head_width():
-    """The autotuner's configs (GPU only, never run here): feature chunks wider than BLOCK_D are dropped."""
     configs = K._gpu_configs()
     assert {c.kwargs['CHUNK'] for c in K._prune_configs(configs, {}, BLOCK_D=16)} == {16}
     assert K._prune_configs(configs, {}, BLOCK_D=64) == configs
@@ -452,9 +427,13 @@ def test_gpu_configs_prune_to_the_head_width():
 def test_cpu_tensors_take_the_torch_path(triton, monkeypatch):
     """On CPU tensors the public functions are the flash paths, with or without triton installed; without it the
     Triton functions refuse in one line."""
-    if triton == 'missing':
+    KM = K
+    if triton == 'missing':                                       # kernels.py imported afresh
+        import importlib.util
         monkeypatch.setitem(sys.modules, 'triton', None)          # 'import triton' now raises ImportError
-    KM = K if triton == 'installed' else load_kernels('kernels_without_triton')
+        spec = importlib.util.spec_from_file_location('kernels_without_triton', os.path.join(HERE, 'kernels.py'))
+        KM = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(KM)
     assert KM.HAS_TRITON == (triton == 'installed' and K.HAS_TRITON)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
