@@ -7,28 +7,23 @@ The heavy math of the attention variants, on (B, H, T, d) tensors.
                               bidirectional), the official sliding_block_size; O(T·w) time and memory.
     linear_attention          linear attention with phi(u) = ReLU(u)^2 (seed 003 §2.2.2).
 
-The file opens with their plain references (a dense T×T mask each); the fast paths follow, and the tests
-hold each of them equal to its reference, forward and gradients:
-- `*_torch`: the structure in plain torch with autograd. MLR is a hierarchy of tiles: inside a level-l
-  block, a query in child a and a key in child a' != a share level l but not l+1, so they are scored with
-  the first R_l features; the finest level's diagonal blocks use all d. Each tile yields a partial softmax
-  (output, log-sum-exp), merged exactly as FlashAttention merges its tiles; causal tiles above the diagonal
-  are never computed. SWA cuts the queries into chunks of c > w rows and gives each chunk only the 2c (3c
-  bidirectional) keys around it. Linear attention is chunked: quadratic inside a chunk, a running d×d state
-  between chunks.
-- `*_flash` (MLR, SWA): the same tiles as one autograd.Function, an online softmax over cache-sized pieces
-  and a hand-written backward that recomputes each piece's scores, so training keeps O(T·d) memory. These
-  are what mlr_attention and sliding_window_attention run on the CPU.
-- `*_triton` (MLR, SWA): one FlashAttention-2 style forward and backward whose tiles (BLOCK_M × BLOCK_N)
-  know their MLR level and skip what lies outside the window or after the diagonal, taken for CUDA tensors
-  (see `backend`). Checked on CPU under Triton's interpreter and compiled for sm_80/sm_90; never timed here.
+The file opens with their plain references (a dense T×T mask each); the fast paths follow, each held equal to
+its reference by the tests, forward and gradients:
+- `*_torch`: the structure in plain torch with autograd: MLR as tiles per level whose partial softmaxes are
+  merged exactly (FlashAttention's merge), SWA as query chunks against their neighbouring key chunks, linear
+  attention as chunks with a running d×d state.
+- `*_flash` (MLR, SWA): the same tiles as one autograd.Function with an online softmax over cache-sized pieces
+  and a backward that recomputes the scores: O(T·d) memory. What the public functions run on a CPU.
+- `*_triton` (MLR, SWA): one FlashAttention-2 kernel family whose tiles know their MLR level and window, taken
+  for CUDA tensors; checked on CPU under Triton's interpreter and compiled for sm_80/sm_90.
 
-    python kernels.py                                  # correctness check, then the benchmark below
-    python kernels.py --bench                          # every path vs SDPA: time, peak memory, GFLOP/s
-    python kernels.py --selftest-interpret             # Triton kernels vs references, interpreter, ~1 min
-    python kernels.py --compile-check                  # compile the kernels for sm_80 / sm_90, no GPU needed
+    python kernels.py                          # correctness check, then the benchmark
+    python kernels.py --bench                  # every path vs SDPA: time, peak memory, GFLOP/s
+    python kernels.py --selftest-interpret     # the Triton kernels vs the references, interpreter on CPU
+    python kernels.py --compile-check          # compile the kernels for sm_80 / sm_90, no GPU needed
 """
 import argparse
+import itertools
 import math
 import os
 import subprocess
@@ -181,10 +176,10 @@ def mlr_level_scales(ranks):
     return [1.0 / r for r in ranks]
 
 
-def _scale_levels(q, ranks, scales):
-    """q with the features of level l multiplied by c_l, so that a prefix dot product is the MLR score."""
-    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
-    return q * c
+def _feature_scales(ranks, scales, like):
+    """The scale of each feature (d,): c_l repeated r_l times, so that q * c makes a prefix dot product the MLR
+    score."""
+    return torch.cat([torch.full((r,), float(s), dtype=like.dtype, device=like.device) for r, s in zip(ranks, scales)])
 
 
 def _check_window(window):
@@ -283,7 +278,7 @@ def mlr_attention_torch(q, k, v, ranks, causal=True, level_sizes=None, scales=No
     """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
     ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
-    q = _scale_levels(q, ranks, scales)
+    q = q * _feature_scales(ranks, scales, q)
     outs, lses = [], []
     for l in range(len(ranks) - 1):                      # the sibling tiles of each level l < L-1
         if sizes[l] // sizes[l + 1] == 1:
@@ -317,16 +312,14 @@ def mlr_attention_flops(T, ranks, causal=True, level_sizes=None, dv=None):
 # -----------------------------------------------------------------------------
 # helpers of the flash paths: an online softmax over pieces of a tile, forward and backward
 #
-# The *_flash paths (MLR, SWA) are FlashAttention-2 on the CPU, done with torch ops. A tile is a batch of
-# (query block, key block) pairs, held as (N, rows, f) views of the (B, H, T, f) tensors (_child).
-# - Forward: each tile is cut into pieces of at most PIECE score entries per thread (1 MB in float32, so each
-#   thread's share stays in its core's L2 cache while it is exponentiated and multiplied by v). A piece yields
-#   a partial softmax (output, log-sum-exp) merged into the running (o, lse) of its query rows. Only q, k, v,
-#   o and lse are saved.
-# - Backward: the split-KV identity. With the final lse and delta = rowsum(do * o), the probabilities of any
-#   key subset are p = exp(s - lse), and that subset's share of the gradients is
+# The *_flash paths (MLR, SWA) are FlashAttention-2 on the CPU in torch ops. A tile is a batch of (query block,
+# key block) pairs, held as (N, rows, f) views of the (B, H, T, f) tensors (_child), cut into pieces of at most
+# PIECE score entries per thread (so each thread's share stays in its core's L2 cache).
+# - Forward: a piece's partial softmax (output, log-sum-exp) is merged into the running (o, lse) of its rows.
+# - Backward: the split-KV identity. With the final lse and delta = rowsum(do * o), any key subset's
+#   probabilities are p = exp(s - lse) and its share of the gradients is
 #       dv += pᵀ do,   ds = p * (do vᵀ - delta),   dq += ds k,   dk += dsᵀ q
-#   so each piece's scores are recomputed and nothing T×T is ever stored.
+#   so each piece's scores are recomputed; only q, k, v, o and lse are saved, nothing T×T.
 
 PIECE = 1 << 18   # score entries per piece and per CPU thread (each thread's share stays in its core's L2)
 
@@ -399,18 +392,14 @@ def _piece_backward(s, V, dO, Lse, Delta):
 # -----------------------------------------------------------------------------
 # MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
 #
-# mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities for the
-# backward pass (O(T²) memory in all) and its slice backward allocates full-size zero buffers per level.
-# This path runs the same tiles (one level's sibling pairs, or the bottom blocks below) through the pieces
-# of the flash helpers above: online softmax forward, split-KV backward, O(T·d) memory.
-# - The bottom: levels whose blocks are smaller than BOTTOM (the paper's 8-level split of T = 1024 has
-#   8-token blocks) would give thousands of tiny matrix products. Instead every block of the deepest level
-#   j with blocks >= BOTTOM is scored as one dense S×S tile: the shared prefix R_j of all its pairs in one
-#   product, plus one product per deeper level with that level's r_l features, multiplied by its same-block
-#   mask. This spends more multiply-adds than the exact count (the whole S×S square, all d features) --
-#   mlr_attention_flash_flops says how many, about 3% more at T = 1024 -- but runs at matrix-product speed.
-# - Not PyTorch's fused CPU flash kernel per tile: it needs q, k and v of one width, and a level's R_l is below
-#   d; padding q and k to d spends the full d on every score.
+# mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities (O(T²) memory).
+# This path runs the same tiles through the pieces of the flash helpers: O(T·d) memory.
+# - The bottom: levels with blocks smaller than BOTTOM (the paper's T = 1024, 8 levels has 8-token blocks) would
+#   be thousands of tiny products. Instead every block of the deepest level j with blocks >= BOTTOM is one dense
+#   S×S tile: the prefix R_j shared by all its pairs in one product, plus one product per deeper level with its
+#   r_l features times its same-block mask. That spends more multiply-adds than the exact count (about 3% at
+#   T = 1024, see mlr_attention_flash_flops) but runs at matrix-product speed.
+# - Not PyTorch's fused CPU flash kernel per tile: it needs q, k, v of one width, and R_l is below d.
 
 BOTTOM = 32       # smallest block size scored by sibling tiles; smaller levels go into the dense bottom tiles
 
@@ -461,14 +450,6 @@ def _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels)
         yield n, r, Q, rows, f, _piece_scores(Q, Kb[n], rows, f, keep)
 
 
-def _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
-    into them."""
-    Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
-    for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-        _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
-
-
 def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
     """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
     contribution to each block's diagonal, and it touches every row, key and feature."""
@@ -496,8 +477,11 @@ class _MLRFlash(torch.autograd.Function):
         j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
-        _bottom_forward(q, k, v, c, key_mask, o, lse, sizes, ranks, j, causal, divide_by_levels)  # writes o, lse
-        # sibling tiles of the levels above: query child a against key child a2, prefix features R_l
+        # the bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
+        Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
+        for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
+            _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
+        # into them: the sibling tiles of the levels above, query child a against key child a2, prefix R_l
         for size, a, a2, b, R, alpha in tiles:
             Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copy, scaled
             K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)  # (N, b, R), (N, b, dv) views
@@ -544,7 +528,7 @@ def mlr_attention_flash(q, k, v, ranks, causal=True, level_sizes=None, scales=No
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    c = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
+    c = _feature_scales(ranks, scales, q)
     o = _MLRFlash.apply(q.contiguous(), k.contiguous(), v.contiguous(), c, key_mask, tuple(sizes), tuple(ranks),
                         causal, divide_by_levels)
     return o.to(dtype)
@@ -566,6 +550,12 @@ def mlr_attention_flash_flops(T, ranks, causal=True, level_sizes=None, dv=None):
 # -----------------------------------------------------------------------------
 # sliding-window attention, blocked torch path and flash path
 
+def _swa_chunk(window, T):
+    """The query chunk length c: more than w rows (so chunks i-1 and i hold query i's window) unless the window
+    covers T; at least 32."""
+    return min(max(window + 1, 32), T)
+
+
 def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
     """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional)."""
     _check_qkv(q, k, v)
@@ -573,7 +563,7 @@ def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key
     B, H, T, d = q.shape
     dv = v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = min(max(window + 1, 32), T)                  # query chunk length; c > w unless the window covers T
+    c = _swa_chunk(window, T)
     n = -(-T // c)                                   # number of query blocks
     Tp = n * c
     left, right = c, (0 if causal else c)            # key padding on each side
@@ -612,11 +602,6 @@ def _shift_blocks(x, offset, c):
     return out
 
 
-def _swa_offsets(causal):
-    """The key blocks a query block sees, relative to its own: its own first (it writes o, lse), then the past."""
-    return (0, -1) if causal else (0, -1, 1)
-
-
 def _swa_tile(k, v, valid, window, causal, c, offset):
     """Keys and values of the key block `offset` blocks from each query block, (B*H*n, c, f), and the keep
     masks: the band (c, c) of the window and the keys' validity (B*H*n, 1, c)."""
@@ -638,7 +623,7 @@ class _SWAFlash(torch.autograd.Function):
         o = torch.empty(B, H, Tp, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Tp, 1, dtype=q.dtype, device=q.device)
         Q, O, Lse = (x.view(-1, c, x.shape[-1]) for x in (q, o, lse))        # (B*H*n, c, f) views
-        for offset in _swa_offsets(causal):                                  # the own block first: it writes
+        for offset in (0, -1) if causal else (0, -1, 1):     # the key blocks seen; the own block first: it writes
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
             for n, r in _pieces(Q.shape[0], c, c):
                 s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
@@ -656,7 +641,7 @@ class _SWAFlash(torch.autograd.Function):
         dq = torch.zeros_like(q)
         Q, dO, Lse, D, dQ = (x.view(-1, c, x.shape[-1]) for x in (q, do, lse, delta, dq))
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for offset in _swa_offsets(causal):
+        for offset in (0, -1) if causal else (0, -1, 1):
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
             if offset == 0:                                                   # k, v unshifted: straight into dk, dv
                 dK, dV = dk.view(K.shape), dv.view(V.shape)
@@ -686,7 +671,7 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = min(max(window + 1, 32), T)                  # query chunk length; c > w unless the window covers T
+    c = _swa_chunk(window, T)
     Tp = -(-T // c) * c
     valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
     valid[:, :T] = True if key_mask is None else key_mask
@@ -701,7 +686,7 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
 def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
     """Multiply-adds x 2 of sliding_window_attention_torch on one (batch, head)."""
     dv = d if dv is None else dv
-    c = min(max(window + 1, 32), T)
+    c = _swa_chunk(window, T)
     n = -(-T // c)
     span = c + c + (0 if causal else c)
     return 2 * n * c * span * (d + dv)
@@ -752,19 +737,16 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 # -----------------------------------------------------------------------------
 # Triton kernels: FlashAttention-2 with tiles that know their MLR level and window
 #
-# One kernel family serves both MLR and SWA. A program owns one query tile (BLOCK_M rows) of one
-# (batch, head) and streams key tiles (BLOCK_N rows) through an online softmax; nothing T×T exists.
-# - Window: key tiles wholly outside i-w <= j <= i (|i-j| <= w bidirectional) are never visited. MLR runs
-#   with window = T, which leaves only the causal skip (no key tile after the query tile).
-# - MLR levels: for a (query tile, key tile) pair, n_all = number of levels whose block holds both tiles
-#   whole. The pair is scored with the first R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only.
-#   When the tile size divides the finest block size, that is the whole story (one prefix product per
-#   tile). A tile larger than the finest block (the paper's T=1024, L=8 setting has 8-token finest blocks,
-#   below tl.dot's 16) straddles block boundaries: each straddled level l then adds its own r_l features
-#   under a same-block mask. This happens only on tiles near the diagonal.
-# - SWA is the one-level case: FEAT = [0, d], so every tile uses all features, plus a window.
-# The per-level scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernel, as
-# mlr_attention_torch does, so autograd carries them and the kernels see plain prefix dot products.
+# One kernel family serves both MLR and SWA. A program owns one query tile (BLOCK_M rows) of one (batch, head)
+# and streams key tiles (BLOCK_N rows) through an online softmax; nothing T×T exists.
+# - Window: key tiles wholly outside i-w <= j <= i (|i-j| <= w bidirectional) are never visited. MLR runs with
+#   window = T, which leaves only the causal skip (no key tile after the query tile).
+# - MLR levels: a (query tile, key tile) pair held whole by the blocks of n_all levels is scored with the first
+#   R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only. A tile larger than the finest block (the paper's
+#   T = 1024, L = 8 has 8-token blocks, below tl.dot's 16) straddles block boundaries: each straddled level l
+#   adds its own r_l features under a same-block mask. This happens only near the diagonal.
+# - SWA is the one-level case: FEAT = [0, d], every tile uses all features, plus a window.
+# The scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernels, so autograd carries them.
 
 @triton.jit
 def _load_tile(P, rows, cols, T, W):
@@ -798,11 +780,9 @@ def _shared_levels(start_m, start_n, T, SIZES, N_LEVELS: tl.constexpr, BLOCK_M: 
 @triton.jit
 def _feature_dot(Q, K, offs_m, offs_n, f_lo, f_hi, T, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) tile of sum_{f_lo <= f < f_hi} q[i, f] k[j, f], CHUNK features at a time.
-    A tile scored with R features costs ceil(R / CHUNK) chunk products instead of d-wide ones: that is
-    where MLR saves its QK FLOPs on a GPU. The price: q chunks are re-read for every key tile (L1/L2
-    hits on a GPU) rather than held in registers. CHUNK = BLOCK_D reads q whole once per key tile; the
-    autotuner picks. Features outside [f_lo, f_hi) of the boundary chunks are masked to zero in q."""
+    """The (BLOCK_M, BLOCK_N) tile of sum_{f_lo <= f < f_hi} q[i, f] k[j, f], CHUNK features at a time: a tile
+    scored with R features costs ceil(R / CHUNK) chunk products, which is where MLR saves its QK FLOPs on a GPU
+    (q chunks are re-read per key tile, from L1/L2; the autotuner picks CHUNK)."""
     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     offs_c = tl.arange(0, CHUNK)
     for c in range(f_lo // CHUNK * CHUNK, f_hi, CHUNK):
@@ -816,9 +796,15 @@ def _feature_dot(Q, K, offs_m, offs_n, f_lo, f_hi, T, D, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS: tl.constexpr,
-                DIVIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Scores of one tile pair, and per entry the number of levels covering it (divide_by_levels)."""
+def _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS: tl.constexpr,
+                 CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Scores of the tile pair at rows start_m, start_n: -inf where the pair is not real (a position >= T, a key
+    outside the window or in the future when causal, a masked key); also the levels the tiles share (n_all,
+    n_any) and per entry the number of levels covering it (divide_by_levels)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
     s = _feature_dot(Q, K, offs_m, offs_n, 0, tl.load(FEAT + n_all), T, D, BLOCK_M, BLOCK_N, CHUNK)
     cover = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + n_all
     for l in tl.static_range(1, N_LEVELS):
@@ -831,14 +817,21 @@ def _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS:
             cover += same.to(tl.float32)
     if DIVIDE:
         s = s / cover
-    return s, cover
+    i, j = offs_m[:, None], offs_n[None, :]
+    keep = (i < T) & (j < T) & (j >= i - window)
+    if CAUSAL:
+        keep = keep & (j <= i)
+    else:
+        keep = keep & (j <= i + window)
+    if HAS_KEEP:
+        keep = keep & (tl.load(KEEP + offs_n, mask=offs_n < T, other=0) != 0)[None, :]
+    return tl.where(keep, s, float('-inf')), cover, n_all, n_any
 
 
 @triton.jit
 def _feature_grad(ds, x, pos_a, pos_b, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS: tl.constexpr):
     """sum_b ds[a, b] x[b, :], where entry (a, b) reaches only the features of the levels a and b share:
-    dq from (ds, k), dk from (ds^T, q). Full-width products with the other features zeroed, so these are
-    d-wide MACs on a GPU (chunking them would need an accumulator per feature chunk)."""
+    dq from (ds, k), dk from (ds^T, q). Full-width products with the other features zeroed."""
     x_all = tl.where(offs_d[None, :] < tl.load(FEAT + n_all), x, 0.0).to(x.dtype)
     g = tl.dot(ds.to(x.dtype), x_all)
     for l in tl.static_range(1, N_LEVELS):
@@ -848,22 +841,6 @@ def _feature_grad(ds, x, pos_a, pos_b, n_all, n_any, SIZES, FEAT, offs_d, N_LEVE
             in_l = (offs_d >= tl.load(FEAT + l)) & (offs_d < tl.load(FEAT + l + 1))
             g += tl.dot(tl.where(same, ds, 0.0).to(x.dtype), tl.where(in_l[None, :], x, 0.0).to(x.dtype))
     return g
-
-
-@triton.jit
-def _keep(offs_m, offs_n, T, window, KEEP, CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr):
-    """Which entries of a tile are real: both positions < T, key inside the window (and not in the future
-    when causal), key not padding (key_mask)."""
-    i = offs_m[:, None]
-    j = offs_n[None, :]
-    keep = (i < T) & (j < T) & (j >= i - window)
-    if CAUSAL:
-        keep = keep & (j <= i)
-    else:
-        keep = keep & (j <= i + window)
-    if HAS_KEEP:
-        keep = keep & (tl.load(KEEP + offs_n, mask=offs_n < T, other=0) != 0)[None, :]
-    return keep
 
 
 @triton.jit
@@ -893,25 +870,21 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)       # running sum of exp(s - m_i) v
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
-        s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
-                               BLOCK_M, BLOCK_N, CHUNK)
-        s = tl.where(_keep(offs_m, offs_n, T, window, KEEP, CAUSAL, HAS_KEEP), s, float('-inf'))
+        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
+                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
         # online softmax; a row that has seen no key yet keeps m = -inf, so shift it by 0 instead
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)
         p = tl.exp(s - m_shift[:, None])                        # (BLOCK_M, BLOCK_N)
         alpha = tl.exp(m_i - m_shift)                           # rescales what was summed so far
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V, offs_n, offs_dv, T, DV)
+        v = _load_tile(V, start_n + tl.arange(0, BLOCK_N), offs_dv, T, DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # rows with no key at all (every key masked) output 0 and get lse = +inf, so the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float('inf'), m_i + tl.log(l_safe))
-    _store_tile(O, offs_m, offs_dv, T, DV, out)
+    _store_tile(O, offs_m, offs_dv, T, DV, acc / l_safe[:, None])
     tl.store(LSE + offs_m, lse, mask=offs_m < T)
 
 
@@ -944,11 +917,9 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
         do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
-        n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
-        s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
-                               BLOCK_M, BLOCK_N, CHUNK)
-        keep = _keep(offs_m, offs_n, T, window, KEEP, CAUSAL, HAS_KEEP)
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)                              # (BLOCK_M, BLOCK_N)
+        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
+                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
+        p = tl.exp(s - lse[:, None])                                                    # (BLOCK_M, BLOCK_N)
         dv += tl.dot(tl.trans(p).to(do.dtype), do)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])     # softmax backward: p (dp - rowsum(do o))
         if DIVIDE:
@@ -981,12 +952,9 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
         v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
-        n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
-        s, cover = _mlr_scores(Q, K, offs_m, offs_n, n_all, n_any, T, D, SIZES, FEAT, N_LEVELS, DIVIDE,
-                               BLOCK_M, BLOCK_N, CHUNK)
-        keep = _keep(offs_m, offs_n, T, window, KEEP, CAUSAL, HAS_KEEP)
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
+                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
+        ds = tl.exp(s - lse[:, None]) * (tl.dot(do, tl.trans(v)) - delta[:, None])
         if DIVIDE:
             ds = ds / cover
         dq += _feature_grad(ds, k, offs_m, offs_n, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
@@ -1017,8 +985,11 @@ def _prune_configs(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs['CHUNK'] <= kwargs['BLOCK_D']] or configs[:1]
 
 
-def _launch(kernel, grid, *args, **consts):
-    """Fixed small tiles under the interpreter; on a GPU the autotuner picks tiles and feature chunk."""
+def _launch(kernel, block, *args, **consts):
+    """One program per `block` (BLOCK_M or BLOCK_N) rows of each (batch, head): fixed small tiles under the
+    interpreter; on a GPU the autotuner picks tiles and feature chunk."""
+    B, H, T, _ = args[0].shape                                   # args[0] is q
+    grid = lambda META: (triton.cdiv(T, META[block]), B * H)
     if _interpreting():
         return kernel[grid](*args, **consts, **_INTERPRET_CONFIG)
     if kernel not in _AUTOTUNED:
@@ -1032,44 +1003,36 @@ def _pow2(n):
 
 
 class _TritonAttention(torch.autograd.Function):
-    """softmax over the kept tiles of MLR-level scores, times v. Levels: block sizes `sizes` (level 0 = T)
-    and feature prefixes `feats` = [0, r_0, r_0 + r_1, ..., d]; SWA passes one level and its window, MLR
-    window = T. q arrives with its scales applied. Inputs are checked by the *_triton functions."""
+    """softmax over the kept tiles of MLR-level scores, times v. Levels: block sizes `sizes` (level 0 = T) and
+    feature prefixes `feats` = [0, r_0, r_0 + r_1, ..., d]; SWA passes one level and its window, MLR window = T.
+    q arrives with its scales applied; the *_triton functions check the inputs."""
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, sizes, feats, window, causal, divide_by_levels):
-        dtype = q.dtype
+        ctx.dtype = q.dtype
         if _interpreting():  # the interpreter's tl.dot is numpy: keep it in float32
             q, k, v = q.float(), k.float(), v.float()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, d = q.shape
-        dv = v.shape[-1]
-        sizes = torch.tensor(sizes, dtype=torch.int32, device=q.device)
-        feats = torch.tensor(feats, dtype=torch.int32, device=q.device)
+        levels = [torch.tensor(x, dtype=torch.int32, device=q.device) for x in (sizes, feats)]
         keep = q if key_mask is None else key_mask.to(torch.int8).contiguous()  # q: a pointer never read
-        consts = dict(N_LEVELS=len(sizes), CAUSAL=bool(causal), DIVIDE=bool(divide_by_levels),
-                      HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv))
-        o = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
+        ctx.args = (*levels, T, H, d, v.shape[-1], window)        # the kernels' arguments after their tensors
+        ctx.consts = dict(N_LEVELS=len(sizes), CAUSAL=bool(causal), DIVIDE=bool(divide_by_levels),
+                          HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(v.shape[-1]))
+        o = torch.empty_like(v)
         lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)      # log-sum-exp of each row
-        _launch(_attn_fwd, lambda META: (triton.cdiv(T, META['BLOCK_M']), B * H),
-                q, k, v, keep, o, lse, sizes, feats, T, H, d, dv, window, **consts)
-        ctx.save_for_backward(q, k, v, keep, o, lse, sizes, feats)
-        ctx.window, ctx.consts, ctx.dtype = window, consts, dtype
-        return o.to(dtype)
+        _launch(_attn_fwd, 'BLOCK_M', q, k, v, keep, o, lse, *ctx.args, **ctx.consts)
+        ctx.save_for_backward(q, k, v, keep, o, lse)
+        return o.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, keep, o, lse, sizes, feats = ctx.saved_tensors
-        B, H, T, d = q.shape
-        dv_width = v.shape[-1]
+        q, k, v, keep, o, lse = ctx.saved_tensors
         do = do.to(q.dtype).contiguous()
         delta = (do.float() * o.float()).sum(-1)                             # (B, H, T) rowsum(do * o)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        shared = (sizes, feats, T, H, d, dv_width, ctx.window)
-        _launch(_attn_bwd_dkdv, lambda META: (triton.cdiv(T, META['BLOCK_N']), B * H),
-                q, k, v, keep, do, lse, delta, dk, dv, *shared, **ctx.consts)
-        _launch(_attn_bwd_dq, lambda META: (triton.cdiv(T, META['BLOCK_M']), B * H),
-                q, k, v, keep, do, lse, delta, dq, *shared, **ctx.consts)
+        _launch(_attn_bwd_dkdv, 'BLOCK_N', q, k, v, keep, do, lse, delta, dk, dv, *ctx.args, **ctx.consts)
+        _launch(_attn_bwd_dq, 'BLOCK_M', q, k, v, keep, do, lse, delta, dq, *ctx.args, **ctx.consts)
         return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None, None, None, None, None
 
 
@@ -1092,7 +1055,7 @@ def mlr_attention_triton(q, k, v, ranks, causal=True, level_sizes=None, scales=N
     ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
     scales = mlr_level_scales(ranks) if scales is None else scales
     feats = [sum(ranks[:l]) for l in range(len(ranks) + 1)]                 # [0, R_0, R_1, ..., d]
-    return _TritonAttention.apply(_scale_levels(q, ranks, scales), k, v, key_mask, tuple(sizes), tuple(feats),
+    return _TritonAttention.apply(q * _feature_scales(ranks, scales, q), k, v, key_mask, tuple(sizes), tuple(feats),
                                   q.shape[2], causal, divide_by_levels)
 
 
@@ -1173,36 +1136,32 @@ def _out_and_grads(fn, q, k, v, do, dtype, **kw):
 
 
 def _selftest_interpret():
-    """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients,
-    at tiny shapes: tiles smaller and larger than the finest MLR block, T not a multiple of the tile."""
+    """The Triton kernels under the interpreter vs the dense references (float64), forward and gradients, at
+    tiny shapes (the interpreter is slow): tiles smaller than, equal to and unaligned with the MLR blocks, windows
+    below, above and past the tile, T not a multiple of the tile, key masks that leave queries no key."""
     torch.manual_seed(0)
-    mask = torch.ones(2, 48, dtype=torch.bool)
-    mask[0, 40:] = False
-    mask[1, 10:21] = False  # with window 2 some queries see no key at all: their output must be 0
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, 4:12] = mask[1, 20:] = False  # causal: MLR queries 4..11 see keys 0..3 only, SWA w=3 queries 7..11 none
     mlr = (mlr_attention_triton, mlr_attention_reference)
     swa = (sliding_window_attention_triton, sliding_window_attention_reference)
-    cases = [  # name, (triton, reference), B, T, d, dv, kwargs; H = 2 throughout
-        ('mlr 8|4|2|2, blocks 64,32,16,8 (< tile)', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2])),
-        ('mlr 16|8|8, d=32, blocks 64,32,16 (= tile)', mlr, 1, 64, 32, 32, dict(ranks=[16, 8, 8])),
-        ('mlr 6|6|4, blocks 40,20,10, T=40', mlr, 1, 40, 16, 16, dict(ranks=[6, 6, 4], level_sizes=[40, 20, 10])),
-        ('mlr 16 (one level), T=50, dv=24', mlr, 1, 50, 16, 24, dict(ranks=[16])),
-        ('mlr 8|4|2|2, divide_by_levels', mlr, 1, 64, 16, 16, dict(ranks=[8, 4, 2, 2], divide_by_levels=True)),
-        ('mlr 8|8, key_mask, B=2', mlr, 2, 48, 16, 16, dict(ranks=[8, 8], key_mask=mask)),
-        ('swa w=4, T=72', swa, 1, 72, 16, 16, dict(window=4)),
-        ('swa w=19, d=32', swa, 1, 64, 32, 32, dict(window=19)),
-        ('swa w=99 > T=40', swa, 1, 40, 16, 16, dict(window=99)),
-        ('swa w=2, key_mask, B=2', swa, 2, 48, 16, 16, dict(window=2, key_mask=mask)),
+    cases = [  # name, (triton, reference), (B, H, T, d, dv), kwargs
+        ('mlr 8|4|2|2, blocks 40,20,10,5, divide_by_levels, key_mask', mlr, (1, 1, 40, 16, 24),
+         dict(ranks=[8, 4, 2, 2], level_sizes=[40, 20, 10, 5], divide_by_levels=True, key_mask=mask[:1])),
+        ('mlr 24|8, d=32, blocks 32,16 (= tile)', mlr, (1, 1, 32, 32, 32), dict(ranks=[24, 8])),
+        ('swa w=3, key_mask, B=H=2, dv=24', swa, (2, 2, 24, 16, 24), dict(window=3, key_mask=mask[:, :24])),
+        ('swa w=17 > tile', swa, (1, 1, 40, 16, 16), dict(window=17)),
+        ('swa w=99 > T', swa, (1, 1, 20, 16, 16), dict(window=99)),
     ]
     failed = 0
-    for name, (fast, ref), B, T, d, dv, kw in cases:
+    for name, (fast, ref), (B, H, T, d, dv), kw in cases:
         for causal in (True, False):
-            q, k, v = (torch.randn(B, 2, T, n, dtype=torch.float64) for n in (d, d, dv))
-            grad = torch.randn(B, 2, T, dv, dtype=torch.float64)
+            q, k, v = (torch.randn(B, H, T, n, dtype=torch.float64) for n in (d, d, dv))
+            grad = torch.randn(B, H, T, dv, dtype=torch.float64)
             t0 = time.process_time()
             results = [_out_and_grads(fn, q, k, v, grad, dtype, causal=causal, **kw)
                        for fn, dtype in ((fast, torch.float32), (ref, torch.float64))]
             errs = [(a - b).abs().max().item() for a, b in zip(*results)]
-            ok = max(errs) < 1e-4
+            ok = all(e < 1e-4 for e in errs)                # NaN fails too
             failed += not ok
             print(f"  {name:42s} causal={causal!s:5s} max err o {errs[0]:.1e} dq {errs[1]:.1e} dk {errs[2]:.1e} "
                   f"dv {errs[3]:.1e} {'ok' if ok else 'FAIL'} ({time.process_time() - t0:.1f} s cpu)", flush=True)
@@ -1211,24 +1170,22 @@ def _selftest_interpret():
 
 
 def _compile_check(archs=(80, 90), levels=(8, 1)):
-    """Compile every kernel for real GPUs (bf16, 64×64 tiles, for each level count: 8 = the paper's MLR with
-    divide_by_levels, 1 = SWA) without running it. This catches what the interpreter lets through (tile
-    shapes, dtypes, control flow). Needs no GPU, only triton's bundled ptxas."""
+    """Compile every kernel for real GPUs (bf16, 64×64 tiles; 8 levels = the paper's MLR with divide_by_levels,
+    1 = SWA) without running it: this catches what the interpreter lets through (tile shapes, dtypes, control
+    flow). Needs no GPU, only triton's bundled ptxas."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     types = dict(KEEP='*i8', LSE='*fp32', DELTA='*fp32', SIZES='*i32', FEAT='*i32', T='i32', H='i32', D='i32',
                  DV='i32', window='i32')                          # the rest are bf16 tensors
-    for arch in archs:
-        for n_levels in levels:
-            for kernel in (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq):
-                consts = dict(N_LEVELS=n_levels, CAUSAL=True, DIVIDE=n_levels > 1, HAS_KEEP=True, BLOCK_D=64,
-                              BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, CHUNK=16)
-                sig = {a: 'constexpr' if a in consts else types.get(a, '*bf16') for a in kernel.arg_names}
-                t0 = time.perf_counter()
-                triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget('cuda', arch, 32),
-                               options=dict(num_warps=4, num_stages=2))
-                print(f"  compiled {kernel.__name__:15s} with {n_levels} level(s) for sm_{arch} "
-                      f"in {time.perf_counter() - t0:.1f} s")
+    for arch, n_levels, kernel in itertools.product(archs, levels, (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq)):
+        consts = dict(N_LEVELS=n_levels, CAUSAL=True, DIVIDE=n_levels > 1, HAS_KEEP=True, BLOCK_D=64, BLOCK_DV=64,
+                      BLOCK_M=64, BLOCK_N=64, CHUNK=16)
+        sig = {a: 'constexpr' if a in consts else types.get(a, '*bf16') for a in kernel.arg_names}
+        t0 = time.perf_counter()
+        triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget('cuda', arch, 32),
+                       options=dict(num_warps=4, num_stages=2))
+        print(f"  compiled {kernel.__name__:15s} with {n_levels} level(s) for sm_{arch} "
+              f"in {time.perf_counter() - t0:.1f} s")
 
 
 def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), window=127):
@@ -1236,22 +1193,17 @@ def accuracy(device, dtypes, T=512, BH=4, ranks=(32, 8, 6, 4, 4, 4, 4, 2), windo
     most 2x the error of the reference itself computed in that precision. Forward and all gradients."""
     g = torch.Generator(device='cpu').manual_seed(0)
     q, k, v, do = (torch.randn(1, BH, T, sum(ranks), generator=g, dtype=torch.float64).to(device) for _ in range(4))
-    mlr = lambda f: (lambda q, k, v: f(q, k, v, list(ranks)))
-    swa = lambda f: (lambda q, k, v: f(q, k, v, window))
-    checks = [('mlr_flash', mlr(mlr_attention_flash), mlr(mlr_attention_reference)),
-              ('swa_flash', swa(sliding_window_attention_flash), swa(sliding_window_attention_reference))]
+    checks = [('mlr_flash', mlr_attention_flash, mlr_attention_reference, list(ranks)),
+              ('swa_flash', sliding_window_attention_flash, sliding_window_attention_reference, window)]
     if device == 'cuda' and HAS_TRITON:
-        checks += [('mlr_triton', mlr(mlr_attention_triton), mlr(mlr_attention_reference)),
-                   ('swa_triton', swa(sliding_window_attention_triton), swa(sliding_window_attention_reference))]
-    run = lambda fn, dtype: _out_and_grads(fn, q, k, v, do, dtype)
+        checks += [('mlr_triton', mlr_attention_triton, mlr_attention_reference, list(ranks)),
+                   ('swa_triton', sliding_window_attention_triton, sliding_window_attention_reference, window)]
     ok = True
-    for name, fn, ref in checks:
+    for name, fn, ref, arg in checks:
+        run = lambda f, dtype: _out_and_grads(lambda q, k, v: f(q, k, v, arg), q, k, v, do, dtype)
         exact = run(ref, torch.float64)
         for dtype in dtypes:
-            if name.endswith('triton') and dtype not in _TRITON_DTYPES:
-                continue
-            ref_err = [(a - b).abs().max().item() for a, b in zip(run(ref, dtype), exact)]
-            err = [(a - b).abs().max().item() for a, b in zip(run(fn, dtype), exact)]
+            ref_err, err = ([(a - b).abs().max().item() for a, b in zip(run(f, dtype), exact)] for f in (ref, fn))
             good = all(e <= 2 * r + 1e-12 for e, r in zip(err, ref_err))
             ok &= good
             print(f"  {name:11s} {str(dtype):15s} max err out/dq/dk/dv " + ' '.join(f'{e:.1e}' for e in err)
@@ -1272,8 +1224,9 @@ def measure(step, reps=2):
     """Wall time (ms, best of reps) and peak memory (MB) of step(). On a GPU the peak is CUDA's allocator
     peak; on Linux CPUs it is the growth of peak RSS, after resetting the peak via /proc/self/clear_refs."""
     cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
-        torch.cuda.synchronize()
+        sync()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:  # hand freed heap memory back to the OS first, so that RSS is the memory in use
@@ -1285,15 +1238,13 @@ def measure(step, reps=2):
             f.write('5')
         base = _proc_kb('VmRSS') * 1024
     step()
-    if cuda:
-        torch.cuda.synchronize()
+    sync()
     peak = (torch.cuda.max_memory_allocated() if cuda else _proc_kb('VmHWM') * 1024) - base
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         step()
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * min(times), peak / 2 ** 20
 
@@ -1305,46 +1256,39 @@ def matmul_gflops(device, dtype, n=4096, reps=3):
     return 2 * n ** 3 / ms / 1e6
 
 
-def _bench_cores(device, dtype, ranks):
+def _bench_cores(device, dtype, ranks, window=127):
     """The attention cores the benchmark compares: name -> (fn(q, k, v), forward FLOPs of one head at T)."""
-    d = sum(ranks)
-    equal = [d // 8] * 8
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    d, equal = sum(ranks), [sum(ranks) // 8] * 8
     causal_flops = lambda T: 2 * (T * (T + 1) // 2) * 2 * d           # the causal half of QKᵀ and A·V
-    cores = {
-        'sdpa': (sdpa, causal_flops),
-        'mlr_flash': (lambda q, k, v: mlr_attention_flash(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
-        'mlr_flash_eq': (lambda q, k, v: mlr_attention_flash(q, k, v, equal), lambda T: mlr_attention_flops(T, equal)),
-        'mlr_torch': (lambda q, k, v: mlr_attention_torch(q, k, v, ranks), lambda T: mlr_attention_flops(T, ranks)),
-        'mlr_dense': (lambda q, k, v: mlr_attention_reference(q, k, v, ranks), lambda T: 2 * T * T * 2 * d),
-        'swa_flash': (lambda q, k, v: sliding_window_attention_flash(q, k, v, 127),
-                      lambda T: sliding_window_attention_flops(T, 127, d)),
-        'swa_torch': (lambda q, k, v: sliding_window_attention_torch(q, k, v, 127),
-                      lambda T: sliding_window_attention_flops(T, 127, d)),
-        'linear': (lambda q, k, v: linear_attention(q, k, v), lambda T: linear_attention_flops(T, d)),
-    }
+    mlr = lambda f, r: (lambda q, k, v: f(q, k, v, r), lambda T: mlr_attention_flops(T, r))
+    swa = lambda f: (lambda q, k, v: f(q, k, v, window), lambda T: sliding_window_attention_flops(T, window, d))
+    cores = dict(sdpa=(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), causal_flops),
+                 mlr_flash=mlr(mlr_attention_flash, ranks), mlr_flash_eq=mlr(mlr_attention_flash, equal),
+                 mlr_torch=mlr(mlr_attention_torch, ranks),
+                 mlr_dense=(lambda q, k, v: mlr_attention_reference(q, k, v, ranks), lambda T: 2 * T * T * 2 * d),
+                 swa_flash=swa(sliding_window_attention_flash), swa_torch=swa(sliding_window_attention_torch),
+                 linear=(linear_attention, lambda T: linear_attention_flops(T, d)))
     if device == 'cuda' and HAS_TRITON and dtype in _TRITON_DTYPES:
-        cores['mlr_triton'] = (lambda q, k, v: mlr_attention_triton(q, k, v, ranks), cores['mlr_flash'][1])
-        cores['swa_triton'] = (lambda q, k, v: sliding_window_attention_triton(q, k, v, 127), cores['swa_flash'][1])
-    try:  # FlexAttention, where this torch has it (it compiles its kernel on first use)
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        if device == 'cuda':
-            flex = torch.compile(flex_attention)
-            masks = {}
-            def flex_causal(q, k, v):
-                T = q.shape[2]
-                if T not in masks:
-                    masks[T] = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device)
-                return flex(q, k, v, block_mask=masks[T])
-            cores['flex_causal'] = (flex_causal, causal_flops)
-    except ImportError:
-        pass
+        cores.update(mlr_triton=mlr(mlr_attention_triton, ranks), swa_triton=swa(sliding_window_attention_triton))
+    if device == 'cuda':
+        try:  # FlexAttention, where this torch has it (it compiles its kernel on first use)
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            return cores
+        flex, masks = torch.compile(flex_attention), {}
+
+        def flex_causal(q, k, v):
+            T = q.shape[2]
+            if T not in masks:
+                masks[T] = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device)
+            return flex(q, k, v, block_mask=masks[T])
+        cores['flex_causal'] = (flex_causal, causal_flops)
     return cores
 
 
 def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), dense_max_T=2048):
-    """Forward + backward of each core on (1, BH, T, 64) causal inputs: wall time and peak memory, both as
-    ratios to SDPA in this same process, and GFLOP/s as a share of a large matrix product's (the limit).
+    """Forward + backward of each core on (1, BH, T, 64) causal inputs: wall time and peak memory, both also as
+    ratios to SDPA in this process, and GFLOP/s, also as a share of a large matrix product's (the limit).
     GFLOP counts the algorithm (3 x the forward: backward = 2 x forward), not what a path recomputes."""
     ranks = list(ranks)
     peak = matmul_gflops(device, dtype)
@@ -1365,53 +1309,38 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
             ms, mb = measure(lambda: fn(q, k, v).sum().backward(), reps)
             q.grad = k.grad = v.grad = None
             base = base or (ms, mb)
-            gflops = 3 * BH * flops(T) / ms / 1e6
-            print(f"{name:13s} {T:5d} {ms:9.1f} {ms / base[0]:7.2f} {mb:8.1f} {mb / max(base[1], 1e-9):7.2f} "
-                  f"{gflops:8.1f} {100 * gflops / peak:5.0f}", flush=True)
-            rows.append(dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], peak_mb=mb,
-                             mb_vs_sdpa=mb / max(base[1], 1e-9), gflops=gflops, matmul_gflops=peak))
+            r = dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], peak_mb=mb, mb_vs_sdpa=mb / max(base[1], 1e-9),
+                     gflops=3 * BH * flops(T) / ms / 1e6, matmul_gflops=peak)
+            print(f"{name:13s} {T:5d} {ms:9.1f} {r['ms_vs_sdpa']:7.2f} {mb:8.1f} {r['mb_vs_sdpa']:7.2f} "
+                  f"{r['gflops']:8.1f} {100 * r['gflops'] / peak:5.0f}", flush=True)
+            rows.append(r)
     return rows
 
 
 # -----------------------------------------------------------------------------
 # command line: python kernels.py [--bench | --selftest-interpret | --compile-check]
 
-def _parse_lengths(text, parser):
-    try:
-        Ts = [int(t) for t in text.split(',') if t.strip()]
-    except ValueError:
-        Ts = []
-    if not Ts or any(T <= 0 or T % 128 for T in Ts):
-        parser.error(f"--Ts {text!r}: give a comma list of positive multiples of 128 (8 MLR levels halve T "
-                     f"7 times), e.g. 1024,2048")
-    return Ts
-
-
 def _parser():
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     g = p.add_argument_group('what to run (default: correctness check, then --bench)')
-    g.add_argument('--bench', action='store_true',
-                   help='benchmark only: time and peak memory of every core against SDPA, then the accuracy check')
+    g.add_argument('--bench', action='store_true', help='only the benchmark of every core, then the accuracy check')
     g.add_argument('--selftest-interpret', action='store_true',
-                   help='check the Triton kernels against the references under TRITON_INTERPRET=1 on CPU '
-                        '(tiny shapes, about a minute) and exit; sets the variable in a subprocess if needed')
+                   help='the Triton kernels vs the references under TRITON_INTERPRET=1 on CPU (tiny shapes), then exit')
     g.add_argument('--compile-check', action='store_true',
-                   help='compile the Triton kernels for sm_80 and sm_90 (no GPU needed, nothing runs) and exit')
+                   help='compile the Triton kernels for sm_80 and sm_90 (no GPU needed, nothing runs), then exit')
     g = p.add_argument_group('benchmark')
-    g.add_argument('--Ts', type=str, default='', help='comma list of sequence lengths, multiples of 128 '
-                                                       '(default: 1024,2048,4096 on CPU, 1024,...,8192 on a GPU)')
-    g.add_argument('--reps', type=int, default=2, help='timed repetitions per measurement (best is kept), '
-                                                        'after one untimed run that also measures peak memory')
+    g.add_argument('--Ts', type=str, default='',
+                   help='sequence lengths, multiples of 128 (default: 1024,2048,4096 on CPU, up to 8192 on a GPU)')
+    g.add_argument('--reps', type=int, default=2, help='timed repetitions (the best is kept) after one untimed run')
     g.add_argument('--dtype', type=str, default='auto', choices=['auto', 'float32', 'bfloat16'],
                    help='auto: float32 on CPU; bfloat16 and float32 on a GPU')
     g.add_argument('--device', type=str, default='auto', choices=['auto', 'cuda', 'cpu'],
                    help='auto = cuda if available, else cpu')
     g.add_argument('--threads', type=int, default=0, help='CPU threads for torch (0 = torch\'s default)')
     g.add_argument('--seed', type=int, default=0, help='random seed')
-    g.add_argument('--out_dir', type=str, default='',
-                   help='write the benchmark rows to OUT_DIR/kernels_bench.json (default: print only)')
+    g.add_argument('--out_dir', type=str, default='', help='also write the rows to OUT_DIR/kernels_bench.json')
     return p
 
 
@@ -1433,7 +1362,14 @@ def main(argv=None):
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
     if device == 'cuda' and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    Ts = _parse_lengths(args.Ts or ('1024,2048,4096' if device == 'cpu' else '1024,2048,4096,8192'), p)
+    try:
+        Ts = [int(t) for t in (args.Ts or ('1024,2048,4096' if device == 'cpu' else '1024,2048,4096,8192')).split(',')
+              if t.strip()]
+    except ValueError:
+        Ts = []
+    if not Ts or any(T <= 0 or T % 128 for T in Ts):
+        p.error(f"--Ts {args.Ts!r}: give a comma list of positive multiples of 128 (8 MLR levels halve T 7 times), "
+                f"e.g. 1024,2048")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -1455,8 +1391,7 @@ def main(argv=None):
     if not args.bench:
         _correctness_check()
     if device == 'cpu':
-        print("no GPU here: the torch paths only (the Triton kernels need CUDA; `--selftest-interpret` checks "
-              "them on CPU)")
+        print("no GPU here: the torch paths only (`--selftest-interpret` checks the Triton kernels on CPU)")
     dtypes = {'float32': [torch.float32], 'bfloat16': [torch.bfloat16]}.get(
         args.dtype, [torch.float32] if device == 'cpu' else [torch.bfloat16, torch.float32])
     rows = [row for dtype in dtypes for row in benchmark(device, dtype, Ts, args.reps)]

@@ -1,26 +1,21 @@
 """
-Structured matrices as linear maps: the families of Table 1 in Kuang et al. (ICML 2025, §3.1 and
-§3.3, Eqs. 4, 5, 8, App. A; README "Structured matrices") -- Dense, LowRank, BlockDiagonal, LowRankBlockDiagonal, MLR,
-BTT (Monarch and Kronecker are special BTTs) and MLBTC (a sum of BTT-like levels).
+Structured matrices as linear maps: the families of Table 1 in Kuang et al. (ICML 2025, §3.1 and §3.3, Eqs. 4,
+5, 8, App. A) -- Dense, LowRank, BlockDiagonal, LowRankBlockDiagonal, MLR, BTT (Monarch and Kronecker are
+special BTTs) and MLBTC (a sum of BTT-like levels).
 
 Every family is an nn.Module mapping (..., d_in) -> (..., d_out) and has
     forward(x)    x @ W.T, never forming W: one einsum per core, O(#params) multiply-adds per vector
     to_dense()    the (d_out, d_in) matrix W, built straight from the definition (for tests / tables)
     num_params    trainable numbers
-    flops         multiply-adds of ONE matvec (analytic; FlopCounterMode reports 2x this)
-    rank          rank of W for generic (random) cores, capped by min(d_in, d_out)
+    flops         multiply-adds of ONE matvec (FlopCounterMode reports 2x this)
+    rank          rank of W for generic (random) cores, capped by min(d_in, d_out); the constructor argument
+                  `rank` of LowRank / BTT is the family's r or BTT rank s
     bilinear(x,y) the bilinear form x^T W y
-Careful: the constructor argument `rank` of LowRank / BTT is the family's hyper-parameter (r, or the
-BTT rank s); the property `.rank` is the rank of the matrix W.
+Init is muP (paper §3.5, App. E): every core ~ N(0, 1/fan_in) with its own fan_in (the size of the index it
+contracts), and every Parameter carries p.lr_mult = base_width / fan_in (base_width defaults to d_in).
 
-Init is muP (paper §3.5, App. E): every core ~ N(0, 1/fan_in) with that core's own fan_in (the size of the index
-it contracts in forward), and every Parameter carries p.lr_mult = base_width / fan_in (base_width
-defaults to d_in, so a Dense layer gets lr_mult 1.0).
-
-Run:
     python structured.py                               # Table 1, measured, at 256x256 and 256->512
     python structured.py --d 128 --d_out_rect 384 --out_dir out/structured   # other sizes, + JSON
-    python -m pytest -q _tests_structured.py
 """
 import argparse
 import json
@@ -33,7 +28,6 @@ import torch.nn as nn
 
 # -----------------------------------------------------------------------------
 # helpers: validation, factoring, permutations
-
 
 def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -88,7 +82,6 @@ def _check_perm(name, perm, dim):
 # -----------------------------------------------------------------------------
 # base class: muP cores, input check, shared properties
 
-
 class StructuredLinear(nn.Module):
     def __init__(self, d_in, d_out, base_width=None):
         super().__init__()
@@ -124,13 +117,13 @@ class StructuredLinear(nn.Module):
 # -----------------------------------------------------------------------------
 # dense, low rank, block diagonal, low-rank block diagonal
 
-
 class Dense(StructuredLinear):
     """W (d_out, d_in). params d_in*d_out, rank min(d_in, d_out)."""
 
     def __init__(self, d_in, d_out, base_width=None):
         super().__init__(d_in, d_out, base_width)
         self.weight = self.core((d_out, d_in), fan_in=d_in)
+        self.flops, self.rank = d_in * d_out, min(d_in, d_out)
 
     def forward(self, x):
         self.check_input(x)
@@ -138,14 +131,6 @@ class Dense(StructuredLinear):
 
     def to_dense(self):
         return self.weight
-
-    @property
-    def flops(self):
-        return self.d_in * self.d_out
-
-    @property
-    def rank(self):
-        return min(self.d_in, self.d_out)
 
 
 class LowRank(StructuredLinear):
@@ -156,6 +141,7 @@ class LowRank(StructuredLinear):
         self.r = _positive_int('rank', rank)
         self.R = self.core((d_in, rank), fan_in=d_in)   # applied first: contracts the d_in input
         self.L = self.core((d_out, rank), fan_in=rank)  # contracts the r latent features
+        self.flops, self.rank = rank * (d_in + d_out), min(rank, d_in, d_out)
 
     def forward(self, x):
         self.check_input(x)
@@ -163,14 +149,6 @@ class LowRank(StructuredLinear):
 
     def to_dense(self):
         return self.L @ self.R.t()
-
-    @property
-    def flops(self):
-        return self.r * (self.d_in + self.d_out)
-
-    @property
-    def rank(self):
-        return min(self.r, self.d_in, self.d_out)
 
 
 class BlockDiagonal(StructuredLinear):
@@ -182,6 +160,7 @@ class BlockDiagonal(StructuredLinear):
         _check_blocks(n_blocks, d_in, d_out)
         self.p, self.bi, self.bo = n_blocks, d_in // n_blocks, d_out // n_blocks
         self.weight = self.core((self.p, self.bo, self.bi), fan_in=self.bi)
+        self.flops, self.rank = self.p * self.bo * self.bi, self.p * min(self.bo, self.bi)
 
     def forward(self, x):
         self.check_input(x)
@@ -191,14 +170,6 @@ class BlockDiagonal(StructuredLinear):
 
     def to_dense(self):
         return torch.block_diag(*self.weight)
-
-    @property
-    def flops(self):
-        return self.p * self.bo * self.bi
-
-    @property
-    def rank(self):
-        return self.p * min(self.bo, self.bi)
 
 
 class LowRankBlockDiagonal(StructuredLinear):
@@ -212,6 +183,7 @@ class LowRankBlockDiagonal(StructuredLinear):
         self.p, self.bi, self.bo = n_blocks, d_in // n_blocks, d_out // n_blocks
         self.R = self.core((self.p, self.bi, rank), fan_in=self.bi)
         self.L = self.core((self.p, self.bo, rank), fan_in=rank)
+        self.flops, self.rank = self.p * rank * (self.bi + self.bo), self.p * min(rank, self.bi, self.bo)
 
     def forward(self, x):
         self.check_input(x)
@@ -223,18 +195,9 @@ class LowRankBlockDiagonal(StructuredLinear):
     def to_dense(self):
         return torch.block_diag(*(self.L @ self.R.transpose(1, 2)))  # blocks (p, bo, bi)
 
-    @property
-    def flops(self):
-        return self.p * self.r * (self.bi + self.bo)
-
-    @property
-    def rank(self):
-        return self.p * min(self.r, self.bi, self.bo)
-
 
 # -----------------------------------------------------------------------------
 # MLR: a sum of low-rank block-diagonal levels
-
 
 def parse_ranks(ranks):
     """'8|4|2|2' or [8, 4, 2, 2] -> [8, 4, 2, 2]."""
@@ -267,6 +230,8 @@ class MLR(StructuredLinear):
             except ValueError as e:
                 raise ValueError(f"MLR level {l} (ranks={ranks}, n_blocks={n_blocks}): {e}") from None
         self.ranks, self.n_blocks = ranks, n_blocks
+        self.flops = sum(level.flops for level in self.levels)
+        self.rank = min(sum(level.rank for level in self.levels), d_in, d_out)
 
     def forward(self, x):
         self.check_input(x)
@@ -275,18 +240,9 @@ class MLR(StructuredLinear):
     def to_dense(self):
         return sum(level.to_dense() for level in self.levels)
 
-    @property
-    def flops(self):
-        return sum(level.flops for level in self.levels)
-
-    @property
-    def rank(self):
-        return min(sum(level.rank for level in self.levels), self.d_in, self.d_out)
-
 
 # -----------------------------------------------------------------------------
 # BTT: block tensor train with two cores (Monarch, Kronecker, low rank as special cases)
-
 
 class BTT(StructuredLinear):
     """Input index (k, j), k < c1, j < c2; output index (m, i), m < e1, i < e2; BTT rank s (paper Eq. 5):
@@ -315,6 +271,10 @@ class BTT(StructuredLinear):
         else:
             self.R = self.core((c1, e2, s, c2), fan_in=c2)     # R[k, i, ρ, j]
             self.L = self.core((e2, e1, c1, s), fan_in=c1 * s)  # L[i, m, k, ρ]
+        # every core entry is used once per vector; the rank of a block-coupled BTT: c1 blocks (e1 x c2) of rank
+        # <= s; of a dense one, the min vertex cut of the layered network d_in | c1 e2 s middle h[k, i, ρ] | d_out
+        self.flops = s * (d_in + d_out) if self.block_coupled else s * (d_in * e2 + d_out * c1)
+        self.rank = c1 * min(s, c2, e1) if self.block_coupled else min(d_in, d_out, c1 * e2 * s)
 
     @classmethod
     def monarch(cls, d_in, d_out, in_factors=None, out_factors=None, base_width=None):
@@ -345,31 +305,13 @@ class BTT(StructuredLinear):
             y = torch.einsum('...kir,imkr->...mi', h, self.L)          # (..., e1, e2)
         return y.reshape(*y.shape[:-2], self.d_out)                    # (..., d_out), index m*e2 + i
 
-    def full_cores(self):
-        """R[k, i, ρ, j] and L[i, m, k, ρ] of the class docstring; for block_coupled, zero except k = i."""
-        if not self.block_coupled:
-            return self.R, self.L
-        eye = torch.eye(self.c1, dtype=self.R.dtype, device=self.R.device)
-        return torch.einsum('krj,ki->kirj', self.R, eye), torch.einsum('imr,ik->imkr', self.L, eye)
-
     def to_dense(self):
-        R, L = self.full_cores()
+        R, L = self.R, self.L
+        if self.block_coupled:  # the full R[k, i, ρ, j], L[i, m, k, ρ] of the class docstring: zero unless k = i
+            eye = torch.eye(self.c1, dtype=R.dtype, device=R.device)
+            R, L = torch.einsum('krj,ki->kirj', R, eye), torch.einsum('imr,ik->imkr', L, eye)
         W = torch.einsum('imkr,kirj->mikj', L, R)      # W[(m, i), (k, j)] = Σ_ρ L[i,m,k,ρ] R[k,i,ρ,j]
         return W.reshape(self.d_out, self.d_in)
-
-    @property
-    def flops(self):   # every core entry is used once per vector
-        if self.block_coupled:
-            return self.s * (self.d_in + self.d_out)
-        return self.s * (self.d_in * self.e2 + self.d_out * self.c1)
-
-    @property
-    def rank(self):
-        if self.block_coupled:  # c1 independent blocks, each (e1 x c2) of rank <= s
-            return self.c1 * min(self.s, self.c2, self.e1)
-        # Generic rank of a layered linear network = its min vertex cut (inputs d_in | the c1*e2*s
-        # middle h[k, i, ρ] | outputs d_out); mixed cuts are never smaller (the cost is bilinear).
-        return min(self.d_in, self.d_out, self.c1 * self.e2 * self.s)
 
 
 monarch = BTT.monarch
@@ -378,7 +320,6 @@ kronecker = BTT.kronecker
 
 # -----------------------------------------------------------------------------
 # MLBTC: a sum of BTT-like levels with fixed permutations
-
 
 @dataclass
 class Level:
@@ -392,11 +333,11 @@ class Level:
 
 
 class MLBTC(StructuredLinear):
-    """Multi-level block tensor contraction (paper §3.3, Eq. 8, as read here; see README): W = Σ_l P_out,l W_l P_in,l, each W_l a BTT with its
-    own (c1, c2, e1, e2, s), dense- or block-coupled. MLR = all levels block-coupled with c1 = e2 = p_l,
-    s = r_l and an output transpose (MLBTC.from_mlr); BTT = one level (MLBTC.from_btt).
-    params and flops sum over levels; rank = min(Σ_l rank_l, d_in, d_out), an upper bound that random
-    cores attain in the settings tested."""
+    """Multi-level block tensor contraction (paper §3.3, Eq. 8, as read here; see README): W = Σ_l P_out,l W_l
+    P_in,l, each W_l a BTT with its own (c1, c2, e1, e2, s), dense- or block-coupled. MLR = all levels
+    block-coupled with c1 = e2 = p_l, s = r_l and an output transpose (MLBTC.from_mlr); BTT = one level
+    (MLBTC.from_btt). params and flops sum over levels; rank = min(Σ_l rank_l, d_in, d_out), an upper bound
+    that random cores attain in the settings tested."""
 
     def __init__(self, d_in, d_out, levels, base_width=None):
         super().__init__(d_in, d_out, base_width)
@@ -415,6 +356,8 @@ class MLBTC(StructuredLinear):
             # fixed by the config, so not saved in state_dict
             self.register_buffer(f'in_perm_{l}', in_perm, persistent=False)
             self.register_buffer(f'out_perm_{l}', out_perm, persistent=False)
+        self.flops = sum(btt.flops for btt in self.levels)
+        self.rank = min(sum(btt.rank for btt in self.levels), d_in, d_out)
 
     def perms(self, l):
         return getattr(self, f'in_perm_{l}'), getattr(self, f'out_perm_{l}')
@@ -464,18 +407,9 @@ class MLBTC(StructuredLinear):
             W = W + W_l
         return W
 
-    @property
-    def flops(self):
-        return sum(btt.flops for btt in self.levels)
-
-    @property
-    def rank(self):
-        return min(sum(btt.rank for btt in self.levels), self.d_in, self.d_out)
-
 
 # -----------------------------------------------------------------------------
 # Table 1, measured: python structured.py
-
 
 def measured_flops(module, batch_shape=(1,)):
     """Multiply-adds that FlopCounterMode sees in one forward (it counts 2 per multiply-add). It only
