@@ -3126,10 +3126,8 @@ def test_cached_forecast_equals_full_forward_argmax(attn):
     cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' * (attn == 'mlr'))
     tok = ts.MeanScaleUniformBins(40)
     model = ts.ChronosLM(cfg, 40)
-    with torch.no_grad():
-        model.head.weight.normal_(0, 1.0)
-    hist = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)]
-    h = 6
+    torch.nn.init.normal_(model.head.weight)
+    hist, h = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)], 6
     got = ts.chronos_forecast(model, tok, hist, h, greedy=True)[:, 0]
     for n, x in enumerate(hist):                                      # reference: full forward each step
         ctx = torch.as_tensor(x[-(32 - h):])[None]
@@ -4194,20 +4192,18 @@ BAD_CSV = {   # how: the fixture's lines (lines[0] the header, lines[k] row k + 
     'no_target': lambda lines: {0: 'date,a,b,c'},
     'tabs': lambda lines: {k: v.replace(',', '\t') for k, v in enumerate(lines)},
     'semicolons': lambda lines: {k: v.replace(',', ';') for k, v in enumerate(lines)},
+    'binary': lambda lines: dict.fromkeys(range(len(lines)), '\x89PNG\r\n\x1a\n\xff\xfe'),   # not UTF-8 (latin-1)
 }
 
 
 def ts_setup(out, ts_data, tmp_path, how):
-    """The fixture CSV with one defect (BAD_CSV) or random bytes at tmp_path/bad.csv, or a shared setup."""
+    """The fixture CSV with one defect (BAD_CSV) at tmp_path/bad.csv, or a setup the four scripts share."""
+    if how not in BAD_CSV:
+        return setup_case(how, out, str(out / 'ckpt_chronos_standard.pt'), lambda: shutil.copytree(ts_data / 'run', out),
+                          'train_icl.py')
     lines = (ts_data / 'ett.csv').read_text().splitlines()
-    if how == 'binary':
-        (tmp_path / 'bad.csv').write_bytes(b'\x89PNG\r\n\x1a\n\xff\xfe' * 40)
-    elif how in BAD_CSV:
-        lines = [BAD_CSV[how](lines).get(k, line) for k, line in enumerate(lines)]
-        (tmp_path / 'bad.csv').write_text('\n'.join(lines) + '\n')
-    else:
-        setup_case(how, out, str(out / 'ckpt_chronos_standard.pt'), lambda: shutil.copytree(ts_data / 'run', out),
-                   'train_icl.py')
+    lines = [BAD_CSV[how](lines).get(k, line) for k, line in enumerate(lines)]
+    (tmp_path / 'bad.csv').write_text('\n'.join(lines) + '\n', encoding='latin-1')
 
 
 TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='-1', lr='0', eval_interval='0',
@@ -4325,8 +4321,7 @@ def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch,
     ('--cache_dir', np, OSError(28, 'No space left on device')),
 ])
 def test_ts_io_failure_is_one_line_naming_the_flag(ts_data, tmp_path, monkeypatch, capsys, flag, module, error):
-    """A write that fails (disk full) ends the run in one line naming the flag and its path, exit 1; the
-    checkpoint written before it is intact and no tmp file is left."""
+    """A full disk: one line naming the flag and its path, exit 1; the checkpoint before it intact, no tmp file."""
     real, calls = module.save, []
 
     def fails(*args, **kw):                                            # the step-0 checkpoint / the train set works

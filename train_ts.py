@@ -148,8 +148,7 @@ SEED_MAX = 2 ** 63 - 1 - 10_000     # numpy's seeds are 64-bit; the val series u
 
 
 def parse_args(argv=None, parser=None):
-    """The flags, checked before any work: a value the code cannot use, a repeated list entry or settings that
-    would not fit in memory end in one line, exit 2."""
+    """The flags, checked before any work: each value the code cannot use is one line, exit 2."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     if isinstance(args.seeds, int):                            # --seeds N: N seeds from --seed on
@@ -380,8 +379,7 @@ def split_borders(n, L, frac=(0.6, 0.2, 0.2)):
 
 
 def prepare_longhorizon(values, L):
-    """Borders, then a StandardScaler (per column, ddof 0, as scikit-learn) fit on the train rows only.
-    -> (normalized (N, C) tensor, borders, (mean, std))."""
+    """Borders, then a StandardScaler (ddof 0) fit on the train rows only -> (data (N, C), borders, (mean, std))."""
     borders = split_borders(len(values), L)
     train = values[:borders[0][1]]
     mean, std = train.mean(0), train.std(0)
@@ -680,8 +678,7 @@ def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
 
 
 def forecast_scores(samples, cases):
-    """samples (N, S, h); cases [(history, y, m)] -> per case MASE/WQL of the model (median / quantiles) and of
-    seasonal naive (a point forecast: its WQL is sum |error| / sum |y|)."""
+    """samples (N, S, h), cases [(history, y, m)] -> per case MASE/WQL of the model and of seasonal naive."""
     out = []
     for smp, (hist, y, m) in zip(samples, cases):
         q = np.quantile(smp, QUANTILES, axis=0)                                    # (9, h)
@@ -714,8 +711,7 @@ def summarize(scores, datasets):
 
 
 def zero_shot_cases(args):
-    """The real series' cases (history, truth, season m): --zs_windows rolling origins per series of
-    ZERO_SHOT_SERIES, h steps apart, h = min(the series' horizon, --horizon). -> (cases, names 'series@window')."""
+    """(history, truth, season m) of --zs_windows rolling origins per real series, h apart -> (cases, names)."""
     cases, names = [], []
     for pkg, name, col, m, h in ZERO_SHOT_SERIES:
         v, h = rdataset(pkg, name)[col].to_numpy(np.float32), min(h, args.horizon)
@@ -758,21 +754,8 @@ def train_chronos(args, attn, tokzr, train_series, val_windows, device):
                        train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
 
 
-def forecast_cases(model, tokzr, cases, args):
-    """Sample paths (S, h) of every case (history, truth, m), one decoding pass per horizon, seeded by --seed."""
-    torch.manual_seed(args.seed)
-    samples = [None] * len(cases)
-    for h in sorted({len(y) for _, y, _ in cases}):
-        idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
-        for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h, args.num_samples,
-                                                args.decode == 'argmax')):
-            samples[i] = smp
-    return samples
-
-
 def run_chronos(args, device):
-    """Pretrain each --attn model on KernelSynth, then forecast held-out synthetic and (zero-shot) real series
-    and score them against (seasonal) naive; plot val loss vs FLOPs and a few forecasts."""
+    """Pretrain each --attn model on KernelSynth, then score its forecasts of held-out and real series; plots."""
     C, T = args.context, args.context + args.horizon
     tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
     with io_errors('--cache_dir', args.cache_dir):
@@ -791,8 +774,13 @@ def run_chronos(args, device):
         for split, cases in (('synthetic', synth_cases), ('zero_shot', real_cases)):
             if not cases:
                 continue
-            t0 = time.time()
-            samples = forecast_cases(model, tokzr, cases, args)
+            t0, samples = time.time(), [None] * len(cases)
+            torch.manual_seed(args.seed)
+            for h in sorted({len(y) for _, y, _ in cases}):                # one decoding pass per horizon
+                idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
+                for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h,
+                                                        args.num_samples, args.decode == 'argmax')):
+                    samples[i] = smp
             scores = forecast_scores(samples, cases)
             # datasets, as Chronos aggregates: the held-out KernelSynth series form one, each real series one
             datasets = ['KernelSynth'] * len(cases) if split == 'synthetic' else [n.split('@')[0] for n in real_names]
@@ -821,8 +809,7 @@ def run_chronos(args, device):
 
 @torch.no_grad()
 def evaluate_windows(predict, data, starts, L, H, batch=256):
-    """MSE and MAE over all windows, steps and channels, and MAE of the last channel (the target).
-    predict: (B, L, C) -> (B, H, C) on normalized data."""
+    """predict (B, L, C) -> (B, H, C): MSE and MAE over all windows, steps and channels; MAE of the target."""
     se = ae = ae_last = 0.0
     for i in range(0, len(starts), batch):
         x, y = get_windows(data, starts[i:i + batch], L, H)
@@ -835,9 +822,7 @@ def evaluate_windows(predict, data, starts, L, H, batch=256):
 
 
 def longhorizon_data(args):
-    """--data read (the --target column last, where the metrics and plots look for it), split at the protocol's
-    borders and normalized with the train rows' scaler; every horizon's windows must fit every split.
-    -> (columns, data (N, C), borders, season)."""
+    """--data with the --target column last, normalized by the train rows' scaler -> (cols, data, borders, season)."""
     L = args.seq_len
     if args.data == 'elecdemand':     # half-hourly demand in Victoria, 2014, with temperature and a work-day flag
         cols, season = ['WorkDay', 'Temperature', 'Demand'], 48
@@ -870,8 +855,7 @@ def mse_loss(model, x, y):
 
 
 def fit_forecaster(model, tag, max_iters, lr, args, dev_data, H, windows):
-    """Train one forecaster (DLinear or a Forecaster) on MSE, keeping the weights of the best val MSE (early
-    stopping), then score it on the test windows. -> its run record."""
+    """Train DLinear or a Forecaster on MSE, best val weights kept (early stopping), scored on the test windows."""
     L, P, (tr, va, te) = args.seq_len, args.patch, windows
     fwd = model.forward_flops((L + H) // P)
 
@@ -892,8 +876,7 @@ def fit_forecaster(model, tag, max_iters, lr, args, dev_data, H, windows):
 
 
 def run_horizon(args, H, data, borders, season, device):
-    """Horizon H: seasonal naive, DLinear and every --attn model on the same windows. -> (results, plot panel:
-    the target column's input, truth and each model's forecast on the middle test window)."""
+    """Seasonal naive, DLinear and every --attn model on horizon H's windows -> (results, a forecast panel)."""
     L, P = args.seq_len, args.patch
     T = (L + H) // P
     tr = window_starts(*borders[0], L, H)
@@ -953,6 +936,7 @@ RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval
 
 @owns_run_folders
 def main(argv=None):
+    """One run of --task in --out_dir (an earlier one refused, or continued with --resume), or one per --seeds."""
     parser = build_parser()
     args = parse_args(argv, parser)
     if args.threads:
@@ -961,11 +945,6 @@ def main(argv=None):
     print(f"device {device} | threads: {torch.get_num_threads()}")
     if args.seeds:
         return run_seeds(args, argv)
-    return run_task(parser, args, argv, device)
-
-
-def run_task(parser, args, argv, device):
-    """One run of --task in --out_dir: refuse or resume an earlier one, train, write the results JSON."""
     path = os.path.join(args.out_dir, f'results_{args.task}.json')
     ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
     args._resumes = 0
@@ -1021,8 +1000,7 @@ def saved_run(out_dir, task):
 
 
 def run_seeds(args, argv):
-    """--seeds: one ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON, the table,
-    and the Fig. 15 plot (longhorizon) or the val loss seed bands (chronos) in out_dir."""
+    """One ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON, table and plot."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     prepare_out_dir(args.out_dir)
     runs, states = [], {}
@@ -1062,9 +1040,7 @@ def run_seeds(args, argv):
 
 
 def seed_metrics(results):
-    """The numbers a seed sweep aggregates, {(group, model, metric): value}: per horizon the test MSE, MAE and
-    target MAE of every model (longhorizon); per attention the final val loss and the relative MASE / WQL
-    of each evaluation (chronos)."""
+    """{(group, model, metric): value}: test MSE/MAE/target MAE per horizon, or val loss and relative scores."""
     out = {}
     if results['task'] == 'longhorizon':
         for H, res in results['runs'].items():
@@ -1081,8 +1057,7 @@ def seed_metrics(results):
 
 
 def aggregate_seeds(runs, a='mlr', b='standard'):
-    """runs: one results dict per seed -> mean ± std of every metric, and the paired difference a − b (and, for
-    longhorizon, the paper's Fig. 15 quantity (MAE_a − MAE_b) / MAE_b of the target column) per group."""
+    """Mean ± std of every metric over the seeds' results, paired a − b differences, Fig. 15's relative MAE."""
     def spread(xs):
         m, s = mean_std(xs)
         return dict(mean=m, std=s, n=len(xs))
@@ -1130,8 +1105,7 @@ def plot_loss_vs_flops(panels, ylabel, path):
 
 
 def plot_forecasts(panels, path, cols=3):
-    """panels: [(title, history, truth, {name: a forecast (h,) or sample paths (S, h)})] -> the end of the history,
-    the truth and each forecast (of sample paths: the median and the 10-90 % band)."""
+    """panels [(title, history, truth, {name: forecast (h,) or paths (S, h): median, 10-90 % band})]."""
     plt = _plt()
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols if cols > 1 else 9, 2.6 * rows), squeeze=False)
@@ -1156,8 +1130,7 @@ def plot_forecasts(panels, path, cols=3):
 
 
 def plot_fig15(summary, path):
-    """The paper's Fig. 15: (MAE_mlr − MAE_standard) / MAE_standard of the target column against the horizon,
-    mean ± std over seeds (below 0: MLR better)."""
+    """The paper's Fig. 15: relative target MAE change of MLR vs standard against the horizon, ± std over seeds."""
     plt = _plt()
     rows = sorted((int(k.split('|')[0][2:]), v) for k, v in summary['paired'].items()
                   if k.endswith('rel_mae_target'))                          # keys 'H=96|mlr-standard|...'
@@ -1173,8 +1146,7 @@ def plot_fig15(summary, path):
 
 
 def plot_chronos_seeds(runs, path):
-    """Chronos seeds: val cross-entropy against training FLOPs and against training seconds (the ms per step of
-    each interval, summed), per attention the mean over seeds with a ± 1 std band."""
+    """Val cross-entropy against training FLOPs and against training seconds, mean ± std over seeds."""
     histories = {}
     for results in runs:
         for attn, r in results['runs'].items():
