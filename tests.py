@@ -3099,6 +3099,10 @@ def test_read_ett_csv_fixture(tmp_path):
     assert ts.read_ett_csv(str(path))[2] == 96                          # 15-minute data: 96 steps per day
     path.write_text('a,b\n1,2\n3,4\n')
     assert ts.read_ett_csv(str(path)) == (['a', 'b'], pytest.approx(np.array([[1, 2], [3, 4]])), 24)
+    args = SimpleNamespace(data=str(ett_csv(path)), target='a', seq_len=24, season=0, horizons=[8])
+    cols, data, borders, season = ts.longhorizon_data(args)                # --target goes last, normalized
+    a = np.sin(np.arange(400) / 4).round(4).astype(np.float32)
+    assert cols == ['b', 'OT', 'a'] and np.allclose(data[:, -1], (a - a[:240].mean()) / a[:240].std(), atol=1e-4)
 
 
 def test_metrics_seasonal_naive_and_dlinear():
@@ -3224,17 +3228,13 @@ def test_smoke_builtin_data(tmp_path, no_plots):
 
 def test_model_flags_reach_the_model():
     p = ts.build_parser()
-    base = ts.parse_args(['--attn', 'standard'], p)
-    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'], p)
-    cfg = ts.config_for(new, 'standard', 96, causal=False)
-    assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks) == (2, True, 32, '')   # --ranks reaches MLR only
-    def count(args):
-        return sum(q.numel() for q in ts.Forecaster(ts.config_for(args, 'standard', 96, False), 3, 48, 48).parameters())
-    # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
-    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); rope has no parameters
-    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32))
+    args = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--rope', '--mlp_hidden', '32'], p)
+    cfg = ts.config_for(args, 'standard', 96, causal=False)
+    assert (cfg.n_kv_head, cfg.rope, cfg.mlp_hidden, cfg.ranks, cfg.block_size) == (2, True, 32, '', 96)   # no ranks
     mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
     assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
+    model = ts.Forecaster(cfg, 3, 48, 48)
+    assert model.body.cfg is cfg and model.pos.shape == (96, 64) and model.inp.in_features == 3
 
 
 @pytest.mark.parametrize('extra,words', [

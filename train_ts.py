@@ -1039,29 +1039,24 @@ def run_seeds(args, argv):
     return summary
 
 
-def seed_metrics(results):
-    """{(group, model, metric): value}: test MSE/MAE/target MAE per horizon, or val loss and relative scores."""
-    out = {}
-    if results['task'] == 'longhorizon':
-        for H, res in results['runs'].items():
-            for model, r in res.items():
-                if isinstance(r, dict) and 'mae' in r:
-                    out.update({(f'H={H}', model, k): r[k] for k in ('mse', 'mae', 'mae_target')})
-    else:
-        for attn, r in results['runs'].items():
-            out[('chronos', attn, 'final_val_loss')] = r['final_val_loss']
-            for split in ('synthetic', 'zero_shot'):
-                if split in r:
-                    out.update({('chronos', attn, f'{split}_{k}'): r[split][k] for k in ('rel_mase', 'rel_wql')})
-    return out
-
-
 def aggregate_seeds(runs, a='mlr', b='standard'):
-    """Mean ± std of every metric over the seeds' results, paired a − b differences, Fig. 15's relative MAE."""
+    """Mean ± std over the seeds' results of every test MSE/MAE/target MAE per horizon (longhorizon) or val loss
+    and relative score (chronos), the paired a − b differences and Fig. 15's (MAE_a − MAE_b) / MAE_b."""
     def spread(xs):
         m, s = mean_std(xs)
         return dict(mean=m, std=s, n=len(xs))
-    per_seed = [seed_metrics(r) for r in runs]
+    per_seed = []                                                   # {(group, model, metric): value} per seed
+    for results in runs:
+        out = {}
+        for key, res in results['runs'].items():
+            if results['task'] == 'longhorizon':
+                out.update({(f'H={key}', model, k): r[k] for model, r in res.items()
+                            if isinstance(r, dict) and 'mae' in r for k in ('mse', 'mae', 'mae_target')})
+            else:
+                out[('chronos', key, 'final_val_loss')] = res['final_val_loss']
+                out.update({('chronos', key, f'{split}_{k}'): res[split][k] for split in ('synthetic', 'zero_shot')
+                            if split in res for k in ('rel_mase', 'rel_wql')})
+        per_seed.append(out)
     keys = [k for k in per_seed[0] if all(k in m for m in per_seed)]
     summary = dict(metrics={'|'.join(k): spread([m[k] for m in per_seed]) for k in keys}, paired={})
     for group, model, metric in keys:
