@@ -3187,7 +3187,7 @@ def check_outputs(out, task, n_ckpt):
         assert (out / f'ts_{task}_{f}.png').stat().st_size > 1000
 
 
-def test_smoke_chronos_and_resume(tmp_path):
+def test_smoke_chronos(tmp_path):
     argv = ts_argv(tmp_path / 'out', tmp_path / 'ks', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3',
                    '--forecast_series', '2', '--mlp_hidden', '8')
     res = ts.main(argv)
@@ -3199,10 +3199,6 @@ def test_smoke_chronos_and_resume(tmp_path):
     assert res['runs']['mlr']['forward_flops'] != res['runs']['standard']['forward_flops']
     check_outputs(tmp_path / 'out', 'chronos', 2)
     assert torch.load(tmp_path / 'out' / 'ckpt_chronos_mlr.pt')['config']['mlp_hidden'] == 8   # the model flags
-    res = ts.main(argv + ['--attn', 'standard', '--resume', '--max_iters', '5'])
-    assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 3, 4, 5]   # continued from step 3
-    with pytest.raises(ValueError, match='--n_embd: checkpoint 16 vs given 32'):
-        ts.main(argv + ['--resume', '--n_embd', '32'])
 
 
 def test_smoke_longhorizon_on_ett_fixture(tmp_path):
