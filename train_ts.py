@@ -496,7 +496,8 @@ def check_task(args):
             n = len(cfg.ranks.split('|')) if mlr else 0
             if n and T % 2 ** (n - 1):
                 raise ValueError(f"--attn {attn} with --ranks {cfg.ranks!r} has {n} levels (blocks T, ..., "
-                                 f"T/{2 ** (n - 1)}), so T must be divisible by {2 ** (n - 1)}; got T = {T} ({what})")
+                                 f"T/{2 ** (n - 1)}), so T must be divisible by {2 ** (n - 1)}; got T = {T} ({what}): "
+                                 f"change the lengths or use fewer levels")
             with torch.device('meta'):
                 Transformer(cfg)
 
