@@ -1477,12 +1477,12 @@ def test_chronos_tokenizer_is_the_published_formula(vocab, low, high):
 def test_relative_score_is_per_dataset_geometric_mean():
     s = lambda mase, naive, ql, nql, y: dict(mase=mase, naive_mase=naive, ql=ql, naive_ql=nql, abs_y=y,
                                              wql=ql / y, naive_wql=nql / y)
-    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 3.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
+    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 6.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
     r = ts.summarize(scores, ['A', 'A', 'B'])
-    # A: MASE 2 / 2 = 1, WQL (1 + 3) / 40 over (4 + 2) / 40 = 2/3; B: MASE 2, WQL 5. Per case it would differ.
+    # A: MASE 2 / 2 = 1, WQL (1 + 6) / 40 over (4 + 2) / 40 = 7/6; B: MASE 2, WQL 5. Per case they would differ.
     assert r['per_dataset']['A']['rel_mase'] == 1.0 and r['per_dataset']['B']['rel_mase'] == 2.0
-    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0)) and math.isclose(r['rel_wql'], math.sqrt(2 / 3 * 5.0))
-    assert math.isclose(r['per_dataset']['A']['wql'], 4 / 40) and math.isclose(r['mase'], (2.0 + 2.0) / 2)
+    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0)) and math.isclose(r['rel_wql'], math.sqrt(7 / 6 * 5.0))
+    assert math.isclose(r['per_dataset']['A']['wql'], 7 / 40) and math.isclose(r['mase'], (2.0 + 2.0) / 2)
 
 # -----------------------------------------------------------------------------
 # smoke runs of the presets on CPU (small overrides, documented in the README notes)
