@@ -3121,6 +3121,11 @@ def test_metrics_seasonal_naive_and_dlinear():
     with torch.no_grad():
         m.seasonal.bias.zero_(), m.trend.bias.zero_()
     assert torch.allclose(m(torch.full((2, 24, 3), 2.0)), torch.full((2, 12, 3), 2.0))   # init 1/L: the mean
+    m = ts.DLinear(48, 48)
+    with torch.no_grad():                                             # read out the trend: a centred moving average
+        m.trend.weight.copy_(torch.eye(48)), m.seasonal.weight.zero_(), m.trend.bias.zero_(), m.seasonal.bias.zero_()
+    ramp = torch.arange(48.0)[None, :, None]
+    assert torch.allclose(m(ramp)[0, 12:-12, 0], ramp[0, 12:-12, 0])   # is exact on a line, away from the ends
 
 
 @pytest.mark.parametrize('attn', ['standard', 'mlr'])
