@@ -4200,8 +4200,8 @@ BAD_CSV = {   # how: the fixture's lines (lines[0] the header, lines[k] row k + 
 def ts_setup(out, ts_data, tmp_path, how):
     """The fixture CSV with one defect (BAD_CSV) at tmp_path/bad.csv, or a setup the four scripts share."""
     if how not in BAD_CSV:
-        return setup_case(how, out, str(out / 'ckpt_chronos_standard.pt'), lambda: shutil.copytree(ts_data / 'run', out),
-                          'train_icl.py')
+        ckpt = str(out / 'ckpt_chronos_standard.pt')
+        return setup_case(how, out, ckpt, lambda: shutil.copytree(ts_data / 'run', out), 'train_icl.py')
     lines = (ts_data / 'ett.csv').read_text().splitlines()
     lines = [BAD_CSV[how](lines).get(k, line) for k, line in enumerate(lines)]
     (tmp_path / 'bad.csv').write_text('\n'.join(lines) + '\n', encoding='latin-1')
@@ -4213,7 +4213,7 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1 - 10_000}]']),
-    ('threads_too_many', ['--threads', str(4 * os.cpu_count() + 1)], None, 2, ['--threads', f'[0, {4 * os.cpu_count()}]']),
+    ('threads_too_many', ['--threads', str(4 * R.CPUS + 1)], None, 2, ['--threads', f'[0, {4 * R.CPUS}]']),
     ('low_high', ['--low', '5', '--high', '1'], None, 2, ['--low 5.0 --high 1.0', 'low < high']),
     ('zero_shot', ['--zero_shot', '2'], None, 2, ['--zero_shot', '2']),
     ('logits_memory', ['--vocab', '100000000', '--batch_size', '4096'], None, 2, ['--vocab', 'GiB', 'memory']),
