@@ -3504,6 +3504,22 @@ def test_lm_reports_skipped_files_and_outputs(lm_corpus, tmp_path, capsys):
 ICL_RUN = 'icl_standard_H2_D16'
 
 
+def test_icl_full_disk_is_one_line_naming_out_dir_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    real, calls = torch.save, []
+
+    def fails(*args, **kw):                                            # the step-0 checkpoint works, step 2's not
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+        return real(*args, **kw)
+    monkeypatch.setattr(torch, 'save', fails)
+    code, err = run_cli(icl.main, icl_argv(tmp_path / 'out', '--save'), capsys)
+    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / 'out' / ICL_RUN}.pt'"], 'train_icl.py')
+    monkeypatch.undo()
+    assert torch.load(tmp_path / 'out' / f'{ICL_RUN}.pt', weights_only=True)['step'] == 0
+    assert not tmp_files(tmp_path / 'out')
+
+
 def icl_setup(out, how):
     setup_case(how, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
 

@@ -60,7 +60,7 @@ import attention
 import runs
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
 from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, ctrl_c_finishes_step,
-                  given_flags, guarded_update, load_checkpoint, no_repeats, owns_run_folders, physical_memory,
+                  given_flags, guarded_update, io_errors, load_checkpoint, no_repeats, owns_run_folders, physical_memory,
                   pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
                   set_rng_state, write_json)
 
@@ -478,9 +478,10 @@ def train(args, run_name='run'):
     def save():              # the checkpoint <run_name>.pt (with --save): -> its path, or None
         if not args.save:
             return None
-        save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                                    'config': dict(vars(args)), 'step': st['step'], 'state': st,
-                                    'data_rng': gen.get_state(), 'rng': rng_state()})
+        with io_errors('--out_dir', ckpt_path):
+            save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                                        'config': dict(vars(args)), 'step': st['step'], 'state': st,
+                                        'data_rng': gen.get_state(), 'rng': rng_state()})
         return ckpt_path
 
     body_params = sum(p.numel() for p in model.body.parameters())
@@ -548,7 +549,8 @@ def train(args, run_name='run'):
           f'[{m["at_2d_ci"][0]:.4f}, {m["at_2d_ci"][1]:.4f}] | query {m["query"]:.4f} | '
           + ' '.join(f'{k} {v["at_2d"]:.3f}' for k, v in results['baselines'].items()) + f' | FLOPs {st["flops"]:.3e}')
     results['outputs'] = {'checkpoint': save(), 'results': json_path}
-    write_json(json_path, results)
+    with io_errors('--out_dir', json_path):
+        write_json(json_path, results)
     results['_model'] = model   # handy for in-process callers (tests); not serialized
     return results
 
@@ -827,11 +829,13 @@ def write_sweep(args, by_point, wall, table, cols, plot, **extra):
         same = [{k: (r.get('run'), r['model']['at_2d']) for k, r in p['runs'].items()} for p in (old, payload)]
         if same[0] == same[1]:
             payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
-    write_json(jpath, payload)
-    plot(ppath)
+    with io_errors('--out_dir', args.out_dir):
+        write_json(jpath, payload)
+        plot(ppath)
     if args.assets_dir:
-        shutil.copy(ppath, args.assets_dir)
-        shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
+        with io_errors('--assets_dir', args.assets_dir):
+            shutil.copy(ppath, args.assets_dir)
+            shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
     return payload
 
 
@@ -901,9 +905,11 @@ def sweep_bottleneck(args):
     # per position at the narrowest width (the bottlenecked one), first seed
     narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in by_point.items() if rs[0]['config']['n_embd'] == min(widths)}
     pos_path = os.path.join(args.out_dir, f'icl_position{run_tag(args)}.png')
-    plot_positions(narrowest, pos_path, f'error per position, D = {min(widths)}, d = {args.d}, seed {args.seed}')
+    with io_errors('--out_dir', args.out_dir):
+        plot_positions(narrowest, pos_path, f'error per position, D = {min(widths)}, d = {args.d}, seed {args.seed}')
     if args.assets_dir:
-        shutil.copy(pos_path, args.assets_dir)
+        with io_errors('--assets_dir', args.assets_dir):
+            shutil.copy(pos_path, args.assets_dir)
     return payload
 
 
