@@ -3540,6 +3540,8 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
     ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
      ['--assets_dir', 'cannot be written']),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.0001 vs given 0.5']),
+    ('resume_other_model', ['--resume', '--n_embd', '8'], 'run', 1, ['no checkpoint icl_standard_H2_D8.pt',
+                                                                  f'holds {ICL_RUN}.pt', '--n_embd']),
     ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
 ] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
 

@@ -25,6 +25,7 @@ A run writes a JSON and a checkpoint to --out_dir. A sweep trains each (point, s
 import argparse
 import collections
 import copy
+import glob
 import json
 import math
 import os
@@ -60,9 +61,9 @@ import attention
 import runs
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
 from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, ctrl_c_finishes_step,
-                  given_flags, guarded_update, io_errors, load_checkpoint, no_repeats, owns_run_folders, physical_memory,
-                  pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main, save_checkpoint,
-                  set_rng_state, write_json)
+                  given_flags, guarded_update, io_errors, load_checkpoint, no_repeats, owns_run_folders,
+                  physical_memory, pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
+                  save_checkpoint, set_rng_state, write_json)
 
 SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']
@@ -1068,7 +1069,13 @@ def main(argv=None):
         return payload
     run_name = args.run_name or f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
     if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
-        ck = load_checkpoint(os.path.join(args.out_dir, f'{run_name}.pt'), SCRIPT, ('config', 'state'))
+        path = os.path.join(args.out_dir, f'{run_name}.pt')
+        others = [] if os.path.exists(path) else sorted(glob.glob(os.path.join(glob.escape(args.out_dir), 'icl_*.pt')))
+        if others:   # the run's name comes from --attn, --n_head, --n_embd (or --run_name)
+            raise ValueError(f"--resume: no checkpoint {os.path.basename(path)} in {args.out_dir!r}, which holds "
+                             f"{', '.join(map(os.path.basename, others))}: give the --attn, --n_head and --n_embd "
+                             f"of that run (or its --run_name)")
+        ck = load_checkpoint(path, SCRIPT, ('config', 'state'))
         check_resume(ck['config'], args, given_flags(parser, argv), ck['state']['step'])
     results = train(args, run_name=run_name)
     plot = os.path.join(args.out_dir, 'icl_position.png')
