@@ -152,9 +152,8 @@ def check_config(cfg):
 # A score term that dots R features is multiplied by c:  'sqrt' 1/sqrt(R),  'mup' alpha/R (App. E),
 # 'inv' 1/R (= 'mup' at alpha = 1). R is d for standard / SWA, r_l for an MLR level, p_l r_l for a
 # bilinear-MLR level, D for bilinear BTT, r_global and r_local for global_swa_split.
-# Two defaults per variant: 'auto' (logit_scale auto) is its reference scale (the official code's where it has
-# only one); 'paper' (train_lm.py --logit_scale paper) is the scale of the official LM run, 'auto' where that
-# run has no such layer.
+# Per variant, 'auto' is its reference scale (the official code's where it has only one) and 'paper'
+# (train_lm.py --logit_scale paper) the official LM run's, 'auto' where that run has no such layer.
 
 LOGIT_SCALES = ('auto', 'sqrt', 'mup', 'inv')
 LOGIT_SCALE_DEFAULTS = {          # kind: (auto, paper)
@@ -162,8 +161,7 @@ LOGIT_SCALE_DEFAULTS = {          # kind: (auto, paper)
     'swa': ('sqrt', 'mup'),       # as standard
     'brl': ('sqrt', 'auto'),      # BRL's local attention is SWA (its compression / readout scales are fixed)
     'mlr': ('inv', 'inv'),        # official AttentionMLR.forward: c_l = 1 / r_l, its only choice
-    'bilinear_mlr': ('sqrt', 'mup'),      # official 1/sqrt(p_l r_l) (muP flag off by default); the LM submit
-                                          # script's bilinear block turns it on (bilinear_mlr_muP_attn_logits_scaling)
+    'bilinear_mlr': ('sqrt', 'mup'),      # official 1/sqrt(p_l r_l); the LM run's bilinear_mlr_muP_attn_logits_scaling
     'bilinear_btt': ('sqrt', 'auto'),     # official BilinearBTTAttention: 1/sqrt(D) (muP flag off by default)
     'global_swa_split': ('mup', 'mup'),   # official CausalSelfGlobalSlidingWindowAttention: 8/r_global, 8/r_local
     'linear': ('sqrt', 'auto'),   # phi(q / sqrt(d)) inside kernels.linear_attention; no other choice
@@ -261,7 +259,7 @@ def block_pairs(T, b, causal):
 
 class Cache:
     """Per-layer decoding state: t, the tokens seen so far; each variant keeps what it needs in its attributes."""
-    t = 0
+    t, k, v = 0, None, None
 
 
 def _append(old, new, keep=None):
@@ -352,7 +350,7 @@ class StandardAttention(SelfAttention):
                                               scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def decode(self, q, k, v, cache, pos=None):
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
+        cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(),
                                               enable_gqa=self.n_kv != self.H)
 
@@ -370,7 +368,7 @@ class SWAAttention(SelfAttention):
 
     def decode(self, q, k, v, cache, pos=None):
         n = self.cfg.window + 1                                                # the keys a query sees
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k, n), _append(getattr(cache, 'v', None), v, n)
+        cache.k, cache.v = _append(cache.k, k, n), _append(cache.v, v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
@@ -404,7 +402,7 @@ class GlobalSWASplitAttention(SWAAttention):
         return glob + loc                                                      # (B, H, T, d)
 
     def decode(self, q, k, v, cache, pos=None):
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
+        cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
         n = self.cfg.window + 1
         (qg, ql), (kg, kl) = q.split(self.split, -1), cache.k.split(self.split, -1)
         return (F.scaled_dot_product_attention(qg, kg, cache.v, scale=self.scales[0]) +
@@ -467,7 +465,7 @@ class MLRAttention(SelfAttention):
         if t >= self.level_sizes[0]:
             raise ValueError(f"MLR decoding is defined up to block_size = {self.level_sizes[0]} tokens")
         if t == 0:
-            cache.keys, cache.v = [None] * len(self.ranks), None
+            cache.keys = [None] * len(self.ranks)
         cache.v = _append(cache.v, v)                                          # (B, H, t+1, d)
         s = torch.zeros(q.shape[:3] + (t + 1,), dtype=q.dtype, device=q.device)
         covering = torch.zeros(t + 1, dtype=q.dtype, device=q.device)
@@ -754,11 +752,11 @@ class BRLAttention(nn.Module):
         dist = torch.arange(hist.shape[2], device=hist.device) if dist is None else dist
         bias = self.rel_bias(self.comp_rel, dist, q.dtype)                    # (H, m, n) or None
         mask = None if hist_mask is None else hist_mask[:, :, None, None, :]  # (B, N, 1, 1, n)
-        if bias is not None and mask is not None:
-            bias = torch.where(mask, bias, float('-inf'))                      # (B, N, H, m, n)
+        if bias is not None:
+            mask = bias if mask is None else torch.where(mask, bias, float('-inf'))  # (B, N, H, m, n)
         scale = 1.0 / (self.m * math.sqrt(c.shape[-1]))                       # (M1): m sqrt(d_ct), not sqrt(d)
-        s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask if bias is None else bias, scale=scale)
-        s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask if bias is None else bias, scale=scale)
+        s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask, scale=scale)
+        s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask, scale=scale)
         comp = (s1 - self.gamma()[:, None, None] * s2).transpose(-3, -2).flatten(-2)  # (B, N, m, D)
         return self.comp_norm(comp.flatten(0, 2)).view_as(comp)
 
@@ -781,9 +779,8 @@ class BRLAttention(nn.Module):
         """b_rel distances of a causal history: ct_{b-1} at nc ('global' only), then token s of chunk b-1
         at nc - s -> (m + nc,) or (nc,)."""
         tokens = nc - torch.arange(nc, device=device)
-        if self.cfg.brl_history == 'block':
-            return tokens
-        return torch.cat([torch.full((self.m,), nc, device=device), tokens])
+        ct_prev = torch.full((self.m,), nc, device=device)
+        return tokens if self.cfg.brl_history == 'block' else torch.cat([ct_prev, tokens])
 
     def compressed_tokens(self, c, xc, key_mask=None):
         """ct (B, N, m, D) of every chunk, from c (B, N, m, D) entering the layer and the chunks xc (B, N, nc, D),
