@@ -274,7 +274,7 @@ class AttentionHeads(nn.Module):
     """H heads of width d, the settings checks and the value and output maps; how a head scores pairs is the
     subclass's (SelfAttention's q, k or BilinearAttention's feature maps). `kind` is the registry name."""
     kind = 'standard'
-    rope_widths = None                                   # the feature groups RoPE rotates each on its own
+    rope_widths = None                                   # feature groups RoPE rotates each on its own (None: all)
 
     def __init__(self, cfg):
         super().__init__()
@@ -294,9 +294,8 @@ class AttentionHeads(nn.Module):
 
 
 class SelfAttention(AttentionHeads):
-    """q, k, v projections (B, T, D) -> (B, H, T, d); a variant defines attend() (whole sequence) and decode()
-    (one token with a cache). With pos 'rope', q and k are rotated first, each group of rope_widths features on
-    its own (None: the whole head)."""
+    """q, k, v projections (B, T, D) -> (B, H, T, d), rotated by RoPE when pos = 'rope'; a variant defines
+    attend() (whole sequence) and decode() (one token with a cache)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -351,8 +350,7 @@ class StandardAttention(SelfAttention):
 
     def decode(self, q, k, v, cache, pos=None):
         cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(),
-                                              enable_gqa=self.n_kv != self.H)
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def core_flops(self, T):
         return 2 * self.H * scored_pairs(T, T, self.cfg.causal) * 2 * self.d
@@ -379,7 +377,7 @@ class GlobalSWASplitAttention(SWAAttention):
     """Global + SWA inside every head, the official `low_rank_with_gswa` (paper §5.1): the (QK-normed) q, k of
     width d split into r_g global and r_s local features (gswa_ranks 'r_g|r_s'); one softmax over all keys on the
     global part, one over the window on the local part, the two weight matrices summed (rows sum to 2, as the
-    official code) and applied to one shared v. (Layer-wise Global + SWA is the `global_swa` layer pattern.)"""
+    official code) and applied to one shared v."""
     kind = 'global_swa_split'
 
     def __init__(self, cfg):
