@@ -152,9 +152,8 @@ def check_config(cfg):
 # A score term that dots R features is multiplied by c:  'sqrt' 1/sqrt(R),  'mup' alpha/R (App. E),
 # 'inv' 1/R (= 'mup' at alpha = 1). R is d for standard / SWA, r_l for an MLR level, p_l r_l for a
 # bilinear-MLR level, D for bilinear BTT, r_global and r_local for global_swa_split.
-# Two defaults per variant: 'auto' (logit_scale auto) is its reference scale (the official code's where it has
-# only one); 'paper' (train_lm.py --logit_scale paper) is the scale of the official LM run, 'auto' where that
-# run has no such layer.
+# Per variant, 'auto' is its reference scale (the official code's where it has only one) and 'paper'
+# (train_lm.py --logit_scale paper) the official LM run's, 'auto' where that run has no such layer.
 
 LOGIT_SCALES = ('auto', 'sqrt', 'mup', 'inv')
 LOGIT_SCALE_DEFAULTS = {          # kind: (auto, paper)
@@ -162,8 +161,7 @@ LOGIT_SCALE_DEFAULTS = {          # kind: (auto, paper)
     'swa': ('sqrt', 'mup'),       # as standard
     'brl': ('sqrt', 'auto'),      # BRL's local attention is SWA (its compression / readout scales are fixed)
     'mlr': ('inv', 'inv'),        # official AttentionMLR.forward: c_l = 1 / r_l, its only choice
-    'bilinear_mlr': ('sqrt', 'mup'),      # official 1/sqrt(p_l r_l) (muP flag off by default); the LM submit
-                                          # script's bilinear block turns it on (bilinear_mlr_muP_attn_logits_scaling)
+    'bilinear_mlr': ('sqrt', 'mup'),      # official 1/sqrt(p_l r_l); the LM run's bilinear_mlr_muP_attn_logits_scaling
     'bilinear_btt': ('sqrt', 'auto'),     # official BilinearBTTAttention: 1/sqrt(D) (muP flag off by default)
     'global_swa_split': ('mup', 'mup'),   # official CausalSelfGlobalSlidingWindowAttention: 8/r_global, 8/r_local
     'linear': ('sqrt', 'auto'),   # phi(q / sqrt(d)) inside kernels.linear_attention; no other choice
@@ -238,16 +236,12 @@ def rope(x, pos, widths=None):
     return torch.cat(out, dim=-1)
 
 
-def rope_flops(T, n_rotated):
-    """RoPE's cost: two products and one sum per rotated feature and position (cos, sin are per position)."""
-    return 3 * T * n_rotated
-
-
 # -----------------------------------------------------------------------------
 # FLOPs, one convention for every variant: 2 per multiply-add of the products its algorithm needs. A score of R
 # features costs R per scored (query, key) pair and the value product dv per pair; a causal variant scores only
 # the pairs j <= i, a window only its w + 1 keys, an MLR level only the pairs inside its blocks. Softmax, masks
-# and norms are not counted; RoPE is (rope_flops). These counts set the equal-FLOP budgets of the comparisons.
+# and norms are not counted; RoPE is (two products, one sum) per rotated feature and position. These counts set
+# the equal-FLOP budgets of the comparisons.
 
 def scored_pairs(T, w, causal):
     """(query i, key j) pairs with i - w <= j <= i (bidirectional: |i - j| <= w) among T positions; w >= T - 1 is
@@ -264,10 +258,8 @@ def block_pairs(T, b, causal):
 
 
 class Cache:
-    """Per-layer decoding state; each variant keeps what it needs in its attributes."""
-
-    def __init__(self):
-        self.t = 0          # number of tokens seen so far
+    """Per-layer decoding state: t, the tokens seen so far; each variant keeps what it needs in its attributes."""
+    t, k, v = 0, None, None
 
 
 def _append(old, new, keep=None):
@@ -279,10 +271,10 @@ def _append(old, new, keep=None):
 # attention variants on per-head q, k, v
 
 class AttentionHeads(nn.Module):
-    """What every variant on heads shares: H heads of width d, the settings checks, and the value map and
-    zero-init output map (value_output_maps). How a head scores pairs is the subclass's: SelfAttention's
-    q, k projections or BilinearAttention's feature maps. `kind` is the registry name."""
+    """H heads of width d, the settings checks and the value and output maps; how a head scores pairs is the
+    subclass's (SelfAttention's q, k or BilinearAttention's feature maps). `kind` is the registry name."""
     kind = 'standard'
+    rope_widths = None                                   # feature groups RoPE rotates each on its own (None: all)
 
     def __init__(self, cfg):
         super().__init__()
@@ -296,28 +288,22 @@ class AttentionHeads(nn.Module):
             raise ValueError("grouped-query attention (n_kv_head) is only implemented for standard attention")
 
     def value_output_maps(self):
-        """v_proj (B, T, D) -> (B, T, n_kv d), init N(0, 1/D), and o_proj (B, T, H d) -> (B, T, D), zero init.
-        A subclass calls this after building its scoring maps: the RNG draws follow the creation order."""
+        """v_proj (B, T, D) -> (B, T, n_kv d), init N(0, 1/D), and o_proj (B, T, H d) -> (B, T, D), zero init."""
         D, d, w = self.cfg.n_embd, self.d, self.cfg.mup_base_width
         return MupLinear(D, self.n_kv * d, w), MupLinear(self.H * d, D, w, zero_init=True)
 
 
 class SelfAttention(AttentionHeads):
-    """Shared q, k, v projections (B, T, D) -> (B, H, T, d) and the zero-init output map. A variant
-    defines attend() (whole sequence) and decode() (one token with a cache). With pos 'rope', q and k are
-    rotated at their positions, each group of rope_widths features on its own (None: the whole head), before
-    attend / decode, which get the positions too (linear attention rotates its features instead)."""
-    rope_widths = None
+    """q, k, v projections (B, T, D) -> (B, H, T, d), rotated by RoPE when pos = 'rope'; a variant defines
+    attend() (whole sequence) and decode() (one token with a cache)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        D, H, d = cfg.n_embd, self.H, self.d
-        w = cfg.mup_base_width
+        D, H, d, w = cfg.n_embd, self.H, self.d, cfg.mup_base_width
         self.q_proj = MupLinear(D, H * d, w)
         self.k_proj = MupLinear(D, self.n_kv * d, w)
-        self.v_proj, self.o_proj = self.value_output_maps()     # drawn after q, k: every variant's init as before
-        self.q_ln = nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity()
-        self.k_ln = nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity()
+        self.v_proj, self.o_proj = self.value_output_maps()     # RNG draws in creation order: q, k, v, o
+        self.q_ln, self.k_ln = (nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity() for _ in 'qk')
 
     def forward(self, x, key_mask=None, cache=None):
         B, T, _ = x.shape
@@ -340,20 +326,18 @@ class SelfAttention(AttentionHeads):
     def rotate(self, q, k, pos):
         return rope(q, pos, self.rope_widths), rope(k, pos, self.rope_widths)
 
-    def scale(self):
-        """The logit scale of a whole-head dot product (R = d), from logit_scales()."""
+    def scale(self):                                     # c of a whole-head dot product (R = d)
         return logit_scales(self.cfg, self.kind, [self.d])[0]
 
     def new_cache(self):
         return Cache()
 
-    def cache_numel(self, cache):
-        """Numbers in the key cache of one batch element (standard and swa keep whole keys)."""
+    def cache_numel(self, cache):                        # per batch element; standard and swa keep whole keys
         return cache.k[0].numel()
 
     def flops(self, T):
         D, rotated = self.cfg.n_embd, (self.H + self.n_kv) * self.d if self.cfg.pos == 'rope' else 0
-        return 2 * T * D * self.d * (2 * self.H + 2 * self.n_kv) + self.core_flops(T) + rope_flops(T, rotated)
+        return 2 * T * D * self.d * (2 * self.H + 2 * self.n_kv) + self.core_flops(T) + 3 * T * rotated
 
 
 class StandardAttention(SelfAttention):
@@ -365,18 +349,16 @@ class StandardAttention(SelfAttention):
                                               scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def decode(self, q, k, v, cache, pos=None):
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(),
-                                              enable_gqa=self.n_kv != self.H)
+        cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def core_flops(self, T):
         return 2 * self.H * scored_pairs(T, T, self.cfg.causal) * 2 * self.d
 
 
 class SWAAttention(SelfAttention):
-    """Sliding-window attention at O(T w) cost (paper §2.3). window = w is a look-back, as the official
-    sliding_block_size (its mask keeps i-w <= j <= i): query i sees the w + 1 keys i-w..i (bidirectional:
-    |i - j| <= w)."""
+    """Sliding-window attention at O(T w) cost (paper §2.3): query i sees the w + 1 keys i-w..i (bidirectional:
+    |i - j| <= w), w the official sliding_block_size."""
     kind = 'swa'
 
     def attend(self, q, k, v, key_mask, pos=None):
@@ -384,7 +366,7 @@ class SWAAttention(SelfAttention):
 
     def decode(self, q, k, v, cache, pos=None):
         n = self.cfg.window + 1                                                # the keys a query sees
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k, n), _append(getattr(cache, 'v', None), v, n)
+        cache.k, cache.v = _append(cache.k, k, n), _append(cache.v, v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
 
     def core_flops(self, T):
@@ -393,10 +375,9 @@ class SWAAttention(SelfAttention):
 
 class GlobalSWASplitAttention(SWAAttention):
     """Global + SWA inside every head, the official `low_rank_with_gswa` (paper §5.1): the (QK-normed) q, k of
-    width d split into r_g global and r_s local features (gswa_ranks 'r_g|r_s', default half|half, official
-    32|32); one softmax over all keys on the global part, one over the window w on the local part, the two
-    weight matrices summed (each row sums to 2, as in the official code) and applied to one shared v.
-    The layer-wise Global + SWA is the `global_swa` layer pattern instead (standard and swa layers)."""
+    width d split into r_g global and r_s local features (gswa_ranks 'r_g|r_s'); one softmax over all keys on the
+    global part, one over the window on the local part, the two weight matrices summed (rows sum to 2, as the
+    official code) and applied to one shared v."""
     kind = 'global_swa_split'
 
     def __init__(self, cfg):
@@ -407,7 +388,7 @@ class GlobalSWASplitAttention(SWAAttention):
             raise ValueError(f"gswa_ranks {cfg.gswa_ranks!r} must be two positive widths 'global|local' summing "
                              f"to the head width {d}, e.g. '{d // 2}|{d - d // 2}'")
         self.scales = logit_scales(cfg, self.kind, self.split)               # [c_global, c_local]
-        self.rope_widths = self.split                    # RoPE rotates the global and the local part each on its own
+        self.rope_widths = self.split
 
     def attend(self, q, k, v, key_mask, pos=None):
         (qg, ql), (kg, kl) = q.split(self.split, -1), k.split(self.split, -1)  # (B, H, T, r_g), (B, H, T, r_s)
@@ -419,7 +400,7 @@ class GlobalSWASplitAttention(SWAAttention):
         return glob + loc                                                      # (B, H, T, d)
 
     def decode(self, q, k, v, cache, pos=None):
-        cache.k, cache.v = _append(getattr(cache, 'k', None), k), _append(getattr(cache, 'v', None), v)
+        cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
         n = self.cfg.window + 1
         (qg, ql), (kg, kl) = q.split(self.split, -1), cache.k.split(self.split, -1)
         return (F.scaled_dot_product_attention(qg, kg, cache.v, scale=self.scales[0]) +
@@ -434,10 +415,8 @@ class GlobalSWASplitAttention(SWAAttention):
 class MLRAttention(SelfAttention):
     """MLR attention (paper §3.4, Eq. 9). Level l cuts positions into blocks of size block_size/2^l (fixed by the
     model, so a shorter causal sequence just has more global levels); a pair sharing a level-l block adds
-    c_l q_l.k_l, c_l from logit_scales() with R = r_l (logit_scale 'auto': the official 1/r_l). QK-LN, when on,
-    normalizes the whole head before the rank split, as the official code. RoPE (pos 'rope', not in the paper)
-    rotates each level's r_l features on their own, after QK-LN: q_l.k_l then depends on i - j only, at every
-    level; an odd r_l keeps one feature unrotated."""
+    c_l q_l.k_l with R = r_l. QK-LN normalizes the whole head before the rank split, as the official code; RoPE
+    (not in the paper) rotates each level's r_l features on their own, so every level's score is relative."""
     kind = 'mlr'
 
     def __init__(self, cfg):
@@ -484,7 +463,7 @@ class MLRAttention(SelfAttention):
         if t >= self.level_sizes[0]:
             raise ValueError(f"MLR decoding is defined up to block_size = {self.level_sizes[0]} tokens")
         if t == 0:
-            cache.keys, cache.v = [None] * len(self.ranks), None
+            cache.keys = [None] * len(self.ranks)
         cache.v = _append(cache.v, v)                                          # (B, H, t+1, d)
         s = torch.zeros(q.shape[:3] + (t + 1,), dtype=q.dtype, device=q.device)
         covering = torch.zeros(t + 1, dtype=q.dtype, device=q.device)
@@ -543,10 +522,8 @@ class LinearAttention(SelfAttention):
 
 
 class BilinearAttention(AttentionHeads):
-    """Common part of the bilinear variants: per-head (query features, key features) of width e replace
-    q and k, values and outputs stay standard; one batched product, W_h never formed (paper §3.2, App. D).
-    There are no q, k projections: a subclass builds its feature maps after these value and output maps.
-    With pos 'rope' the features are rotated at their positions, each group of rope_widths on its own."""
+    """The bilinear variants: per-head query and key features of width e replace q and k (a subclass builds their
+    maps after the value and output maps); one batched product, W_h never formed (paper §3.2, App. D)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -557,7 +534,7 @@ class BilinearAttention(AttentionHeads):
             raise ValueError(f"{type(self).__name__} has no decoding cache; run the full forward")
         B, T, _ = x.shape
         qf, kf = self.features(x)                                            # (B, H, T, e)
-        if self.cfg.pos == 'rope':                                           # per level (BTT: one group)
+        if self.cfg.pos == 'rope':
             pos = torch.arange(T, device=x.device)
             qf, kf = rope(qf, pos, self.rope_widths), rope(kf, pos, self.rope_widths)
         v = self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)        # (B, H, T, d)
@@ -570,7 +547,7 @@ class BilinearAttention(AttentionHeads):
         D, e = self.cfg.n_embd, self.feature_width
         scores = 2 * self.H * scored_pairs(T, T, self.cfg.causal) * (e + self.d)
         rotated = 2 * self.H * e if self.cfg.pos == 'rope' else 0
-        return 2 * T * D * self.d * 2 * self.H + self.feature_flops(T) + scores + rope_flops(T, rotated)
+        return 2 * T * D * self.d * 2 * self.H + self.feature_flops(T) + scores + 3 * T * rotated
 
 
 def rms_cap(weights, d_in, d_out):
@@ -583,12 +560,10 @@ def rms_cap(weights, d_in, d_out):
 
 class BilinearMLRAttention(BilinearAttention):
     """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l chunks,
-    chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l), c_l from logit_scales() with
-    R = p_l r_l (logit_scale 'auto': 1/sqrt(p_l r_l), the official default). q and k have their own LayerNorm
-    per level, and bilinear_rms_cap applies the official weight rescaling (rms_cap) to each level's maps.
-    bilinear_mlr_ln 'head' (not in the official code) LayerNorms each head's q and k over all levels at once:
-    a per-level LayerNorm over 1 feature outputs 0 and over 2 features +-g, so such levels never learn; the
-    official runs never meet this (head width 32, every level >= 8 features), small heads do."""
+    chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l) with R = p_l r_l, a LayerNorm
+    per level. bilinear_mlr_ln 'head' (not in the official code) LayerNorms each head's q and k over all levels
+    at once: a per-level LayerNorm over 1 feature outputs 0 and over 2 features +-g, so such levels never learn
+    (the official heads of width 32 never meet this; small heads do)."""
     kind = 'bilinear_mlr'
 
     def __init__(self, cfg):
@@ -602,16 +577,13 @@ class BilinearMLRAttention(BilinearAttention):
             raise ValueError(f"bilinear MLR with {len(self.ranks)} levels cuts n_embd = {D} into "
                              f"{self.blocks[-1]} chunks; use fewer levels or a width divisible by it")
         w = cfg.mup_base_width
-        self.q_maps = nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
-                                    for p, r in zip(self.blocks, self.ranks))
-        self.k_maps = nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
-                                    for p, r in zip(self.blocks, self.ranks))
+        self.q_maps, self.k_maps = (nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
+                                                  for p, r in zip(self.blocks, self.ranks)) for _ in 'qk')
         self.level_widths = [p * r for p, r in zip(self.blocks, self.ranks)]
         self.rope_widths = self.level_widths
         self.feature_width = sum(self.level_widths)
         ln_widths = self.level_widths if cfg.bilinear_mlr_ln == 'level' else [self.feature_width]
-        self.q_lns = nn.ModuleList(nn.LayerNorm(n, bias=False) for n in ln_widths)
-        self.k_lns = nn.ModuleList(nn.LayerNorm(n, bias=False) for n in ln_widths)
+        self.q_lns, self.k_lns = (nn.ModuleList(nn.LayerNorm(n, bias=False) for n in ln_widths) for _ in 'qk')
         self.level_scales = logit_scales(cfg, self.kind, self.level_widths)
 
     def level_map(self, m, x):
@@ -649,10 +621,8 @@ def official_btt_factors(D):
 
 
 class BilinearBTTAttention(BilinearAttention):
-    """W_h a D x D BTT (full rank D) per head: score = c x^T LN(W_h x'), c from logit_scales() with R = D
-    (logit_scale 'auto': 1/sqrt(D), the official default); one LayerNorm shared by the heads, as the official
-    code. btt_factors picks the BTT shape ('sqrt' or the official one), bilinear_rms_cap the official weight
-    rescaling (rms_cap, each core's RMS taken over all heads together, as the official tensors hold all heads)."""
+    """W_h a D x D BTT (full rank D) per head: score = c x^T LN(W_h x') with R = D; one LayerNorm shared by the
+    heads, as the official code. With bilinear_rms_cap, each core's RMS is taken over all heads together."""
     kind = 'bilinear_btt'
 
     def __init__(self, cfg):
@@ -663,7 +633,6 @@ class BilinearBTTAttention(BilinearAttention):
                                                  base_width=cfg.mup_base_width) for _ in range(self.H))
         self.ln = nn.LayerNorm(D, bias=False)
         self.feature_width = D
-        self.rope_widths = None
         self.c, = logit_scales(cfg, self.kind, [D])
 
     def cores(self):
@@ -702,19 +671,16 @@ class BilinearBTTAttention(BilinearAttention):
 #   causal: chunks of nc tokens (brl_block, default the window), chunk b has its own c_b and ct_b, and
 #     'global' (default): ct_0 = U(c_0),  ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   a recurrence over chunks
 #     'block' (ablation): ct_0 = U(c_0),  ct_b = U(c_b; x_{b-1})                 all chunks at once
-#   'global' is Algorithm 1's history queue holding chunk b-1 and, in front of it, ct_{b-1}, which stands for
-#   everything before: in one layer every token depends on every earlier token, at O(n w + n m) cost; the
-#   N = T / nc steps run one after the other, each parallel over its chunk. 'block' is what App. B.2 describes
-#   for training: a token reaches back about n_layer + 1 chunks. (The paper decodes with all in-context
-#   tokens; we decode by the same rule as we train, so decoding equals the full forward.)
+#   'global' is Algorithm 1's history queue: ct_{b-1} stands for everything before chunk b-1, so every token
+#   depends on every earlier one at O(n w + n m) cost, the N = T / nc steps in order. 'block' is App. B.2's
+#   training rule: a token reaches back about n_layer + 1 chunks. (The paper decodes with all in-context tokens;
+#   we decode by the rule we train with, so decoding equals the full forward.)
 #
-# gamma: one per head, gamma_h = exp(gq_h gk1_h) - exp(gq_h gk2_h), gq, gk1, gk2 ~ N(0, 0.1) (paper §2.5).
-# b_rel (Eqs. 9, 12): the paper names T5, RoPE, TUPE and ALiBi and fixes no form; we use T5's learned bucketed
-#   bias b[h, j, bucket(dist)] for head h and compressed token j (a bias equal for all j would cancel in F_prop's
-#   softmax over them), zero-initialized. A chunk's compressed tokens sit just before its first token
-#   (bidirectional: before the sequence), so dist is, for F_prop, the query's offset in its chunk (0 .. nc-1);
-#   for F_comp, bidirectional the token's index, causal nc - s for token s of chunk b-1 and nc for ct_{b-1}.
-#   Buckets (T5): one per distance below n_buckets/2, then log-spaced up to the chunk length, clamped beyond.
+# b_rel (Eqs. 9, 12): the paper fixes no form; we use T5's learned bucketed bias b[h, j, bucket(dist)] for head h
+#   and compressed token j (one equal for all j would cancel in F_prop's softmax), zero-initialized. A chunk's
+#   compressed tokens sit just before its first token (bidirectional: before the sequence), so dist is, for
+#   F_prop, the query's offset in its chunk (0 .. nc-1); for F_comp, bidirectional the token's index, causal
+#   nc - s for token s of chunk b-1 and nc for ct_{b-1}.
 
 def relative_buckets(dist, n_buckets, span):
     """T5's bucket of each distance dist >= 0 (long tensor): dist itself below n_buckets/2, then log-spaced
@@ -753,11 +719,10 @@ class BRLAttention(nn.Module):
         self.prop_ln = nn.LayerNorm(D, bias=False)
         # b_rel of F_comp (Eq. 12) and F_prop (Eq. 9): (H, m, n_buckets) each
         nbk = cfg.brl_rel_buckets
-        self.comp_rel = nn.Parameter(torch.zeros(H, m, nbk)) if nbk else None
-        self.prop_rel = nn.Parameter(torch.zeros(H, m, nbk)) if nbk else None
+        self.comp_rel, self.prop_rel = (nn.Parameter(torch.zeros(H, m, nbk)) if nbk else None for _ in range(2))
 
     def gamma(self):
-        """(H,): gamma_h = exp(gq_h gk1_h) - exp(gq_h gk2_h), or zeros with brl_gamma off."""
+        """(H,): gamma_h = exp(gq_h gk1_h) - exp(gq_h gk2_h), gq, gk1, gk2 ~ N(0, 0.1) (paper §2.5); or zeros."""
         if not self.cfg.brl_gamma:
             return torch.zeros_like(self.gamma_q)
         return torch.exp(self.gamma_q * self.gamma_k1) - torch.exp(self.gamma_q * self.gamma_k2)
@@ -775,9 +740,7 @@ class BRLAttention(nn.Module):
 
     def chunk_len(self, T):
         """Tokens per chunk: the whole sequence when bidirectional, brl_block (0 = the window) when causal."""
-        if not self.cfg.causal:
-            return T
-        return self.cfg.brl_block or self.cfg.window
+        return (self.cfg.brl_block or self.cfg.window) if self.cfg.causal else T
 
     def differential_compression(self, c, hist, dist=None, hist_mask=None):
         """F_comp(c; hist): c (B, N, m, D) reads hist (B, N, n, D) -> (B, N, m, D). dist (n,): the history's
@@ -787,11 +750,11 @@ class BRLAttention(nn.Module):
         dist = torch.arange(hist.shape[2], device=hist.device) if dist is None else dist
         bias = self.rel_bias(self.comp_rel, dist, q.dtype)                    # (H, m, n) or None
         mask = None if hist_mask is None else hist_mask[:, :, None, None, :]  # (B, N, 1, 1, n)
-        if bias is not None and mask is not None:
-            bias = torch.where(mask, bias, float('-inf'))                      # (B, N, H, m, n)
+        if bias is not None:
+            mask = bias if mask is None else torch.where(mask, bias, float('-inf'))  # (B, N, H, m, n)
         scale = 1.0 / (self.m * math.sqrt(c.shape[-1]))                       # (M1): m sqrt(d_ct), not sqrt(d)
-        s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask if bias is None else bias, scale=scale)
-        s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask if bias is None else bias, scale=scale)
+        s1 = F.scaled_dot_product_attention(q, k1, v, attn_mask=mask, scale=scale)
+        s2 = F.scaled_dot_product_attention(q, k2, v, attn_mask=mask, scale=scale)
         comp = (s1 - self.gamma()[:, None, None] * s2).transpose(-3, -2).flatten(-2)  # (B, N, m, D)
         return self.comp_norm(comp.flatten(0, 2)).view_as(comp)
 
@@ -814,9 +777,8 @@ class BRLAttention(nn.Module):
         """b_rel distances of a causal history: ct_{b-1} at nc ('global' only), then token s of chunk b-1
         at nc - s -> (m + nc,) or (nc,)."""
         tokens = nc - torch.arange(nc, device=device)
-        if self.cfg.brl_history == 'block':
-            return tokens
-        return torch.cat([torch.full((self.m,), nc, device=device), tokens])
+        ct_prev = torch.full((self.m,), nc, device=device)
+        return tokens if self.cfg.brl_history == 'block' else torch.cat([ct_prev, tokens])
 
     def compressed_tokens(self, c, xc, key_mask=None):
         """ct (B, N, m, D) of every chunk, from c (B, N, m, D) entering the layer and the chunks xc (B, N, nc, D),
@@ -881,16 +843,9 @@ class BRLAttention(nn.Module):
         return self.local.flops(T) + comp + upd + prop
 
 
-ATTENTION = {
-    'standard': StandardAttention,
-    'mlr': MLRAttention,
-    'swa': SWAAttention,
-    'linear': LinearAttention,
-    'bilinear_mlr': BilinearMLRAttention,
-    'bilinear_btt': BilinearBTTAttention,
-    'brl': BRLAttention,
-    'global_swa_split': GlobalSWASplitAttention,
-}
+ATTENTION = {'standard': StandardAttention, 'mlr': MLRAttention, 'swa': SWAAttention, 'linear': LinearAttention,
+             'bilinear_mlr': BilinearMLRAttention, 'bilinear_btt': BilinearBTTAttention, 'brl': BRLAttention,
+             'global_swa_split': GlobalSWASplitAttention}
 
 
 # -----------------------------------------------------------------------------
@@ -1014,22 +969,12 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
             else:
                 step = lambda: layer(x).sum().backward()
             res[kind] = kernels.measure(step, reps=1) + (layer.flops(T),)
+        b = res[kinds[0]]
         for kind, (ms, mb, fl) in res.items():
-            b = res[kinds[0]]
             floor = fl / b[2] * b[0]                                  # ms at the first (standard) layer's FLOP/s
             print(f"{kind:13s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} "
                   f"{fl / 1e9:10.2f} {ms / floor:8.2f}")
             rows.append(dict(layer=kind, T=T, ms=ms, peak_mb=mb, gflop=fl / 1e9, vs_floor=ms / floor))
-    return rows
-
-
-def benchmark_brl(Ts, causal=False):
-    """python attention.py --brl: one layer of full, local (SWA) and BRL attention (seed 004 Figs. 5-6), then
-    how BRL's peak memory grows with n (8k / 1k when both were run): linear memory keeps it near the n ratio."""
-    rows = benchmark_layers(['standard', 'swa', 'brl'], Ts, causal=causal)
-    mb = {r['T']: r['peak_mb'] for r in rows if r['layer'] == 'brl'}
-    lo, hi = (1024, 8192) if {1024, 8192} <= set(mb) else (min(mb), max(mb))
-    print(f"brl peak memory ratio {hi}/{lo}: {mb[hi] / max(mb[lo], 1e-3):.2f} (n ratio {hi / lo:g})")
     return rows
 
 
@@ -1045,7 +990,9 @@ def _lengths(text):
 
 
 def benchmark_main(argv=None):
-    """python attention.py [--brl [--causal]] [--Ts 512,1024]"""
+    """python attention.py [--brl [--causal]] [--Ts 512,1024]. --brl: one layer of full, local (SWA) and BRL
+    attention (seed 004 Figs. 5-6), then how BRL's peak memory grows with n (8k / 1k when both were run):
+    linear memory keeps it near the n ratio."""
     from runs import ArgParser
     p = ArgParser(prog='attention.py', description=__doc__)
     p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
@@ -1053,10 +1000,15 @@ def benchmark_main(argv=None):
                    "with --brl 1024 ... 16384)")
     p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the block recurrence)')
     args = p.parse_args(argv)
-    if args.brl:
-        return benchmark_brl(args.Ts or [1024, 2048, 4096, 8192, 16384], causal=args.causal)
-    return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
-                            args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8', n_compressed=16)
+    if not args.brl:
+        return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
+                                args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8',
+                                n_compressed=16)
+    rows = benchmark_layers(['standard', 'swa', 'brl'], args.Ts or [1024, 2048, 4096, 8192, 16384], causal=args.causal)
+    mb = {r['T']: r['peak_mb'] for r in rows if r['layer'] == 'brl'}
+    lo, hi = (1024, 8192) if {1024, 8192} <= set(mb) else (min(mb), max(mb))
+    print(f"brl peak memory ratio {hi}/{lo}: {mb[hi] / max(mb[lo], 1e-3):.2f} (n ratio {hi / lo:g})")
+    return rows
 
 
 if __name__ == '__main__':
