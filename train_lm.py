@@ -191,7 +191,8 @@ def build_parser():
 
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
-    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='autocast dtype (auto: bf16 on GPU)')
+    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto',
+                   help='autocast dtype (auto: bf16 on GPU)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
