@@ -1,16 +1,14 @@
 """
 Character-level language modelling with structured attention (paper §5.1, Fig. 4; §3.4, App. E).
 
-A GPT (token + learned position embeddings -> the attention.py Transformer -> a muP LM head) trained with
-AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python standard
-library of the interpreter running this script (~11 MB of .py files, tests excluded), split into train/val
-by file, so the validation code is never seen in training.
+A GPT (token embeddings, + learned positions if --pos learned -> the attention.py Transformer -> a muP LM head)
+trained with AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python
+standard library of the interpreter running this script (~11 MB of .py files, tests excluded), split into
+train/val by file, so the validation code is never seen in training.
 
     python train_lm.py --attn mlr                       # MLR attention: val ~1.53 nats/char after 1000 steps,
                                                         # about 4 min on an idle 2-core CPU
-    python train_lm.py                                  # standard attention
-    python train_lm.py --attn swa --window 32           # sliding-window attention
-    python train_lm.py --attn global_swa --global_layers 1,3
+    python train_lm.py --attn swa --window 32           # or standard (the default), global_swa, brl, ...
     python train_lm.py --attn mlr --resume              # continue out/lm_mlr exactly where it stopped
     python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
     python train_lm.py --compare out/lm_standard out/lm_mlr --plot out/lm_compare.png
@@ -464,8 +462,8 @@ def build_config(cfg):
 
 
 # -----------------------------------------------------------------------------
-# training, in the order of nanoGPT's train.py: processes (DDP) -> run folder and --resume -> data -> model and
-# optimizer -> eval and lr schedule -> one step -> the loop, checkpointing at every evaluation
+# training, in the order of nanoGPT's train.py: processes (DDP), evaluation, lr schedule, one step; then train():
+# run folder and --resume -> data -> model and optimizer -> the loop, checkpointing at every evaluation
 
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'itos')
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
