@@ -964,7 +964,7 @@ def compare_sweep(args):
     table = sweep_table(stats['shared'], budget, f'shared lr {args.lr:g}')
     if grid:
         grid_results = train_points(args, grid, per, 'lr grid', log)
-        best = {}                                          # (variant, pos) -> the grid lr of the lowest val loss
+        best = {}                                  # (variant, pos) -> its finished grid run of the lowest val loss
         for r in grid_results:
             key = r['variant'], r['pos']
             if r['done'] and (key not in best or r['val_loss'] < best[key]['val_loss']):
