@@ -1,16 +1,14 @@
 """
 Character-level language modelling with structured attention (paper §5.1, Fig. 4; §3.4, App. E).
 
-A GPT (token + learned position embeddings -> the attention.py Transformer -> a muP LM head) trained with
-AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python standard
-library of the interpreter running this script (~11 MB of .py files, tests excluded), split into train/val
-by file, so the validation code is never seen in training.
+A GPT (token embeddings, + learned positions if --pos learned -> the attention.py Transformer -> a muP LM head)
+trained with AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python
+standard library of the interpreter running this script (~11 MB of .py files, tests excluded), split into
+train/val by file, so the validation code is never seen in training.
 
     python train_lm.py --attn mlr                       # MLR attention: val ~1.53 nats/char after 1000 steps,
                                                         # about 4 min on an idle 2-core CPU
-    python train_lm.py                                  # standard attention
-    python train_lm.py --attn swa --window 32           # sliding-window attention
-    python train_lm.py --attn global_swa --global_layers 1,3
+    python train_lm.py --attn swa --window 32           # or standard (the default), global_swa, brl, ...
     python train_lm.py --attn mlr --resume              # continue out/lm_mlr exactly where it stopped
     python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
     python train_lm.py --compare out/lm_standard out/lm_mlr --plot out/lm_compare.png
@@ -74,24 +72,22 @@ SCRIPT = 'train_lm.py'
 # -----------------------------------------------------------------------------
 # config: presets and flags, checked before any work
 
-# Every value of a preset, with where it comes from. "official" = the paper's public code (the MLR run of
-# scripts/language_modeling/submit_language_modeling_greene.sh over config/struct_configs/train_struct_gpt2.py
-# and train.py's defaults; src/model.py, src/muP.py, src/lr_schedule.py). Flags given on the command line
-# override a preset.
+# Every value of a preset, with its source. "official" = the paper's public code (the MLR run of
+# scripts/language_modeling/submit_language_modeling_greene.sh over config/struct_configs/train_struct_gpt2.py and
+# train.py's defaults; src/model.py, src/muP.py, src/lr_schedule.py). Flags on the command line override a preset.
 PRESETS = {
-    # Project's CPU scale (--attn mlr: ~4 min on an idle 2-core CPU); the README's numbers.
+    # The project's CPU scale (--attn mlr: ~4 min on an idle 2-core CPU); the README's numbers.
     'cpu': dict(
         n_layer=4, n_head=4, n_embd=128, block_size=256,   # CPU scale (official: 6 layers, 12 x 64, T = 1024)
         ranks='auto',                 # official 32|8|6|4|4|4|4|2 scaled to d = 32 (default_ranks)
         window=32,                    # T/8 look-back, as the official 128 at T = 1024
         global_layers='1,3',          # project choice for 4 layers (official: 0-based 0 and 3 of 6)
         gswa_ranks='',                # half|half of the head (official 32|32 at d = 64)
-        qk_ln=False,                  # project default (official on)
-        mlr_divide_levels=False,      # project default (official on)
+        qk_ln=False, mlr_divide_levels=False,        # project defaults (official: both on)
+        bilinear_rms_cap=False, btt_factors='sqrt',  # project defaults (official: on, official factors)
         logit_scale='auto',           # MLR 1/r_l (official), standard / SWA 1/sqrt(d) (official LM: 8/d)
         mup_alpha=8.0, mup_base_width=128,   # base width = our D (official 768)
-        emb_std=1.0,                  # project's N(0, 1) muP input layer (official 0.02)
-        bilinear_rms_cap=False, btt_factors='sqrt',   # project defaults (official: on, official factors)
+        emb_std=1.0,                  # the project's N(0, 1) muP input layer (official 0.02)
         batch_size=16, grad_accum=1,  # 4096 chars / step (official 32 x 1024)
         lr=3e-3, weight_decay=0.1, adam_eps=1e-8,    # tuned here (official 1.65e-2, 0, 1e-20)
         warmup_iters=100, lr_schedule='constant', max_iters=1000,   # official schedule shape, shorter
@@ -100,8 +96,7 @@ PRESETS = {
     'paper': dict(
         n_layer=6,                    # train_struct_gpt2.py: n_layer = 6
         n_embd=768, n_head=12,        # submit script: d_model 768; config: d_head = 64 -> 12 heads
-        block_size=1024,              # submit script: block_size=1024
-        ranks='32|8|6|4|4|4|4|2',     # submit script: mlr_rank_list
+        block_size=1024, ranks='32|8|6|4|4|4|4|2',   # submit script: block_size=1024, mlr_rank_list
         mlr_divide_levels=True,       # submit script: mlr_block_divide_by_num_levels=True (covering levels)
         qk_ln=True,                   # config: do_qk_ln = True (MLR: whole head, before the rank split)
         logit_scale='paper',          # per --attn (attention.LOGIT_SCALE_DEFAULTS): MLR 1/r_l, standard / SWA 8/d
@@ -115,16 +110,14 @@ PRESETS = {
         btt_factors='official',       # src/model.py: BilinearBTTAttention.factorize
         batch_size=4, grad_accum=8,   # submit script batch_size=4; config gradient_accumulation_steps = 8
         lr=1.65e-2,                   # submit script: init_lr 1.65e-2 (MLR, D = 768)
-        weight_decay=0.0,             # config: weight_decay = 0.0
+        weight_decay=0.0, lr_schedule='constant',   # config: weight_decay = 0.0, decay_lr = False
         adam_eps=1e-20,               # src/muP.py: AdamW(..., eps=1e-20); betas 0.9, 0.95 as our default
         warmup_iters=2000,            # train.py: warmup_iters = 2000 (linear from 0)
-        lr_schedule='constant',       # config: decay_lr = False
-        max_iters=100_000,            # config: max_iters = 100_000
-        eval_interval=200,            # config: eval_interval = 200
+        max_iters=100_000, eval_interval=200,       # config: max_iters = 100_000, eval_interval = 200
         eval_iters=200),              # train.py: eval_iters = 200; bf16 on GPU is --dtype auto, as train.py
 }
-# The seeded comparison of `--sweep compare`: the official run (every other value as 'paper') at a width, batch and
-# length that fit 5 variants x 3 seeds into a few hours on an idle 2-core CPU (--sweep compare --estimate).
+# The seeded comparison of `--sweep compare`: the official run at a width, batch and length that fit 5 variants x
+# 3 seeds into a few hours on an idle 2-core CPU (--sweep compare --estimate).
 PRESETS['compare'] = {
     **PRESETS['paper'],
     'n_embd': 128, 'n_head': 2,       # the official head width 64; width 128 instead of 768: CPU budget
@@ -139,13 +132,12 @@ PRESETS['compare'] = {
 }
 
 SWEEP_VARIANTS = ('standard', 'mlr', 'swa', 'global_swa', 'brl')
-# train_lm.py's defaults that differ from ModelConfig's (the presets set the rest; PRESETS['cpu'] is the default)
-LM_MODEL_DEFAULTS = dict(ranks='auto')
+LM_MODEL_DEFAULTS = dict(ranks='auto')   # where train_lm.py's defaults differ from ModelConfig's (and PRESETS['cpu'])
 
 
 def build_parser():
     """The flags, one group per stage, in --help order; the defaults shown are preset cpu's."""
-    p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
+    p = ArgParser(prog=SCRIPT, description=__doc__)
     g = p.add_argument_group('mode (default: train)')
     g.add_argument('--sample', action='store_true', help='generate text from <out_dir>/ckpt.pt instead of training')
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
@@ -153,19 +145,19 @@ def build_parser():
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
     g = add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
                        'seeded sweep (--sweep compare): every variant at equal training FLOPs',
-                       'train --variants (--attn values) x --positions x --seeds at the FLOPs of the standard run of '
-                       '--max_iters steps (default preset: compare), then tables + plots in --sweep_dir')
+                       'train --variants x --positions x --seeds to the FLOPs of the standard run of --max_iters '
+                       'steps (default preset: compare), then tables and plots in --sweep_dir')
     g.add_argument('--positions', default='learned,rope', help='--sweep: comma list of --pos values')
-    g.add_argument('--lrs', default='', help='--sweep: lr grid, e.g. 1e-3,3e-3,1e-2: each variant and --pos on '
-                   'seed --seed at a third of the budget, then --seeds at its best lr (default: --lr only)')
+    g.add_argument('--lrs', default='', help='--sweep: lr grid (e.g. 1e-3,3e-3,1e-2) at a third of the budget, '
+                   'then --seeds at the best lr')
 
     g = p.add_argument_group('data')
-    g.add_argument('--data', default='', help='text file or directory of text files (default: the Python stdlib source)')
+    g.add_argument('--data', default='', help='text file or directory (default: the Python stdlib source)')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
 
     g = p.add_argument_group('LM model (besides the shared model group below)')
-    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default sizes: cpu (~4 min for mlr), '
-                   'paper, or compare (T = 1024, --sweep compare)')
+    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default values: cpu (~4 min for mlr), '
+                   'paper (the official run), compare (--sweep compare)')
     g.add_argument('--block_size', type=positive_int, help='context length T')
     g.add_argument('--emb_std', type=float, help='init std of the token and position embeddings')
     add_model_args(p, **LM_MODEL_DEFAULTS)
@@ -192,16 +184,15 @@ def build_parser():
     g.add_argument('--eval_iters', type=positive_int, help='val batches per evaluation')
     g.add_argument('--log_interval', type=positive_int, default=10, help='steps between log lines')
     g.add_argument('--resume', action='store_true', help='continue from <out_dir>/ckpt.pt')
-    g.add_argument('--overwrite', action='store_true', help='replace the run in <out_dir> (without it, or --resume, '
-                   'an out_dir that holds a checkpoint is refused)')
+    g.add_argument('--overwrite', action='store_true', help='replace the run in <out_dir>')
     g.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='tqdm progress bar')
 
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
-    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='autocast dtype (auto: bf16 on GPU)')
+    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto',
+                   help='autocast dtype (auto: bf16 on GPU)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
-    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core; '
-                   'threads that are out of work sleep after ~0.1 ms, so the default also suits a shared machine)')
+    g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
 
     g = p.add_argument_group('sampling (--sample)')
@@ -241,29 +232,24 @@ RANGES = {**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' 
           'warmup_iters': '[0, inf)', 'max_flops': '[0, inf)', 'temperature': '[0, inf)', 'top_k': '[0, inf)'}
 
 
-def memory_needed(a):
-    """A lower bound of the bytes one training step holds, fp32: weights, gradients and AdamW's two moments of
-    the MLPs and position embeddings (16 bytes a parameter), and the residual stream and MLP activations that
-    every layer keeps for the backward pass."""
-    hidden = a.mlp_hidden or 4 * a.n_embd
-    params = a.n_layer * 2 * a.n_embd * hidden + a.block_size * a.n_embd
-    return 16 * params + 4 * a.n_layer * a.batch_size * a.block_size * (a.n_embd + hidden)
-
-
 def check_args(parser, args):
     """parser.error (one line, exit 2) at the first flag value train_lm.py cannot run; the model's own
     consistency (ranks summing to d, ...) is checked when it is built (attention.check_config)."""
     check_numbers(parser, args, RANGES)
-    ram = physical_memory()
-    if memory_needed(args) > ram:
-        parser.error(f"--batch_size {args.batch_size} --block_size {args.block_size} --n_embd {args.n_embd} "
-                     f"--n_layer {args.n_layer} --mlp_hidden {args.mlp_hidden}: a training step needs at least "
-                     f"{memory_needed(args) / 2 ** 30:.0f} GiB of memory, this machine has {ram / 2 ** 30:.0f} GiB")
+    # a lower bound of a training step's fp32 bytes: weights, gradients and AdamW's moments of the MLPs and position
+    # embeddings (16 bytes a parameter), and the residual stream and MLP activations kept for the backward pass
+    a, hidden, ram = args, args.mlp_hidden or 4 * args.n_embd, physical_memory()
+    need = (16 * (a.n_layer * 2 * a.n_embd * hidden + a.block_size * a.n_embd) +
+            4 * a.n_layer * a.batch_size * a.block_size * (a.n_embd + hidden))
+    if need > ram:
+        parser.error(f"--batch_size {a.batch_size} --block_size {a.block_size} --n_embd {a.n_embd} "
+                     f"--n_layer {a.n_layer} --mlp_hidden {a.mlp_hidden}: a training step needs at least "
+                     f"{need / 2 ** 30:.0f} GiB of memory, this machine has {ram / 2 ** 30:.0f} GiB")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     valid = list(ATTENTION) + ['global_swa']
     choices = dict(attn=valid, logit_scale=LOGIT_SCALES + ('paper',), btt_factors=('sqrt', 'official'),
-                   brl_history=('global', 'block'), pos=POSITIONS)  # closed sets of values, refused before any work
+                   brl_history=('global', 'block'), pos=POSITIONS)
     for name, ok in choices.items():
         if getattr(args, name) not in ok:
             parser.error(f"--{name} {getattr(args, name)!r}: valid are {', '.join(ok)}")
@@ -271,20 +257,19 @@ def check_args(parser, args):
     if bad:
         parser.error(f"--variants {args.variants!r}: {bad[0]!r} is not an attention variant; valid (comma "
                      f"list): {', '.join(valid)}")
-    no_repeats(parser, 'variants', args.variants.split(','))
     args._positions = [s.strip() for s in args.positions.split(',') if s.strip()]
     if not args._positions or any(p not in POSITIONS for p in args._positions):
         parser.error(f"--positions {args.positions!r}: a comma list of {', '.join(POSITIONS)}")
-    no_repeats(parser, 'positions', args._positions)
     try:
         args._lrs = [float(s) for s in args.lrs.split(',') if s.strip()]
     except ValueError:
         parser.error(f"--lrs {args.lrs!r}: a comma list of learning rates, e.g. 1e-3,3e-3,1e-2")
     if any(not 0 < lr <= 10 for lr in args._lrs):
         parser.error(f"--lrs {args.lrs!r}: every lr must be in (0, 10]")
-    no_repeats(parser, 'lrs', args._lrs)
-    no_repeats(parser, 'global_layers', [s.strip() for s in args.global_layers.split(',')])
-    no_repeats(parser, 'compare', args.compare or [])
+    for name, items in (('variants', args.variants.split(',')), ('positions', args._positions), ('lrs', args._lrs),
+                        ('global_layers', [s.strip() for s in args.global_layers.split(',')]),
+                        ('compare', args.compare or [])):
+        no_repeats(parser, name, items)
 
 
 # -----------------------------------------------------------------------------
@@ -364,17 +349,15 @@ def prepare_data(data, cache_dir):
     with io_errors('--cache_dir', cache_dir):
         os.makedirs(out, exist_ok=True)
         remove_orphan_tmp(out)  # of an earlier build that was killed
-        counts = np.zeros(len(itos))
         for split, text in (('train', train_text), ('val', val_text)):
             ids = lut[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
             if split == 'train':
                 counts = np.bincount(ids, minlength=len(itos)).astype(np.float64)
             atomic_write(os.path.join(out, f"{split}.bin"), ids.tofile)
         p = counts[counts > 0] / counts.sum()
-        meta = dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name, n_files=len(texts),
-                    n_train=len(train_text), n_val=len(val_text), unigram_entropy=float(-(p * np.log(p)).sum()),
-                    skipped=skipped)
-        write_json(meta_path, meta)
+        write_json(meta_path, dict(source=data or root, itos=''.join(itos), dtype=np.dtype(dtype).name,
+                                   n_files=len(texts), n_train=len(train_text), n_val=len(val_text),
+                                   unigram_entropy=float(-(p * np.log(p)).sum()), skipped=skipped))
     return out
 
 
@@ -462,30 +445,25 @@ def default_ranks(d, T=None, n_levels_ok=lambda L: True):
     return '|'.join(map(str, r))
 
 
-def resolved_ranks(cfg):
-    """--ranks of a run config, with 'auto' resolved to default_ranks for this model ('' if it has no MLR)."""
-    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
-    if ranks != 'auto':
-        return ranks
-    mlr_ok = lambda L: T % 2 ** (L - 1) == 0                                  # MLR: T must halve L-1 times
-    bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8  # bilinear MLR: 2^(L-1) chunks >= 8
-    uses = cfg['layer_pattern'] or cfg['attn']
-    return (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
-            default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
-
-
 def build_config(cfg):
     """The ModelConfig of a run config (a plain dict, as stored in checkpoints): every model flag as given, the
-    task's context length T and causal attention, and ranks 'auto' resolved (runs.model_config checks it)."""
+    task's context length T, causal attention, and ranks 'auto' resolved by default_ranks for this model
+    ('' without MLR); runs.model_config checks it."""
     if cfg['n_embd'] % cfg['n_head']:
         raise ValueError(f"--n_embd {cfg['n_embd']} must be divisible by --n_head {cfg['n_head']}")
-    return model_config(argparse.Namespace(**cfg), block_size=cfg['block_size'], causal=True,
-                        ranks=resolved_ranks(cfg))
+    ranks, d, D, T = cfg['ranks'], cfg['n_embd'] // cfg['n_head'], cfg['n_embd'], cfg['block_size']
+    if ranks == 'auto':
+        mlr_ok = lambda L: T % 2 ** (L - 1) == 0                                  # MLR: T must halve L-1 times
+        bilinear_ok = lambda L: D % 2 ** (L - 1) == 0 and D // 2 ** (L - 1) >= 8  # bilinear MLR: 2^(L-1) chunks >= 8
+        uses = cfg['layer_pattern'] or cfg['attn']
+        ranks = (default_ranks(d, None, lambda L: mlr_ok(L) and bilinear_ok(L)) if 'bilinear_mlr' in uses else
+                 default_ranks(d, T, mlr_ok) if 'mlr' in uses else '')
+    return model_config(argparse.Namespace(**cfg), block_size=cfg['block_size'], causal=True, ranks=ranks)
 
 
 # -----------------------------------------------------------------------------
-# training, in the order of nanoGPT's train.py: processes (DDP) -> run folder and --resume -> data -> model and
-# optimizer -> eval and lr schedule -> one step -> checkpoint; train() at the end holds the loop
+# training, in the order of nanoGPT's train.py: processes (DDP), evaluation, lr schedule, one step; then train():
+# run folder and --resume -> data -> model and optimizer -> the loop, checkpointing at every evaluation
 
 CKPT_KEYS = ('model', 'optimizer', 'config', 'step', 'itos')
 # --resume: these flags may differ from the checkpoint's; any other flag given must agree with it
@@ -495,8 +473,7 @@ RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'eval_iters', 'lo
 
 
 def setup_processes(device_name):
-    """DDP, nanoGPT-style (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE), or one process.
-    -> Namespace(ddp, rank, world, device, master)."""
+    """DDP, nanoGPT-style (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE), or one process."""
     device = pick_device(device_name)
     if int(os.environ.get('RANK', -1)) == -1:
         return argparse.Namespace(ddp=False, rank=0, world=1, device=device, master=True)
@@ -509,57 +486,9 @@ def setup_processes(device_name):
 
 
 def log(proc, msg):
-    """Rank 0 only; above the progress bar, and flushed, so a log file redirected from stdout is live."""
     if proc.master:
-        tqdm.write(msg)
-        sys.stdout.flush()
-
-
-def start_run(args):
-    """The run folder (writable, no earlier run lost) and on --resume its checkpoint, whose settings win: a
-    conflicting flag is refused, run length and logging may change. -> (run config dict, checkpoint or None)."""
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
-    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite,
-                    lock=int(os.environ.get('RANK', 0)) == 0)   # DDP: rank 0 owns the folder for all ranks
-    ckpt = None
-    if args.resume:
-        ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
-        resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
-    cfg = {k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare',)}
-    return {**cfg, 'format': FORMAT}, ckpt
-
-
-def load_splits(args, proc, ckpt):
-    """The train and val splits (rank 0 encodes the corpus once; the others wait for it), checked: longer than
-    a window of T + 1 characters, and in the checkpoint's vocabulary. -> (splits, meta)."""
-    if proc.master:
-        cache = prepare_data(args.data, args.cache_dir)
-    if proc.ddp:
-        dist.barrier()
-        cache = prepare_data(args.data, args.cache_dir)
-    splits, meta = load_data(cache)
-    T = args.block_size
-    for s in ('train', 'val'):
-        if len(splits[s]) <= T + 1:
-            raise ValueError(f"the {s} split of {meta['source']!r} has {len(splits[s])} characters; "
-                             f"--block_size {T} needs more than {T + 1}")
-    if ckpt is not None and ckpt['itos'] != meta['itos']:
-        raise ValueError(f"checkpoint {os.path.join(args.out_dir, 'ckpt.pt')!r} was trained on a different "
-                         f"vocabulary than {meta['source']!r}")
-    return splits, meta
-
-
-def build_model(cfg, vocab_size, device):
-    """GPT initialized from --seed, and AdamW over its muP parameter groups. ranks 'auto' is written back into
-    cfg as the resolved allocation, so the checkpoint keeps it. -> (model, optimizer)."""
-    torch.manual_seed(cfg['seed'])
-    mconf = build_config(cfg)
-    if cfg['ranks'] == 'auto':
-        cfg['ranks'] = mconf.ranks or 'auto'
-    model = GPT(mconf, vocab_size, cfg['emb_std']).to(device)
-    groups = optimizer_groups(model, cfg['lr'], cfg['weight_decay'])
-    optimizer = torch.optim.AdamW(groups, lr=cfg['lr'], betas=(0.9, cfg['beta2']), eps=cfg['adam_eps'])
-    return model, optimizer
+        tqdm.write(msg)     # above the progress bar
+        sys.stdout.flush()  # so that a log file redirected from stdout is live
 
 
 @torch.no_grad()
@@ -616,43 +545,41 @@ def train_step(model, optimizer, data, gen, args, proc, autocast, lr, step):
     return lossf
 
 
-def save_run(out_dir, cfg, model, optimizer, gen, itos, progress):
-    """All that an exact resume needs, in <out_dir>/ckpt.pt (atomic); and log.json (config and val history, for
-    --compare and the sweep). progress: dict(step, flops, train_time, history). A failed write leaves the
-    previous checkpoint as it was, and is one line naming --out_dir."""
-    with io_errors('--out_dir', out_dir):
-        save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), dict(
-            script=SCRIPT, model=model.state_dict(), optimizer=optimizer.state_dict(), config=cfg, **progress,
-            itos=itos, data_rng=gen.get_state(), rng=rng_state()))
-        write_json(os.path.join(out_dir, 'log.json'), dict(config=cfg, history=progress['history']))
-
-
-def finish_run(model, proc, result, out_dir):
-    """DDP: prove the replicas agree (every rank's parameter checksum goes into result and <out_dir>/ddp.json).
-    Rank 0 prints where the outputs went. -> result."""
-    if proc.ddp:
-        with torch.no_grad():
-            check = torch.stack([p.double().sum() for p in model.parameters()]).sum().reshape(1)
-        checks = [torch.zeros_like(check) for _ in range(proc.world)]  # on the device: nccl gathers GPU tensors
-        dist.all_gather(checks, check)
-        result['param_checksums'] = [c.item() for c in checks]
-        if proc.master:
-            with io_errors('--out_dir', out_dir):
-                write_json(os.path.join(out_dir, 'ddp.json'), result)
-        dist.barrier()     # no rank tears gloo down while another still uses it (seen once: SIGABRT at exit)
-        dist.destroy_process_group()
-    if proc.master:
-        report_outputs(checkpoint=os.path.join(out_dir, 'ckpt.pt'), log=os.path.join(out_dir, 'log.json'),
-                       ddp_check=os.path.join(out_dir, 'ddp.json') if proc.ddp else None)
-    return result
-
-
 def train(args):
-    """Train (or --resume) one GPT; -> its train losses of this invocation and val history (for tests)."""
+    """Train (or --resume) one GPT. -> its train losses of this invocation and val history (for tests)."""
     proc = setup_processes(args.device)
-    cfg, ckpt = start_run(args)
-    splits, meta = load_splits(args, proc, ckpt)
-    raw_model, optimizer = build_model(cfg, len(meta['itos']), proc.device)
+    # the run folder (writable, no earlier run lost; DDP: rank 0 owns it for all ranks) and on --resume the
+    # checkpoint, whose settings win: a conflicting flag is refused, run length and logging may change
+    ckpt_path, ckpt = os.path.join(args.out_dir, 'ckpt.pt'), None
+    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite, lock=int(os.environ.get('RANK', 0)) == 0)
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+        resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
+    cfg = {**{k: v for k, v in vars(args).items() if not k.startswith('_') and k != 'compare'}, 'format': FORMAT}
+
+    # data: rank 0 encodes the corpus once, the others wait for it; each split longer than a window of T + 1
+    if proc.master:
+        cache = prepare_data(args.data, args.cache_dir)
+    if proc.ddp:
+        dist.barrier()
+        cache = prepare_data(args.data, args.cache_dir)
+    splits, meta = load_data(cache)
+    T = args.block_size
+    for s in ('train', 'val'):
+        if len(splits[s]) <= T + 1:
+            raise ValueError(f"the {s} split of {meta['source']!r} has {len(splits[s])} characters; "
+                             f"--block_size {T} needs more than {T + 1}")
+    if ckpt is not None and ckpt['itos'] != meta['itos']:
+        raise ValueError(f"checkpoint {ckpt_path!r} was trained on a different vocabulary than {meta['source']!r}")
+
+    # model and AdamW over its muP parameter groups; ranks 'auto' is stored resolved, so the checkpoint keeps it
+    torch.manual_seed(cfg['seed'])
+    mconf = build_config(cfg)
+    if cfg['ranks'] == 'auto':
+        cfg['ranks'] = mconf.ranks or 'auto'
+    raw_model = GPT(mconf, len(meta['itos']), cfg['emb_std']).to(proc.device)
+    optimizer = torch.optim.AdamW(optimizer_groups(raw_model, cfg['lr'], cfg['weight_decay']), lr=cfg['lr'],
+                                  betas=(0.9, cfg['beta2']), eps=cfg['adam_eps'])
     gen = torch.Generator().manual_seed(args.seed)  # the data order
     step, flops, train_time, history = 0, 0.0, 0.0, []
     if ckpt is not None:  # --resume: weights, AdamW moments, data order and RNG streams as the checkpoint left them
@@ -671,7 +598,8 @@ def train(args):
     # run length: training FLOPs per step = 3 forwards; --max_flops may end the run before --max_iters
     tokens_per_iter = args.batch_size * args.grad_accum * proc.world * args.block_size
     flops_per_iter = 3 * raw_model.forward_flops(args.block_size) * args.batch_size * args.grad_accum * proc.world
-    max_iters = min(args.max_iters, math.ceil(args.max_flops / flops_per_iter)) if args.max_flops > 0 else args.max_iters
+    max_iters = (min(args.max_iters, math.ceil(args.max_flops / flops_per_iter)) if args.max_flops > 0 else
+                 args.max_iters)
     log(proc, f"attn={args.attn} ranks={raw_model.config.ranks or '-'} | "
         f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params | data {meta['source']} "
         f"({meta['n_train'] / 1e6:.2f}M train / {meta['n_val'] / 1e6:.2f}M val chars, vocab {len(meta['itos'])}, "
@@ -679,9 +607,13 @@ def train(args):
         f"{flops_per_iter:.3g} FLOPs/step | device {proc.device} {dtype} x{proc.world} | threads: "
         f"{torch.get_num_threads()}")
 
-    def save():  # all that an exact resume needs (save_run), at the loop's current step
-        save_run(args.out_dir, cfg, raw_model, optimizer, gen, meta['itos'],
-                 dict(step=step, flops=flops, train_time=train_time, history=history))
+    def save():  # all that an exact resume needs (atomic: a failed write keeps the last); log.json for --compare
+        with io_errors('--out_dir', args.out_dir):
+            save_checkpoint(ckpt_path, dict(
+                script=SCRIPT, model=raw_model.state_dict(), optimizer=optimizer.state_dict(), config=cfg,
+                step=step, flops=flops, train_time=train_time, history=history, itos=meta['itos'],
+                data_rng=gen.get_state(), rng=rng_state()))
+            write_json(os.path.join(args.out_dir, 'log.json'), dict(config=cfg, history=history))
 
     losses = []  # (step, train loss) of every step of this invocation, for tests
     bar = tqdm(total=max_iters, initial=step, disable=not (proc.master and args.progress), leave=False,
@@ -721,7 +653,21 @@ def train(args):
 
     result = dict(losses=losses, history=history, val_loss=history[-1]['val_loss'], out_dir=args.out_dir,
                   flops=flops, train_time=train_time, world_size=proc.world)
-    return finish_run(raw_model, proc, result, args.out_dir)
+    if proc.ddp:  # prove the replicas agree: every rank's parameter checksum, in result and <out_dir>/ddp.json
+        with torch.no_grad():
+            check = torch.stack([p.double().sum() for p in raw_model.parameters()]).sum().reshape(1)
+        checks = [torch.zeros_like(check) for _ in range(proc.world)]  # on the device: nccl gathers GPU tensors
+        dist.all_gather(checks, check)
+        result['param_checksums'] = [c.item() for c in checks]
+        if proc.master:
+            with io_errors('--out_dir', args.out_dir):
+                write_json(os.path.join(args.out_dir, 'ddp.json'), result)
+        dist.barrier()     # no rank tears gloo down while another still uses it (seen once: SIGABRT at exit)
+        dist.destroy_process_group()
+    if proc.master:
+        report_outputs(checkpoint=ckpt_path, log=os.path.join(args.out_dir, 'log.json'),
+                       ddp_check=os.path.join(args.out_dir, 'ddp.json') if proc.ddp else None)
+    return result
 
 # -----------------------------------------------------------------------------
 # sampling with the incremental-decoding caches of attention.py
@@ -763,9 +709,9 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
 
 
 def sample(args):
-    device = pick_device(args.device)
-    ckpt = load_checkpoint(os.path.join(args.out_dir, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
-    cfg, itos, where = ckpt['config'], ckpt['itos'], os.path.join(args.out_dir, 'ckpt.pt')
+    device, where = pick_device(args.device), os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt = load_checkpoint(where, SCRIPT, CKPT_KEYS)
+    cfg, itos = ckpt['config'], ckpt['itos']
     missing = [f.name for f in fields(ModelConfig) if f.name not in cfg and f.name != 'causal']   # causal: always
     if missing:
         raise ValueError(f"checkpoint {where!r} lacks the model settings {missing[:3]}...: not a run of train_lm.py")
@@ -797,7 +743,7 @@ def sample(args):
     for _ in range(args.num_samples):
         t0 = time.time()
         ids, cache, n_ctx = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                              use_cache=use_cache, generator=gen)
+                                     use_cache=use_cache, generator=gen)
         dt = time.time() - t0
         print(args.prompt + ''.join(itos[i] for i in ids))
         print(f"---------- {len(ids) / dt:.0f} chars/s ({'cached' if use_cache else 'no cache'})")
@@ -840,17 +786,6 @@ def compare(args):
 # --sweep compare: every variant trained to the same FLOPs, several seeds, each run `python train_lm.py ...` in
 # its own folder, by runs.sweep (finished runs reused, cut-off ones resumed); then the table and the plot
 
-def inherited_argv(argv):
-    """The sweep's command line less the flags that the sweep sets per run or uses itself: what every run keeps."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ('--sweep', '--variants', '--positions', '--lrs', '--seeds', '--workers', '--sweep_dir', '--preset',
-                 '--attn', '--pos', '--lr', '--seed', '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
-        p.add_argument(flag)
-    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress'):
-        p.add_argument(flag, action='store_true')
-    return p.parse_known_args(argv)[1]
-
-
 @dataclass(frozen=True)
 class Point:
     """One run of the sweep: a variant with a position encoding at an lr and a seed, trained to `budget` FLOPs."""
@@ -859,7 +794,7 @@ class Point:
     lr: float
     seed: int
     budget: float
-    grid: bool = False                   # a point of the lr grid (seed 0, a third of the budget)
+    grid: bool = False                   # a point of the lr grid (seed --seed, a third of the budget)
 
     @property
     def name(self):
@@ -867,8 +802,15 @@ class Point:
 
 
 def run_argv(args, pt):
-    """The train_lm.py command line of one run of the sweep (1 thread; stops once its FLOPs reach the budget)."""
-    return [*inherited_argv(args._argv), '--preset', args.preset, '--attn', pt.variant, '--pos', pt.pos,
+    """The train_lm.py command line of one run of the sweep: the sweep's flags less those it uses itself or sets
+    per run, then the run's own (1 thread; it stops once its FLOPs reach the budget)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ('--sweep', '--variants', '--positions', '--lrs', '--seeds', '--workers', '--sweep_dir', '--preset',
+                 '--attn', '--pos', '--lr', '--seed', '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
+        p.add_argument(flag)
+    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress'):
+        p.add_argument(flag, action='store_true')
+    return [*p.parse_known_args(args._argv)[1], '--preset', args.preset, '--attn', pt.variant, '--pos', pt.pos,
             '--lr', repr(pt.lr), '--seed', str(pt.seed), '--out_dir', os.path.join(args.sweep_dir, pt.name),
             '--max_flops', repr(pt.budget), '--max_iters', str(10 ** 9), '--threads', '1', '--no-progress']
 
@@ -881,8 +823,8 @@ def run_model(args, variant, vocab_size, pos='learned'):
 
 
 def seconds_per_step(args, variants, vocab_size):
-    """Per variant: s/step timed here on 1 thread (learned positions; RoPE adds little) and FLOPs per step per
-    position encoding."""
+    """Per variant: s/step timed here on 1 thread (learned positions; RoPE adds little), FLOPs per step per
+    position encoding, and the evaluations' share of a run (a forward ~1/3 of a step)."""
     print("sweep estimate: s/step timed now, 1 thread, one process (a busy machine reads slower; parallel runs "
           "share memory bandwidth)")
     per = {}
@@ -905,14 +847,12 @@ def seconds_per_step(args, variants, vocab_size):
 
 
 def minutes(pt, per):
-    """Estimated minutes of a run: its steps to the budget and its evaluations (a forward ~1/3 of a step)."""
     p = per[pt.variant]
     return math.ceil(pt.budget / p['flops'][pt.pos]) * (1 + p['eval_share']) * p['seconds'] / 60
 
 
 def reached(history, budget):
-    """A run's history ends at the FLOP budget (up to float rounding of a sum of many steps)."""
-    return bool(history) and history[-1]['flops'] >= budget * (1 - 1e-9)
+    return bool(history) and history[-1]['flops'] >= budget * (1 - 1e-9)   # up to the rounding of a sum of steps
 
 
 def saved_run(run_dir):
@@ -926,12 +866,11 @@ def saved_run(run_dir):
 
 def train_points(args, points, per, tag, log):
     """runs.sweep over the points: finished runs reused, cut-off ones resumed, a folder of other settings
-    refused. -> one result dict per point (its history, and its val loss if it reached the budget); each run's
-    state ('new', 'partial', 'done') and exit code go into log['states'] and log['codes']."""
+    refused; each run's state ('new', 'partial', 'done') and exit code go into log. -> one result per point."""
     runs = [Run(pt.name, pt.variant, pt.seed, run_argv(args, pt), os.path.join(args.sweep_dir, pt.name),
                 seconds=60 * minutes(pt, per)) for pt in points]
     states = {}
-    for r, pt in zip(runs, points):   # 'done' (at the budget), 'partial' (--resume it) or 'new'
+    for r, pt in zip(runs, points):
         saved, history = saved_run(r.out_dir)
         want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
         free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
@@ -941,10 +880,10 @@ def train_points(args, points, per, tag, log):
     results = []
     for pt in points:
         h = saved_run(os.path.join(args.sweep_dir, pt.name))[1]
-        done = reached(h, pt.budget)
+        last, done = (h[-1] if h else dict(step=0, flops=0.0, time=0.0)), reached(h, pt.budget)
         results.append(dict(variant=pt.variant, pos=pt.pos, lr=pt.lr, seed=pt.seed, name=pt.name, done=done,
-                            history=h, steps=h[-1]['step'] if h else 0, val_loss=h[-1]['val_loss'] if done else None,
-                            flops=h[-1]['flops'] if h else 0.0, train_time=h[-1]['time'] if h else 0.0))
+                            history=h, steps=last['step'], val_loss=last['val_loss'] if done else None,
+                            flops=last['flops'], train_time=last['time']))
     return results
 
 
@@ -975,8 +914,14 @@ def sweep_stats(runs, variants):
     return dict(equal_time=t_eq, variants=per, paired=paired)
 
 
+def stats_by_pos(results, variants, positions):
+    """{pos: sweep_stats of its runs}, for the position encodings with a finished run."""
+    by_pos = {pos: [r for r in results if r['pos'] == pos] for pos in positions}
+    return {pos: sweep_stats(rs, variants) for pos, rs in by_pos.items() if any(r['done'] for r in rs)}
+
+
 def sweep_table(stats, budget, title):
-    """The markdown tables of sweep_stats, one block per position encoding ({pos: stats})."""
+    """The markdown tables of stats_by_pos's {pos: stats}."""
     lines = [f"**{title}**", '', f"| variant | positions | lr | seeds | steps | val loss at equal FLOPs ({budget:.3g}) "
              f"| FLOP rank | train time (min) | val loss at equal time | time rank |",
              '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
@@ -989,23 +934,6 @@ def sweep_table(stats, budget, title):
         if st['paired']:
             lines += [''] + paired_rows(st['paired'], 'mlr', f'MLR − baseline, {pos} positions (equal FLOPs)')
     return '\n'.join(lines) + '\n'
-
-
-def stats_by_pos(results, variants, positions):
-    """{pos: sweep_stats of its runs}, for the position encodings with a finished run."""
-    by_pos = {pos: [r for r in results if r['pos'] == pos] for pos in positions}
-    return {pos: sweep_stats(rs, variants) for pos, rs in by_pos.items() if any(r['done'] for r in rs)}
-
-
-def best_lrs(grid, variants, positions):
-    """{(variant, pos): the grid lr with the lowest final val loss}, over the grid points that finished."""
-    best = {}
-    for v in variants:
-        for pos in positions:
-            rs = [r for r in grid if r['variant'] == v and r['pos'] == pos and r['done']]
-            if rs:
-                best[v, pos] = min(rs, key=lambda r: r['val_loss'])['lr']
-    return best
 
 
 def compare_sweep(args):
@@ -1023,30 +951,32 @@ def compare_sweep(args):
     grid = [Point(v, pos, lr, args.seed, budget / 3, grid=True)
             for pos in positions for v in variants for lr in args._lrs]
     if args.estimate:
-        tuned = [pt for pt in shared if args._lrs]      # at most: every best lr other than the shared one
-        todo = shared + grid + tuned
+        todo = shared + grid + (shared if args._lrs else [])   # at most: every best lr other than the shared one
         wall = longest_first_wall([60 * minutes(pt, per) for pt in todo], args.workers) / 60
         print(f"  whole sweep: at most {len(todo)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min "
               f"(~{sum(minutes(pt, per) for pt in todo):.0f} run-minutes)")
         return dict(per_variant=per, sweep_minutes=wall)
     log = dict(states={}, codes={})
     results = train_points(args, shared, per, 'shared lr', log)
-    stats, tables = dict(shared=stats_by_pos(results, variants, positions)), []
+    stats = dict(shared=stats_by_pos(results, variants, positions))
     if not stats['shared']:
         raise ValueError(f"no run of the sweep finished; see the train.log files in {args.sweep_dir}")
-    tables.append(sweep_table(stats['shared'], budget, f'shared lr {args.lr:g}'))
+    table = sweep_table(stats['shared'], budget, f'shared lr {args.lr:g}')
     if grid:
         grid_results = train_points(args, grid, per, 'lr grid', log)
-        best = best_lrs(grid_results, variants, positions)
-        tuned = [Point(v, pos, best[v, pos], s, budget) for s in seeds for pos in positions for v in variants
+        best = {}                                  # (variant, pos) -> its finished grid run of the lowest val loss
+        for r in grid_results:
+            key = r['variant'], r['pos']
+            if r['done'] and (key not in best or r['val_loss'] < best[key]['val_loss']):
+                best[key] = r
+        tuned = [Point(v, pos, best[v, pos]['lr'], s, budget) for s in seeds for pos in positions for v in variants
                  if (v, pos) in best]
         tuned_results = train_points(args, tuned, per, 'tuned lr', log)
         stats['tuned'] = stats_by_pos(tuned_results, variants, positions)
-        tables.append(sweep_table(stats['tuned'], budget, 'each at its best lr of ' +
-                                  ', '.join(f'{lr:g}' for lr in args._lrs)))
+        lrs = ', '.join(f'{lr:g}' for lr in args._lrs)
+        table += '\n' + sweep_table(stats['tuned'], budget, f'each at its best lr of {lrs}')
         results += grid_results + tuned_results
-    table = '\n'.join(tables)
-    paths = {k: os.path.join(args.sweep_dir, f) for k, f in (('json', 'sweep.json'), ('table', 'table.md'))}
+    paths = dict(json=os.path.join(args.sweep_dir, 'sweep.json'), table=os.path.join(args.sweep_dir, 'table.md'))
     with io_errors('--sweep_dir', args.sweep_dir):
         write_json(paths['json'], dict(format=FORMAT, sweep=args.sweep, budget_flops=budget, variants=variants,
                                        positions=positions, lrs=args._lrs, seeds=seeds, command=args._argv,
@@ -1104,35 +1034,11 @@ class NanoGPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def time_models(models, x, y, steps, reps, device):
-    """{name: [(wall, process CPU) seconds per step]} of training steps (forward, backward, AdamW): after two
-    warm-up steps each, the models take turns, repeat after repeat, in rotating order (no model always first)."""
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
-
-    def run(name, n):
-        for _ in range(n):
-            _, loss = models[name](x, y)
-            loss.backward()
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-        if device.startswith('cuda'):
-            torch.cuda.synchronize()
-
-    for name in models:
-        run(name, 2)  # warm-up
-    times, names = {name: [] for name in models}, list(models)
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            t0, c0 = time.time(), time.process_time()
-            run(name, steps)
-            times[name].append(((time.time() - t0) / steps, (time.process_time() - c0) / steps))
-    return times
-
-
 def bench(args):
     """Training throughput (forward + backward + AdamW step, random tokens) of a compact nanoGPT model
     (scaled_dot_product_attention, same width, depth, MLP width, T and batch) and of GPT with standard, MLR and
-    SWA attention. The models take turns, repeat after repeat, so load from other processes hits all alike."""
+    SWA attention. After two warm-up steps each, the models take turns, repeat after repeat, in rotating order,
+    so load from other processes hits all alike; each one's best repeat counts."""
     device = pick_device(args.device)
     D, L, H, T, B, V = args.n_embd, args.n_layer, args.n_head, args.block_size, args.batch_size, 96
     cfg = {k: v for k, v in vars(args).items() if not k.startswith('_')}
@@ -1141,13 +1047,28 @@ def bench(args):
     for attn in ('standard', 'mlr', 'swa'):
         models[attn] = GPT(build_config({**cfg, 'attn': attn}), V)
     x, y = torch.randint(V, (B, T), device=device), torch.randint(V, (B, T), device=device)
-    for m in models.values():
-        m.to(device)
-    times = time_models(models, x, y, args.bench_steps, args.bench_reps, device)
+    opts = {name: torch.optim.AdamW(m.to(device).parameters(), lr=1e-4) for name, m in models.items()}
+
+    def run(name, n):
+        for _ in range(n):
+            models[name](x, y)[1].backward()
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+        if device.startswith('cuda'):
+            torch.cuda.synchronize()
+
+    for name in models:
+        run(name, 2)  # warm-up
+    names, best = list(models), {name: (math.inf, math.inf) for name in models}   # (wall, process CPU) s/step
+    for rep in range(args.bench_reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            t0, c0 = time.time(), time.process_time()
+            run(name, args.bench_steps)
+            wall, cpu = (time.time() - t0) / args.bench_steps, (time.process_time() - c0) / args.bench_steps
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
     print(f"training throughput: D={D} L={L} H={H} T={T} B={B} on {device} with {torch.get_num_threads()} "
           f"threads (best of {args.bench_reps} x {args.bench_steps} steps; CPU time counts every thread, and is "
           f"the fairer measure on a loaded machine)")
-    best = {name: (min(w for w, _ in ts), min(c for _, c in ts)) for name, ts in times.items()}
     base, rows = best['nanoGPT (sdpa)'], {}
     for name, (wall, cpu) in best.items():
         rows[name] = dict(ms_per_step=1000 * wall, tokens_per_s=B * T / wall, tokens_per_cpu_s=B * T / cpu,
