@@ -17,7 +17,6 @@ import dataclasses
 import contextlib
 import fcntl
 import glob
-import inspect
 import json
 import math
 import os
