@@ -36,7 +36,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps. libgomp's default (spin for
-# milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Threads").
+# milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Quick start").
 if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
     os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin

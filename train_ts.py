@@ -34,7 +34,7 @@ import time
 from datetime import datetime
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
-# milliseconds of spinning, which cost a shared machine dearly (README, "Threads").
+# milliseconds of spinning, which cost a shared machine dearly (README, "Quick start").
 if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
     os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
