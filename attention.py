@@ -287,6 +287,10 @@ class AttentionHeads(nn.Module):
         if self.n_kv != H and type(self) is not StandardAttention:
             raise ValueError("grouped-query attention (n_kv_head) is only implemented for standard attention")
 
+    def rotate(self, q, k, pos):
+        """RoPE on the query and key features (B, H, T, f) at positions pos (T,), each group of rope_widths alone."""
+        return rope(q, pos, self.rope_widths), rope(k, pos, self.rope_widths)
+
     def value_output_maps(self):
         """v_proj (B, T, D) -> (B, T, n_kv d), init N(0, 1/D), and o_proj (B, T, H d) -> (B, T, D), zero init."""
         D, d, w = self.cfg.n_embd, self.d, self.cfg.mup_base_width
@@ -322,9 +326,6 @@ class SelfAttention(AttentionHeads):
             y = self.decode(q, k, v, cache, pos)
             cache.t += 1
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
-
-    def rotate(self, q, k, pos):
-        return rope(q, pos, self.rope_widths), rope(k, pos, self.rope_widths)
 
     def scale(self):                                     # c of a whole-head dot product (R = d)
         return logit_scales(self.cfg, self.kind, [self.d])[0]
@@ -535,8 +536,7 @@ class BilinearAttention(AttentionHeads):
         B, T, _ = x.shape
         qf, kf = self.features(x)                                            # (B, H, T, e)
         if self.cfg.pos == 'rope':
-            pos = torch.arange(T, device=x.device)
-            qf, kf = rope(qf, pos, self.rope_widths), rope(kf, pos, self.rope_widths)
+            qf, kf = self.rotate(qf, kf, torch.arange(T, device=x.device))
         v = self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)        # (B, H, T, d)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         y = F.scaled_dot_product_attention(qf, kf, v, attn_mask=mask, scale=1.0,

@@ -144,13 +144,18 @@ def given_flags(parser, argv=None):
     return set(vars(ns))
 
 
+def check_model_settings(saved, what, set_by_task=TASK_FIELDS):
+    """ValueError unless the run config `saved` holds every model flag (all ModelConfig fields but set_by_task)."""
+    lost = [f.name for f in fields(ModelConfig) if f.name not in saved and f.name not in set_by_task]
+    if lost:
+        raise ValueError(f"{what} lacks the model settings {lost[:3]}...: not a run of this script")
+
+
 def resume_settings(saved, args, given, may_change=()):
     """--resume: the checkpoint's settings (saved) win, copied into args. A given flag must equal the saved value
     unless it is in may_change (run length, logging, ...), else one ValueError naming every conflict."""
     keep = {'resume', 'overwrite', 'out_dir', 'device'}
-    lost = [f.name for f in fields(ModelConfig) if f.name not in saved and f.name not in TASK_FIELDS]
-    if lost:
-        raise ValueError(f"--resume: the checkpoint lacks the model settings {lost[:3]}...: not a run of this script")
+    check_model_settings(saved, '--resume: the checkpoint')
     conflicts = [f"--{k}: checkpoint {saved[k]!r} vs given {getattr(args, k)!r}" for k in sorted(given)
                  if k in saved and k not in keep and k not in may_change and saved[k] != getattr(args, k)]
     if conflicts:

@@ -369,13 +369,16 @@ def test_swa_fast_equals_reference(path, causal, T, window, monkeypatch):
                            key_mask=key_mask)
 
 
+@pytest.mark.parametrize('rope', [False, True])
 @pytest.mark.parametrize('causal', [True, False])
 @pytest.mark.parametrize('T', [1, 63, 64, 150])
-def test_linear_fast_equals_reference(causal, T):
+def test_linear_fast_equals_reference(causal, T, rope):
+    """The chunked form against the quadratic one, plain and in RoFormer's linear form (rotated numerator)."""
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    rotate = (lambda f: A.rope(f, torch.arange(T))) if rope else None
     assert_grads_close(K.linear_attention, K.linear_attention_reference, q, k, v, f"linear T={T} causal={causal}",
-                       causal=causal)
+                       causal=causal, rotate=rotate)
 
 
 def test_mlr_measured_flops_equal_formula(monkeypatch):

@@ -33,7 +33,7 @@ import sys
 import sysconfig
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 # Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps. libgomp's default (spin for
 # milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Quick start").
@@ -59,11 +59,11 @@ from tqdm import tqdm
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIONS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups, paper_logit_scale)
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_numbers, check_writable, content_digest, ctrl_c_finishes_step, given_flags, io_errors,
-                  load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds,
-                  owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands,
-                  pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings, rng_state,
-                  run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
+                  check_model_settings, check_numbers, check_writable, content_digest, ctrl_c_finishes_step,
+                  given_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
+                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
+                  plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
+                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_lm.py'
@@ -712,9 +712,7 @@ def sample(args):
     device, where = pick_device(args.device), os.path.join(args.out_dir, 'ckpt.pt')
     ckpt = load_checkpoint(where, SCRIPT, CKPT_KEYS)
     cfg, itos = ckpt['config'], ckpt['itos']
-    missing = [f.name for f in fields(ModelConfig) if f.name not in cfg and f.name != 'causal']   # causal: always
-    if missing:
-        raise ValueError(f"checkpoint {where!r} lacks the model settings {missing[:3]}...: not a run of train_lm.py")
+    check_model_settings(cfg, f"checkpoint {where!r}", set_by_task=('causal',))   # block_size: in an LM config
     model = GPT(build_config(cfg), len(itos)).to(device)
     try:
         model.load_state_dict(ckpt['model'])
