@@ -2122,10 +2122,11 @@ def test_listops_generated_splits(tmp_path):
     assert np.array_equal(other['test'][0], data['test'][0])
 
 
-def pf_solid_mask(curves, markers, scale=2, size=32, r_line=0.5, r_mark=1.5):
-    """Every curve as ONE solid polyline through all its paddle endpoints (the gaps bridged), the markers as
-    discs, at scale x resolution (a line is 2 pixels wide, curves 1 pixel apart are never 4-neighbours).
-    Independent of the generator's renderer."""
+def pf_connected(curves, markers, scale=2, size=32, r_line=0.5, r_mark=1.5):
+    """Whether the two markers are 4-connected (a flood fill grown a pixel ring at a time) in a picture drawn here,
+    independent of the generator's renderer: every curve as ONE solid polyline through all its paddle endpoints
+    (the gaps bridged), the markers as discs, at scale x resolution (a line is 2 pixels wide, curves 1 pixel apart
+    are never 4-neighbours)."""
     n = size * scale
     c = (np.stack(np.mgrid[0:n, 0:n][::-1], -1).reshape(-1, 2) + 0.5) / scale        # pixel centres (x, y)
     mask = np.zeros(n * n, bool)
@@ -2135,34 +2136,27 @@ def pf_solid_mask(curves, markers, scale=2, size=32, r_line=0.5, r_mark=1.5):
             mask |= np.linalg.norm(c - p - t[:, None] * (q - p), axis=1) <= r_line
     for m in markers:
         mask |= np.linalg.norm(c - m, axis=1) <= r_mark
-    return mask.reshape(n, n)
-
-
-def pf_flood_fill(mask, start):
-    """The 4-connected region of mask around start, grown a pixel ring at a time."""
+    mask = mask.reshape(n, n)
+    (x0, y0), (x1, y1) = np.floor(markers * scale).astype(int)
     reached = np.zeros_like(mask)
-    reached[start] = True
+    reached[y0, x0] = True
     while True:
         p = np.pad(reached, 1)
         grown = mask & (reached | p[:-2, 1:-1] | p[2:, 1:-1] | p[1:-1, :-2] | p[1:-1, 2:])
         if (grown == reached).all():
-            return reached
+            return bool(reached[y1, x1])
         reached = grown
 
 
 def test_pathfinder_connectivity_shapes_and_show(tmp_path, capsys):
     rng = np.random.default_rng(7)
-    for i in range(4):
-        label = i % 2
+    for label in (0, 1):
         curves, markers = lra.pathfinder_scene(rng, label)
         assert len(curves) >= 2 and all(len(c) == 14 for c in curves[:2])
-        (x0, y0), (x1, y1) = (np.floor(markers * 2)).astype(int)
-        reached = pf_flood_fill(pf_solid_mask(curves, markers), (y0, x0))
-        assert bool(reached[y1, x1]) == bool(label), f"sample {i}: label {label}, flood fill says {reached[y1, x1]}"
+        assert pf_connected(curves, markers) == bool(label)
         img = lra.render_pathfinder(curves, markers)
-        for mx, my in markers:                                   # markers are drawn, fully covering their pixel
-            assert img[int(my), int(mx)] == 255
-        for c in curves:                                         # every paddle leaves ink at its midpoint
+        assert all(img[int(my), int(mx)] == 255 for mx, my in markers)    # markers fully cover their pixel
+        for c in curves:                                                  # every paddle leaves ink at its midpoint
             mid = c.mean(1)
             assert (img[mid[:, 1].astype(int), mid[:, 0].astype(int)] > 0).all()
     # --show: the splits generated and cached, the training samples drawn into --out_dir
@@ -2190,116 +2184,97 @@ def write_listops_release(d, bad_line=None):
     return d
 
 
-def write_imdb(root):
+def write_releases(root):
+    """IMDB (a review a class and split), AAN pairs, CIFAR-10 batches (two images each, image 0 pure red) and ten
+    Pathfinder images (image i: row i at 200) -> {task: folder}."""
+    from PIL import Image
     for split in ('train', 'test'):
         for name, text in (('pos', 'Great film \u00e9'), ('neg', 'dull')):
-            d = root / 'aclImdb' / split / name
-            d.mkdir(parents=True)
-            (d / '0_9.txt').write_text(f'{text} ({split})', encoding='utf-8')
-    return root / 'aclImdb'
-
-
-def write_aan(root):
+            (root / 'aclImdb' / split / name).mkdir(parents=True)
+            (root / 'aclImdb' / split / name / '0_9.txt').write_text(f'{text} ({split})', encoding='utf-8')
     (root / 'aan').mkdir()
     for name, n in (('train', 4), ('eval', 2), ('test', 2)):
         lines = [f'{i % 2}\tid{i}a\tid{i}b\tpaper {i} text one\tsecond paper {i}' for i in range(n)]
         (root / 'aan' / f'new_aan_pairs.{name}.tsv').write_text('\n'.join(lines) + '\n')
-    return root / 'aan'
-
-
-def write_cifar(root):
-    d = root / 'cifar-10-batches-py'
-    d.mkdir()
+    (root / 'cifar').mkdir()
     rng = np.random.default_rng(0)
     for name in [f'data_batch_{i}' for i in range(1, 6)] + ['test_batch']:
         data = rng.integers(0, 256, (2, 3072), dtype=np.uint8)
-        data[0, :1024], data[0, 1024:] = 255, 0                  # image 0 of each batch: pure red
-        with open(d / name, 'wb') as f:
+        data[0, :1024], data[0, 1024:] = 255, 0
+        with open(root / 'cifar' / name, 'wb') as f:
             pickle.dump({b'batch_label': name.encode(), b'labels': [3, 7], b'data': data,
                          b'filenames': [b'a.png', b'b.png']}, f, protocol=2)
-    return d
-
-
-def write_pathfinder_release(root, n=10):
-    from PIL import Image
-    d = root / 'curv_contour_length_14'
-    (d / 'imgs' / '0').mkdir(parents=True)
-    (d / 'metadata').mkdir()
-    lines = []
-    for i in range(n):
+    pf = root / 'curv_contour_length_14'
+    (pf / 'imgs' / '0').mkdir(parents=True)
+    (pf / 'metadata').mkdir()
+    for i in range(10):
         img = np.zeros((32, 32), np.uint8)
-        img[i, :] = 200
-        Image.fromarray(img).save(d / 'imgs' / '0' / f'sample_{i}.png')
-        lines.append(f'imgs/0 sample_{i}.png {i} {i % 2} 1.0 14 4 2 0.5 1 1')
-    (d / 'metadata' / '0.npy').write_text('\n'.join(lines) + '\n')
-    return d
+        img[i] = 200
+        Image.fromarray(img).save(pf / 'imgs' / '0' / f'sample_{i}.png')
+    (pf / 'metadata' / '0.npy').write_text(''.join(f'imgs/0 sample_{i}.png {i} {i % 2} 1.0 14 4 2 0.5 1 1\n'
+                                                   for i in range(10)))
+    return dict(text=root / 'aclImdb', retrieval=root / 'aan', image=root / 'cifar', pathfinder=pf)
 
 
 def test_release_loaders_and_runs(tmp_path, capsys):
-    x, y = lra.load_listops_release(str(write_listops_release(tmp_path / 'lo')), 4)['train']
+    read = lambda task, folder, max_len=1024: lra.read_release(task, str(folder), max_len, 10)
+    x, y = read('listops', write_listops_release(tmp_path / 'lo'), 4)['train']
     assert x.shape == (8, 4) and y.tolist()[:4] == [9, 1, 2, 5] and 'note' not in capsys.readouterr().out
     assert [lra.LISTOPS_VOCAB[i] for i in x[1] if i] == ['[SM', '4', '7', ']']
-    lra.load_listops_release(str(tmp_path / 'lo'), 3)                       # 4-token expressions cut: said
+    read('listops', tmp_path / 'lo', 3)                                    # 4-token expressions cut: said
     assert 'note: 8 of 8 train examples in' in capsys.readouterr().out
-    data = lra.load_text_release(str(write_imdb(tmp_path)), 12)
+    folders = write_releases(tmp_path)
+    data = read('text', folders['text'], 12)
     x, y = data['train']
-    assert x.shape == (2, 12) and y.tolist() == [0, 1]
-    assert bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12]
-    assert (x[0][len('dull (train)'):] == 0).all() and data['val'][0] is data['test'][0]
-    data = lra.load_retrieval_release(str(write_aan(tmp_path)), 16)
+    assert x.shape == (2, 12) and y.tolist() == [0, 1] and np.array_equal(data['val'][0], data['test'][0])
+    assert bytes((x[1] - 1).tolist()) == 'Great film \u00e9'.encode()[:12] and (x[0][len('dull (train)'):] == 0).all()
+    data = read('retrieval', folders['retrieval'], 16)
     x, y = data['train']
     assert x.shape == (4, 2, 16) and y.tolist() == [0, 1, 0, 1] and data['val'][0].shape == (2, 2, 16)
     assert bytes((x[1, 0][x[1, 0] > 0] - 1).tolist()) == b'paper 1 text one'
     assert bytes((x[1, 1][x[1, 1] > 0] - 1).tolist()) == b'second paper 1'
-    data = lra.load_image_release(str(write_cifar(tmp_path)))
+    data = read('image', folders['image'])
     x, y = data['train']
     assert x.shape == (9, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (2, 1024)
     assert (x[0] == int(0.2989 * 255)).all() and 0 <= x.min() and x.max() <= 255 and y[:2].tolist() == [3, 7]
-    data = lra.load_pathfinder_release(str(write_pathfinder_release(tmp_path)))
+    data = read('pathfinder', folders['pathfinder'])
     x, y = data['train']
     assert x.shape == (8, 1024) and data['val'][0].shape == (1, 1024) and data['test'][0].shape == (1, 1024)
     assert y.tolist() == [0, 1] * 4 and (x[3].reshape(32, 32)[3] == 200).all() and x[3].sum() == 200 * 32
     # each folder through --data: a model trains on it
     common = ['--cache_dir', str(tmp_path / 'lra_cache'), *LRA_SMALL, '--max_iters', '1', '--eval_interval', '1',
               '--batch_size', '2']
-    for task, folder, extra in (('retrieval', tmp_path / 'aan', ['--max_len', '32']),
-                                ('text', tmp_path / 'aclImdb', ['--max_len', '32', '--pooling', 'cls']),
-                                ('image', tmp_path / 'cifar-10-batches-py', ['--pooling', 'max', '--attn', 'swa']),
-                                ('pathfinder', tmp_path / 'curv_contour_length_14', ['--attn', 'brl',
-                                                                                     '--pixel_embed', 'linear'])):
-        r = lra.main(['--task', task, '--data', str(folder), '--out_dir', str(tmp_path / task), *common, *extra])
+    for task, extra in (('retrieval', ['--max_len', '32']), ('text', ['--max_len', '32', '--pooling', 'cls']),
+                        ('image', ['--pooling', 'max', '--attn', 'swa']),
+                        ('pathfinder', ['--attn', 'brl', '--pixel_embed', 'linear'])):
+        r = lra.main(['--task', task, '--data', str(folders[task]), '--out_dir', str(tmp_path / task), *common, *extra])
         assert r['history'][-1]['step'] == 1 and r['config']['task'] == task
 
 
 # -----------------------------------------------------------------------------
-# model: padding mask, pooling
+# model: padding mask, trim, pooling
 
 @pytest.mark.parametrize('attn', ['standard', 'swa', 'brl', 'linear'])
-@pytest.mark.parametrize('pooling', ['mean', 'cls', 'max'])
-def test_padding_is_invisible(attn, pooling):
-    """Logits of a padded batch with its key_mask equal the logits of the unpadded sequences."""
-    torch.manual_seed(0)
-    cfg = lra.ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=65, causal=False, attn=attn, window=8,
-                          n_compressed=4)
-    model = lra.LRAClassifier(cfg, vocab=16, classes=10, pooling=pooling).eval()
-    x = torch.randint(1, 16, (2, 64))
-    x[0, 40:] = 0
-    xb, mask = lra.make_batch(x.numpy(), pad=True, trim=0, device='cpu')
-    with torch.no_grad():
-        full, alone0, alone1 = model(xb, mask), model(x[:1, :40], None), model(x[1:], None)
-    assert_close(full[0], alone0[0], 1e-5, 1e-4, f'{attn}/{pooling} padded row')
-    assert_close(full[1], alone1[0], 1e-5, 1e-4, f'{attn}/{pooling} full row')
-
-
-def test_trim_keeps_results():
-    x = np.zeros((3, 256), np.int64)
-    x[:, :70] = 5
-    xb, mask = lra.make_batch(x, pad=True, trim=64, device='cpu')
-    assert xb.shape == (3, 128) and mask.sum().item() == 3 * 70
+def test_padding_and_trim_are_invisible(attn):
+    """Logits of a padded batch, cut to a multiple of trim past its longest row, with its key_mask, equal the logits
+    of the unpadded sequences, with every pooling."""
+    x = torch.randint(1, 16, (2, 64), generator=torch.Generator().manual_seed(0))
+    x[0, 30:], x[1, 50:] = 0, 0
+    xb, mask = lra.make_batch(x.numpy(), pad=True, trim=8, device='cpu')
+    assert xb.shape == (2, 56) and mask.sum().item() == 80
+    for pooling in ('mean', 'cls', 'max'):
+        torch.manual_seed(0)
+        cfg = lra.ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=65, causal=False, attn=attn, window=8,
+                              n_compressed=4)
+        model = lra.LRAClassifier(cfg, vocab=16, classes=10, pooling=pooling).eval()
+        with torch.no_grad():
+            full, alone0, alone1 = model(xb, mask), model(x[:1, :30], None), model(x[1:, :50], None)
+        assert_close(full[0], alone0[0], 1e-5, 1e-4, f'{attn}/{pooling} row 0')
+        assert_close(full[1], alone1[0], 1e-5, 1e-4, f'{attn}/{pooling} row 1')
 
 
 # -----------------------------------------------------------------------------
-# smoke runs of the script
+# smoke runs of the script; the flags reach the model and the benchmark
 
 LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
              '--max_iters', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1',
@@ -2329,14 +2304,6 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     lra.main(['--compare', f"{tmp_path / 'a'},{tmp_path / 'b'}", '--out_dir', str(tmp_path / 'c')])
     assert capsys.readouterr().out.strip().endswith(f"outputs: plot {tmp_path / 'c' / 'lra_compare.png'}")
     assert (tmp_path / 'c' / 'lra_compare.png').stat().st_size > 1000
-    # --attn global_swa (standard at --global_layers, SWA elsewhere) is a variant here; RoPE has no learned positions
-    assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
-    assert cfg_of('--pos', 'rope')[0].pos is None and cfg_of('--pos', 'learned')[0].pos is not None
-
-
-def test_preset_lra_applies_table12_but_flags_win():
-    a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2', '--max_iters', '9'])
-    assert (a.n_layer, a.max_iters, a.n_embd, a.max_len) == (2, 9, 512, 2000)
 
 
 def test_bench_points_skips_and_plot(tmp_path, monkeypatch):
@@ -2355,44 +2322,31 @@ def test_bench_points_skips_and_plot(tmp_path, monkeypatch):
     assert r['ms'] > 0 and np.isfinite(r['peak_mb'])
 
 
-# train_lra.py flags: the shared model group
-
-META = dict(vocab=len(lra.LISTOPS_VOCAB), classes=10, dual=False)
-
-
-def cfg_of(*argv):
-    return lra.build_model(lra.parse_args(list(argv)), META)
-
-
-def test_every_model_flag_reaches_the_config():
-    """One non-default value for every ModelConfig flag: build_model's config carries each of them."""
-    values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard', layer_pattern='standard,standard,standard',
-                  global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1, ranks='8|8',
+def test_every_model_flag_reaches_the_model_and_the_bench():
+    """One non-default value for every ModelConfig flag: build_model's config and the benchmark's options carry
+    each of them; --attn global_swa is a variant here, RoPE has no learned positions; --preset lra sets Table 12
+    where no flag is given."""
+    values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard',
+                  layer_pattern='standard,standard,standard', global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1, ranks='8|8',
                   mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
                   bilinear_rms_cap=True, bilinear_mlr_ln='head', window=8, gswa_ranks='8|8', n_compressed=4,
-                  brl_block=4, brl_beta=0.25,
-                  brl_lambda_init=0.3, brl_gamma=False, brl_history='block', brl_rel_buckets=8, mup_base_width=64,
-                  pos='rope')
-    flags = {f.name for f in fields(attention.ModelConfig)} - set(R.TASK_FIELDS)
-    assert set(values) == flags
+                  brl_block=4, brl_beta=0.25, brl_lambda_init=0.3, brl_gamma=False, brl_history='block',
+                  brl_rel_buckets=8, mup_base_width=64, pos='rope')
+    assert set(values) == {f.name for f in fields(attention.ModelConfig)} - set(R.TASK_FIELDS)
     argv = [a for k, v in values.items() if not isinstance(v, bool)
             for a in (f'--{k}', str(v))] + ['--qk_ln', '--mlr_divide_levels', '--bilinear_rms_cap', '--no-brl_gamma']
-    _, cfg = cfg_of(*argv, '--max_len', '64')
+    args = lra.parse_args([*argv, '--max_len', '64'])
+    model, cfg = lra.build_model(args, lra.task_meta('listops'))
+    opts = lra.bench_options(args, 'cpu')
     for k, v in values.items():
-        assert getattr(cfg, k) == v, k
-    assert (cfg.causal, cfg.block_size) == (False, 64)
+        assert getattr(cfg, k) == v and opts.get(k, v) == v, k
+    assert (cfg.causal, cfg.block_size, model.pos) == (False, 64, None) and {'attn', 'layer_pattern'}.isdisjoint(opts)
+    cfg_of = lambda *argv: lra.build_model(lra.parse_args(list(argv)), lra.task_meta('listops'))
     assert cfg_of('--max_len', '64', '--pooling', 'cls')[1].block_size == 65    # + the CLS vector
-
-
-
-
-def test_bench_uses_the_model_flags():
-    opts = lra.bench_options(lra.parse_args(['--n_embd', '32', '--n_head', '2', '--n_kv_head', '1', '--pos', 'none']),
-                             'cpu')
-    a = argparse.Namespace(**{**opts, 'attn': 'standard', 'layer_pattern': '', 'max_len': 64, 'pooling': 'mean',
-                              'pixel_embed': 'token'})
-    model, cfg = lra.build_model(a, META)
-    assert cfg.n_kv_head == 1 and model.pos is None
+    assert cfg_of('--attn', 'global_swa', '--n_layer', '4')[1].layer_kinds() == ['standard', 'swa', 'swa', 'standard']
+    assert cfg_of('--pos', 'learned')[0].pos is not None
+    a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2', '--max_iters', '9'])
+    assert (a.n_layer, a.max_iters, a.n_embd, a.max_len) == (2, 9, 512, 2000)
 
 
 # -----------------------------------------------------------------------------
@@ -2404,16 +2358,10 @@ STUDY_TINY = ['--sweep', 'listops', '--quick', '--variants', 'local,brl', '--see
               '--min_len', '8', '--max_len', '32', '--batch_size', '8', '--eval_batch_size', '16', '--n_embd', '32']
 
 
-def study_tiny_argv(tmp_path, *extra):
-    return [*STUDY_TINY, '--sweep_dir', str(tmp_path / 'study'), '--cache_dir', str(tmp_path / 'cache'), *extra]
-
-
-def study_results(run_dir):
-    with open(os.path.join(run_dir, 'results.json')) as f:
-        return json.load(f)
-
-
 def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
+    argv = lambda *extra: [*STUDY_TINY, '--sweep_dir', str(tmp_path / 'study'), '--cache_dir', str(tmp_path / 'c'),
+                           *extra]
+    results = lambda run_dir: json.load(open(os.path.join(run_dir, 'results.json')))
     # the runs train in this process (runs.sweep's processes are tested with train_lm.py), from this script
     real, started = R.sweep, []
 
@@ -2422,18 +2370,16 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
         return real(runs, states, script, main, 0, tag)
     monkeypatch.setattr(lra, 'sweep', in_process)
     # 1. the whole study: 4 runs trained, the JSON, table and plot written
-    r = lra.main(study_tiny_argv(tmp_path))
+    r = lra.main(argv())
     names = ['local_seed0', 'brl_seed0', 'local_seed1', 'brl_seed1']
     assert [(s, w, sorted(n)) for s, w, n in started] == [('train_lra.py', 2, sorted(names))]
-    assert set(r['states'].values()) == {'new'}
-    assert r['codes'] == dict.fromkeys(names, 0) and len(r['runs']) == 4
+    assert set(r['states'].values()) == {'new'} and r['codes'] == dict.fromkeys(names, 0) and len(r['runs']) == 4
     assert all([h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
     assert all(os.path.isfile(p) for p in r['paths'].values())
     saved = json.load(open(r['paths']['json']))
     assert saved['stats']['variants']['brl']['seeds'] == [0, 1] and saved['variant_flags']['local'] == ['--attn', 'swa']
-    # each run is the variant it claims, with the study's setting
-    for run in r['runs']:
-        cfg = study_results(run['out_dir'])['config']
+    for run in r['runs']:     # each run is the variant it claims, with the study's setting
+        cfg = results(run['out_dir'])['config']
         assert cfg['attn'] == {'local': 'swa', 'brl': 'brl'}[run['variant']] and cfg['seed'] == run['seed']
         assert (cfg['window'], cfg['max_len'], cfg['data_seed'], cfg['threads']) == (4, 32, 0, 1)
     # the paired difference is BRL - local on the same seed, of the test accuracy at the best validation accuracy
@@ -2443,9 +2389,8 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     # (its first two evaluations, timings included, are kept exactly; a restart would measure new ones) and reuses
     # the finished runs, untouched
     monkeypatch.setattr(lra, 'plot_seed_bands', lambda *args, **kw: None)    # drawn above
-    results = os.path.join(r['runs'][0]['out_dir'], 'results.json')
-    mtime = os.path.getmtime(results)
-    args = lra.parse_args(study_tiny_argv(tmp_path))
+    mtime = os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json'))
+    args = lra.parse_args(argv())
     run_dir = lra.study_run_dir(args, 'brl', 1)
     tap = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2)
     with pytest.raises(lra.Interrupted):
@@ -2453,15 +2398,16 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(F, 'cross_entropy', tap.real)
     before = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=True)['history']
     assert [h['step'] for h in before] == [1, 2] and not os.path.exists(os.path.join(run_dir, 'results.json'))
-    r3 = lra.main(study_tiny_argv(tmp_path))
+    r3 = lra.main(argv())
     assert r3['codes'] == {'brl_seed1': 0} and r3['states'] == {**dict.fromkeys(names, 'done'), 'brl_seed1': 'partial'}
-    after = study_results(run_dir)['history']
-    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before and os.path.getmtime(results) == mtime
+    after = results(run_dir)['history']
+    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before
+    assert os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json')) == mtime
     # 3. a study of other settings in the same folder is refused in one line, before any training
     with pytest.raises(ValueError, match=r'--lr .* use another --sweep_dir'):
-        lra.main(study_tiny_argv(tmp_path, '--lr', '0.002'))
+        lra.main(argv('--lr', '0.002'))
     # 4. --estimate: the minutes of every run, nothing trained
-    est = lra.main(study_tiny_argv(tmp_path, '--estimate', '--no-reuse'))
+    est = lra.main(argv('--estimate', '--no-reuse'))
     assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
 
 
@@ -2470,7 +2416,7 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
                                           (['--variants', 'local,local'], "--variants names 'local' twice"),
                                           (['--workers', '-1'], '--workers -1'),
                                           (['--workers', '100000'], '--workers 100000'),
-                                          (['--task', 'text'], '--task'),
+                                          (['--data', 'x'], '--data does not go with --sweep'),
                                           (['--quick'], 'belongs to --sweep')])
 def test_study_bad_input_is_one_line(extra, named, capsys):
     with pytest.raises(SystemExit) as e:
@@ -3430,9 +3376,8 @@ def lra_setup(out, cache, how, tmp_path):
         (tmp_path / 'old').mkdir()
         R.write_json(str(tmp_path / 'old' / 'results.json'), {'attn': 'brl', 'config': {'attn': 'brl'}})
     elif how == 'random_cifar':
-        d = write_cifar(tmp_path)
-        (d / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
-        os.rename(d, rel)
+        os.rename(write_releases(tmp_path)['image'], rel)
+        (rel / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lra.main(lra_argv(out, cache)), 'train_ts.py')
 
 

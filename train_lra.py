@@ -167,8 +167,8 @@ def generate_listops(n, min_len, max_len, seed, exclude=()):
 
 
 def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
-    """Generated once into <cache_dir>/listops_<...>/basic_*.tsv: test first (seed), then val (seed+1), then train
-    (seed+2), each avoiding the earlier ones, so that the test set does not depend on n_train."""
+    """Generated once into <cache_dir>/listops_<...>/basic_*.tsv (the release's layout): test first (seed), then val
+    (seed+1), then train (seed+2), each avoiding the earlier ones, so that the test set does not depend on n_train."""
     d = os.path.join(cache_dir, f'listops_len{min_len}-{max_len}_n{n_train}-{n_val}-{n_test}_seed{seed}')
     splits = [('test', n_test), ('val', n_val), ('train', n_train)]
 
@@ -181,7 +181,7 @@ def listops_dataset(cache_dir, n_train, n_val, n_test, min_len, max_len, seed):
             write_text(os.path.join(d, f'basic_{split}.tsv'), '\n'.join(lines) + '\n')
         print(f'wrote ListOps to {d}')
     cached(os.path.join(d, 'sha256'), [os.path.join(d, f'basic_{s}.tsv') for s, _ in splits], make)
-    return load_listops_release(d, max_len)
+    return {split: read_listops(d, split, max_len) for split in ('train', 'val', 'test')}
 
 
 # -----------------------------------------------------------------------------
@@ -213,8 +213,6 @@ def clear_of(scene, pts, rad, cid, cfg):
 
 def add_segments(scene, a, b, rad, cid):
     return np.vstack([scene, np.column_stack([a, b, np.full(len(a), rad), np.full(len(a), cid)])])
-
-
 def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
     """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from the last;
     of n_cand random turns the first one that stays inside and clear of the scene and of the curve's own paddles
@@ -312,20 +310,8 @@ def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
     return {s: (z[f'{s}_x'].reshape(len(z[f'{s}_x']), -1), z[f'{s}_y']) for s in ('train', 'val', 'test')}
 
 
-def show_pathfinder(data, path, n=16):
-    plt = _plt()
-    fig, axes = plt.subplots(2, n // 2, figsize=(1.6 * n // 2, 3.6))
-    for ax in axes.flat:
-        ax.axis('off')
-    x, y = data['train']
-    for ax, img, label in zip(axes.flat, x[:n], y[:n]):
-        ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
-        ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
-    save_figure(plt, fig, path, dpi=80)
-
-
 # -----------------------------------------------------------------------------
-# loaders for the official release layout (each split -> (x int array, y int64 array))
+# the official release files (--data): each task's reader of one part of them -> (x int64 array, y int64 array)
 
 def byte_ids(text, max_len):
     """LRA's byte-level encoding: UTF-8 bytes + 1 (0 is padding), truncated to max_len."""
@@ -354,119 +340,108 @@ def tsv_rows(pattern, n_cols, what):
                 yield f.name, n, cols
 
 
-def load_listops_release(data_dir, max_len):
-    """lra_release/listops-1000/basic_{train,val,test}.tsv: header Source<TAB>Target, then one expression (the
-    model reads it without parentheses) and its value a line."""
-    out = {}
-    for split in ('train', 'val', 'test'):
-        rows = tsv_rows(os.path.join(data_dir, f'*_{split}.tsv'), 2, 'Source<TAB>Target')
-        path, _, header = next(rows, (data_dir, 0, None))
-        if header != ['Source', 'Target']:
-            raise ValueError(f"{path}: expected header Source<TAB>Target, got {header}")
-        ids, labels = [], []
-        for path, n, (source, target) in rows:
-            try:
-                ids.append([LISTOPS_ID[t] for t in source.split() if t not in ('(', ')')])
-            except KeyError as e:
-                raise ValueError(f"{path} line {n}: unknown ListOps token {e.args[0]!r}; valid: "
-                                 f"{LISTOPS_VOCAB[1:]}") from None
-            if not re.fullmatch(r'\d(\.0*)?', target.strip()):
-                raise ValueError(f"{path} line {n}: label {target!r} is not a digit 0-9")
-            labels.append(int(float(target)))
-        cut = sum(len(r) > max_len for r in ids)
-        if cut:   # said, not silent: a cut expression has another value
-            print(f"note: {cut} of {len(ids)} {split} examples in {path} are longer than --max_len {max_len} and cut")
-        out[split] = (pad_rows(ids, max_len), np.array(labels, np.int64))
-    return out
+def read_listops(d, part, max_len):
+    """listops-1000/basic_<part>.tsv: header Source<TAB>Target, then an expression (read without its parentheses)
+    and its value a line."""
+    rows = tsv_rows(os.path.join(d, f'*_{part}.tsv'), 2, 'Source<TAB>Target')
+    path, _, header = next(rows, (d, 0, None))
+    if header != ['Source', 'Target']:
+        raise ValueError(f"{path}: expected header Source<TAB>Target, got {header}")
+    ids, labels = [], []
+    for path, n, (source, target) in rows:
+        try:
+            ids.append([LISTOPS_ID[t] for t in source.split() if t not in ('(', ')')])
+        except KeyError as e:
+            raise ValueError(f"{path} line {n}: unknown ListOps token {e.args[0]!r}; valid: {LISTOPS_VOCAB[1:]}") \
+                from None
+        if not re.fullmatch(r'\d(\.0*)?', target.strip()):
+            raise ValueError(f"{path} line {n}: label {target!r} is not a digit 0-9")
+        labels.append(int(float(target)))
+    cut = sum(len(r) > max_len for r in ids)
+    if cut:   # said, not silent: a cut expression has another value
+        print(f"note: {cut} of {len(ids)} {part} examples in {path} are longer than --max_len {max_len} and cut")
+    return pad_rows(ids, max_len), np.array(labels, np.int64)
 
 
-def load_text_release(data_dir, max_len):
-    """IMDB reviews as bytes (LRA Text): aclImdb/{train,test}/{pos,neg}/*.txt, label pos = 1. LRA has no
-    IMDB validation split and validates on test; so do we."""
-    out = {}
-    for split in ('train', 'test'):
-        rows, labels = [], []
-        for label, name in enumerate(('neg', 'pos')):
-            files = sorted(glob.glob(os.path.join(data_dir, split, name, '*.txt')))
-            if not files:
-                raise FileNotFoundError(f"no reviews in {os.path.join(data_dir, split, name)}/*.txt")
-            for fn in files:
-                with open(fn, encoding='utf-8') as f:
-                    rows.append(byte_ids(f.read(), max_len))
-            labels += [label] * len(files)
-        out[split] = (pad_rows(rows, max_len), np.array(labels, np.int64))
-    return {**out, 'val': out['test']}
+def read_imdb(d, part, max_len):
+    """aclImdb/<part>/{neg,pos}/*.txt as bytes, label pos = 1."""
+    rows, labels = [], []
+    for label, name in enumerate(('neg', 'pos')):
+        files = sorted(glob.glob(os.path.join(d, part, name, '*.txt')))
+        if not files:
+            raise FileNotFoundError(f"no reviews in {os.path.join(d, part, name)}/*.txt")
+        for fn in files:
+            with open(fn, encoding='utf-8') as f:
+                rows.append(byte_ids(f.read(), max_len))
+        labels += [label] * len(files)
+    return pad_rows(rows, max_len), np.array(labels, np.int64)
 
 
-def load_retrieval_release(data_dir, max_len):
-    """AAN pairs (LRA Retrieval): *.{train,eval,test}.tsv, no header, tab-separated, no quoting:
-    label, id1, id2, text1, text2. x is (N, 2, max_len) byte ids."""
-    out = {}
-    for split, name in (('train', 'train'), ('val', 'eval'), ('test', 'test')):
-        pairs, labels = [], []
-        for _, _, cols in tsv_rows(os.path.join(data_dir, f'*.{name}.tsv'), 5,
-                                   '5 tab-separated columns (label, id1, id2, text1, text2)'):
-            labels.append(int(float(cols[0])))
-            pairs.append(pad_rows([byte_ids(t, max_len) for t in cols[3:5]], max_len))
-        out[split] = (np.stack(pairs), np.array(labels, np.int64))
-    return out
+def read_aan(d, part, max_len):
+    """new_aan_pairs.<part>.tsv: no header, no quoting; label, id1, id2, text1, text2 -> x (N, 2, max_len)."""
+    rows = [cols for *_, cols in tsv_rows(os.path.join(d, f'*.{part}.tsv'), 5,
+                                          '5 tab-separated columns (label, id1, id2, text1, text2)')]
+    return (np.stack([pad_rows([byte_ids(t, max_len) for t in cols[3:5]], max_len) for cols in rows]),
+            np.array([int(float(cols[0])) for cols in rows], np.int64))
 
 
-def load_image_release(data_dir):
-    """CIFAR-10 python batches (LRA Image): data_batch_1..5 and test_batch, pickled dicts with b'data'
-    (N, 3072 uint8, RGB planes) and b'labels'. Grayscale as tf.image.rgb_to_grayscale, cast to int (LRA);
-    train = first 90% of the training batches, val = last 10% (LRA's split), test = test_batch."""
-    def read(names):
-        xs, ys = [], []
-        for name in names:
-            with open(os.path.join(data_dir, name), 'rb') as f:
-                d = pickle.load(f, encoding='bytes')
-            rgb = d[b'data'].reshape(-1, 3, 1024).astype(np.float32)
-            xs.append((rgb * np.array([0.2989, 0.5870, 0.1140], np.float32)[None, :, None]).sum(1).astype(np.int64))
-            ys.append(np.array(d[b'labels'], np.int64))
-        return np.concatenate(xs), np.concatenate(ys)
-    x, y = read([f'data_batch_{i}' for i in range(1, 6)])
-    cut = int(0.9 * len(x))
-    return {'train': (x[:cut], y[:cut]), 'val': (x[cut:], y[cut:]), 'test': read(['test_batch'])}
+def read_cifar(d, part, max_len):
+    """CIFAR-10 python batches (data_batch_1..5 or test_batch): pickled dicts, b'data' (N, 3072 uint8, RGB planes)
+    and b'labels'; gray as tf.image.rgb_to_grayscale, cast to int (LRA)."""
+    xs, ys = [], []
+    for name in [f'data_batch_{i}' for i in range(1, 6)] if part == 'train' else ['test_batch']:
+        with open(os.path.join(d, name), 'rb') as f:
+            batch = pickle.load(f, encoding='bytes')
+        rgb = batch[b'data'].reshape(-1, 3, 1024).astype(np.float32)
+        xs.append((rgb * np.array([0.2989, 0.5870, 0.1140], np.float32)[None, :, None]).sum(1).astype(np.int64))
+        ys.append(np.array(batch[b'labels'], np.int64))
+    return np.concatenate(xs), np.concatenate(ys)
 
 
-def load_pathfinder_release(data_dir):
-    """lra_release/pathfinder32/curv_contour_length_14/: metadata/<i>.npy are text files whose lines read
-    '<imgs/i> <sample_j.png> <n> <label> ...'; images at data_dir/<imgs/i>/<sample_j.png>. Split 80/10/10
-    in file order (LRA)."""
+def read_pathfinder(d, part, max_len):
+    """pathfinder32/curv_contour_length_14/: metadata/<i>.npy are text files of lines '<imgs/i> <sample_j.png> <n>
+    <label> ...', the images at <imgs/i>/<sample_j.png>, all of them in file order."""
     from PIL import Image   # Pillow comes with matplotlib
-    metas = sorted(glob.glob(os.path.join(data_dir, 'metadata', '*.npy')),
+    metas = sorted(glob.glob(os.path.join(d, 'metadata', '*.npy')),
                    key=lambda p: int(re.sub(r'\D', '', os.path.basename(p)) or 0))
     if not metas:
-        raise FileNotFoundError(f"no metadata/*.npy under {data_dir}")
+        raise FileNotFoundError(f"no metadata/*.npy under {d}")
     lines = []
     for meta in metas:
         with open(meta) as f:
             lines += [m for m in map(str.split, f) if len(m) >= 4]
-    x = np.stack([np.asarray(Image.open(os.path.join(data_dir, m[0], m[1])).convert('L'), np.int64).ravel()
-                  for m in lines])
-    y = np.array([int(m[3]) for m in lines], np.int64)
-    a, b = int(0.8 * len(x)), int(0.9 * len(x))
-    return {'train': (x[:a], y[:a]), 'val': (x[a:b], y[a:b]), 'test': (x[b:], y[b:])}
+    x = np.stack([np.asarray(Image.open(os.path.join(d, m[0], m[1])).convert('L'), np.int64).ravel() for m in lines])
+    return x, np.array([int(m[3]) for m in lines], np.int64)
 
 
-RELEASE_CACHE_FORMAT = 2  # bump when a loader changes what it returns
+# task -> its reader, and each split as (the release's part, its first and last fraction): LRA has no IMDB validation
+# split and validates on test; Image's val is the last 10% of the training batches, Pathfinder splits 80/10/10
+RELEASES = {'listops': (read_listops, dict(train=('train', 0, 1), val=('val', 0, 1), test=('test', 0, 1))),
+            'text': (read_imdb, dict(train=('train', 0, 1), val=('test', 0, 1), test=('test', 0, 1))),
+            'retrieval': (read_aan, dict(train=('train', 0, 1), val=('eval', 0, 1), test=('test', 0, 1))),
+            'image': (read_cifar, dict(train=('train', 0, 0.9), val=('train', 0.9, 1), test=('test', 0, 1))),
+            'pathfinder': (read_pathfinder, dict(train=('all', 0, 0.8), val=('all', 0.8, 0.9), test=('all', 0.9, 1)))}
+RELEASE_CACHE_FORMAT = 2  # bump when a reader changes what it returns
 
 
-def read_release(args, meta):
-    """The --data folder through its task's loader; a wrong folder or a damaged file is one line naming both."""
-    loader = {'listops': load_listops_release, 'text': load_text_release, 'retrieval': load_retrieval_release,
-              'image': load_image_release, 'pathfinder': load_pathfinder_release}[args.task]
+def read_release(task, data_dir, max_len, classes):
+    """{split: (x, y)} of the --data folder; a wrong folder or a damaged file is one line naming both."""
+    reader, splits = RELEASES[task]
+    parts, data = {}, {}
     try:
-        data = loader(args.data, args.max_len) if args.task in ('listops', 'text', 'retrieval') else loader(args.data)
+        for split, (part, lo, hi) in splits.items():
+            if part not in parts:
+                parts[part] = reader(data_dir, part, max_len)
+            x, y = parts[part]
+            data[split] = x[int(lo * len(x)):int(hi * len(x))], y[int(lo * len(y)):int(hi * len(y))]
     except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
-        raise ValueError(f"--data {args.data!r} is not a readable {args.task} release folder: "
+        raise ValueError(f"--data {data_dir!r} is not a readable {task} release folder: "
                          f"{type(e).__name__}: {e}") from None
     for split, (_, y) in data.items():
-        if len(y) == 0 or y.min() < 0 or y.max() >= meta['classes']:
-            raise ValueError(f"--data {args.data!r}: {split} labels must be 0..{meta['classes'] - 1} "
-                             f"for {args.task}, got {sorted(set(y.tolist()))[:12] if len(y) else 'none'}")
-    return {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)}
+        if len(y) == 0 or y.min() < 0 or y.max() >= classes:
+            raise ValueError(f"--data {data_dir!r}: {split} labels must be 0..{classes - 1} for {task}, got "
+                             f"{sorted(set(y.tolist()))[:12] if len(y) else 'none'}")
+    return data
 
 
 def task_meta(task):
@@ -477,7 +452,7 @@ def task_meta(task):
 
 
 def load_task(args):
-    """-> (splits {train, val, test: (x, y)}, task_meta). The release cache is keyed on the loader's version, the
+    """-> (splits {train, val, test: (x, y)}, task_meta). The release cache is keyed on the readers' version, the
     task, max_len and the names and bytes of every file under --data: an edited release file is parsed again."""
     meta, seed = task_meta(args.task), args.seed if args.data_seed < 0 else args.data_seed
     if not args.data:
@@ -494,8 +469,12 @@ def load_task(args):
                           content_digest(files)])
     path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
                                         f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
+
+    def make():
+        data = read_release(args.task, args.data, args.max_len, meta['classes'])
+        save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
     with io_errors('--cache_dir', args.cache_dir):
-        cached(path[:-len('.npz')] + '.sha256', [path], lambda: save_npz(path, read_release(args, meta)))
+        cached(path[:-len('.npz')] + '.sha256', [path], make)
         z = np.load(path)
     return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
 
@@ -539,6 +518,7 @@ class LRAClassifier(nn.Module):
         return h.masked_fill(~m, float('-inf')).max(1).values
 
     def forward(self, x, mask=None):
+        """x (B, T), or (B, 2, T) for the dual encoder: [u, v, u*v, u-v] of the two documents to the head."""
         if not self.dual:
             return self.head(self.encode(x, mask))
         u = self.encode(x[:, 0], None if mask is None else mask[:, 0])
@@ -606,9 +586,8 @@ def train(args):
     ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
     prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)
     prepare_out_dir(args.out_dir, [] if args.show else [ckpt_path, results_path], args.resume, args.overwrite)
-    state = None
-    if args.resume:
-        state = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
+    state = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS) if args.resume else None
+    if state is not None:
         resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
     torch.manual_seed(args.seed)
     # data
@@ -718,11 +697,10 @@ def train(args):
 # --bench: forward+backward time and peak memory against T on the same model (seed 004 Figs. 5-6)
 
 def bench_one(attn, T, opts):
-    """Runs in a fresh process. One fwd+bwd step of the classifier on a random length-T batch: the peak
-    memory above what was held before the step (CUDA: max_memory_allocated; CPU: the kernel's resident-set
-    high-water mark VmHWM, reset through /proc/self/clear_refs, minus VmRSS before), then the median time
-    of `reps` more steps. 'standard_unfused' is standard attention forced onto SDPA's plain math backend,
-    which forms the T x T scores like a textbook implementation (the full attention of seed 004 Fig. 5)."""
+    """In a fresh process: one fwd+bwd step of the classifier on a random length-T batch, its peak memory above what
+    was held before (CUDA: max_memory_allocated; CPU: the high-water mark VmHWM, reset through /proc/self/clear_refs,
+    minus VmRSS before), then the median time of `reps` more steps. 'standard_unfused' is standard attention on
+    SDPA's math backend, which forms the T x T scores like a textbook implementation (seed 004 Fig. 5)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     unfused, dev = attn == 'standard_unfused', opts['device']
     torch.manual_seed(0)
@@ -764,8 +742,8 @@ def bench_one(attn, T, opts):
 
 
 def bench_options(args, device):
-    """What bench_one needs: every model flag (--attn and --layer_pattern aside: the point's variant is the
-    model in every layer), --pos, and the benchmark's batch, reps, device and threads."""
+    """What bench_one needs: the model flags (but --attn and --layer_pattern: each point's variant is in every
+    layer), and the benchmark's batch, reps, device and threads."""
     model = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
              if f.name not in TASK_FIELDS + ('attn', 'layer_pattern')}
     return dict(model, batch=args.bench_batch, reps=args.bench_reps, device=device,
@@ -773,75 +751,81 @@ def bench_options(args, device):
 
 
 def bench(args):
-    """Each --bench_attn variant at each --bench_lens length in a fresh process (a clean allocator and peak); a
-    point is skipped where its T x T scores or its predicted time exceed the limits, or where it fails (e.g. CUDA
-    out of memory). -> the rows, also in <out_dir>/bench.json and lra_bench.png."""
+    """Each --bench_attn variant at each --bench_lens length in a fresh process (a clean allocator and peak), skipped
+    where its T x T scores or its predicted time pass the limits, or where it fails (e.g. CUDA out of memory)."""
     import multiprocessing as mp
     device = pick_device(args.device)
     prepare_out_dir(args.out_dir)
     opts = bench_options(args, device)
     print(f"bench: {args.n_layer} layers, D={args.n_embd}, {args.n_head} heads, window {args.window}, "
           f"m={args.n_compressed}, batch {args.bench_batch}, fwd+bwd, device {device}, threads: {opts['threads']}")
-    rows, ctx = [], mp.get_context('spawn')
+    rows = []
     for kind in args._bench_attn:
         for T in args._bench_lens:
-            last = [r for r in rows if r['attn'] == kind and 'ms' in r]
+            last = [r for r in rows if r['attn'] == kind and 'ms' in r][-1:]
             scores_gb = 3 * args.n_layer * args.bench_batch * args.n_head * T * T * 4 / 2 ** 30   # scores, probs, grad
             skip = None
             if kind == 'standard_unfused' and scores_gb > args.bench_max_gb:
                 skip = f'T x T scores ~{scores_gb:.1f} GB > --bench_max_gb'
-            elif last and last[-1]['ms'] / 1e3 * (T / last[-1]['T']) ** 2 > args.bench_max_sec:
+            elif last and last[0]['ms'] / 1e3 * (T / last[0]['T']) ** 2 > args.bench_max_sec:
                 skip = f'predicted > {args.bench_max_sec:g} s per step'
-            if skip is None:
+            else:
                 try:
-                    with ctx.Pool(1) as pool:
+                    with mp.get_context('spawn').Pool(1) as pool:
                         r = pool.apply(bench_one, (kind, T, opts))
                 except Exception as e:
                     skip = f'{type(e).__name__}: {str(e)[:120]}'
-            rows.append(r if skip is None else {'attn': kind, 'T': T, 'skipped': skip})
-            print(f"{kind:16s} T={T:6d}  " + (f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB" if skip is None
-                                               else f"skipped ({skip})"))
+            rows.append({'attn': kind, 'T': T, 'skipped': skip} if skip else r)
+            print(f"{kind:16s} T={T:6d}  " + (f"skipped ({skip})" if skip else
+                                               f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB"))
     paths = os.path.join(args.out_dir, 'bench.json'), os.path.join(args.out_dir, 'lra_bench.png')
     with io_errors('--out_dir', args.out_dir):
         write_json(paths[0], {'options': opts, 'rows': rows})
-        plot_bench(rows, paths[1], opts)
+        fig, axes = subplots(1, 2, figsize=(10, 3.8))
+        for kind in dict.fromkeys(r['attn'] for r in rows):
+            ok = [r for r in rows if r['attn'] == kind and 'ms' in r]
+            label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
+            for ax, key in zip(axes, ('ms', 'peak_mb')):
+                ax.plot([r['T'] for r in ok], [r[key] for r in ok], 'o-', label=label)
+        for ax, ylabel in zip(axes, ('fwd+bwd time per step (ms)', 'peak memory above model (MB)')):
+            ax.set_xscale('log', base=2)
+            ax.set(yscale='log', xlabel='sequence length T', ylabel=ylabel)
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"{opts['n_layer']} layers, D={opts['n_embd']}, w={opts['window']}, m={opts['n_compressed']}, "
+                     f"batch {opts['batch']}, {opts['device']}", fontsize=9)
+        save_figure(fig, paths[1], dpi=90)
     report_outputs(results=paths[0], plot=paths[1])
     return rows
 
 
 # -----------------------------------------------------------------------------
-# plots
+# plots: --show, --compare
 
-def _plt():
+def subplots(*args, **kw):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    return plt
+    return plt.subplots(*args, **kw)
 
 
-def save_figure(plt, fig, path, dpi):
+def save_figure(fig, path, dpi):
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     print(f'saved {path}')
 
 
-def plot_bench(rows, path, opts):
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for kind in dict.fromkeys(r['attn'] for r in rows):
-        ok = [r for r in rows if r['attn'] == kind and 'ms' in r]
-        label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
-        for ax, key in zip(axes, ('ms', 'peak_mb')):
-            ax.plot([r['T'] for r in ok], [r[key] for r in ok], 'o-', label=label)
-    for ax, ylabel in zip(axes, ('fwd+bwd time per step (ms)', 'peak memory above model (MB)')):
-        ax.set_xscale('log', base=2)
-        ax.set(yscale='log', xlabel='sequence length T', ylabel=ylabel)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"{opts['n_layer']} layers, D={opts['n_embd']}, w={opts['window']}, m={opts['n_compressed']}, "
-                 f"batch {opts['batch']}, {opts['device']}", fontsize=9)
-    save_figure(plt, fig, path, dpi=90)
+def show_pathfinder(data, path, n=16):
+    fig, axes = subplots(2, n // 2, figsize=(1.6 * n // 2, 3.6))
+    for ax in axes.flat:
+        ax.axis('off')
+    x, y = data['train']
+    for ax, img, label in zip(axes.flat, x[:n], y[:n]):
+        ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
+        ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
+    save_figure(fig, path, dpi=80)
 
 
 def read_results(run_dir, flag):
@@ -860,11 +844,9 @@ def compare(args):
     """--compare: validation accuracy against training time for several runs (their results.json)."""
     runs = [read_results(d, '--compare') for d in args._compare]
     prepare_out_dir(args.out_dir)
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = subplots(figsize=(6, 3.8))
     for r in runs:
-        h = r['history']
-        ax.plot([e['train_seconds'] for e in h], [e['val_acc'] for e in h], 'o-', ms=3,
+        ax.plot([e['train_seconds'] for e in r['history']], [e['val_acc'] for e in r['history']], 'o-', ms=3,
                 label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
     ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
     ax.set(xlabel='training time (s)', ylabel='validation accuracy')
@@ -872,7 +854,7 @@ def compare(args):
     ax.legend()
     path = os.path.join(args.out_dir, 'lra_compare.png')
     with io_errors('--out_dir', args.out_dir):
-        save_figure(plt, fig, path, dpi=90)
+        save_figure(fig, path, dpi=90)
     report_outputs(plot=path)
 
 
@@ -908,8 +890,9 @@ STUDY = dict(
     data_seed=0)                 # one data set for every run: seeds vary init and batch order, pairs share the test set
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
+# set per run or used by the study itself: not passed on to its runs
 STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--out_dir',
-                   '--threads')   # set per run or used by the study itself: not passed on to its runs
+                   '--threads')
 STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress', '--resume',
                       '--overwrite')
 STARTUP_SECONDS = 5.0             # a run's process start: import torch, read the data (for the estimate)
@@ -920,14 +903,12 @@ def study_run_dir(args, variant, seed):
 
 
 def study_run_argv(args, variant, seed):
-    """The train_lra.py command line of one run: the study's setting as resolved here, the other flags given to the
-    study, the variant's flags, then its seed and folder, one thread."""
-    keep = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in STUDY_OWN_FLAGS:
-        keep.add_argument(flag)
-    for flag in STUDY_OWN_SWITCHES:
-        keep.add_argument(flag, action='store_true')
-    inherited = keep.parse_known_args(args._argv)[1]
+    """One run's command line: the study's setting as resolved here, the other flags given to the study, the
+    variant's flags, then its seed and folder, one thread."""
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument(*STUDY_OWN_FLAGS)
+    own.add_argument(*STUDY_OWN_SWITCHES, action='store_true')
+    inherited = own.parse_known_args(args._argv)[1]
     setting = [f'--{k}={getattr(args, k)!r}' for k in (STUDY_QUICK if args.quick else STUDY)]
     return [*setting, *inherited, *STUDY_VARIANTS[variant], '--seed', str(seed),
             '--out_dir', study_run_dir(args, variant, seed), '--threads', '1', '--no-progress']
@@ -970,7 +951,7 @@ def study_stats(results, variants):
     """Per variant over its finished seeds ({(variant, seed): results}): test accuracy at the best validation
     accuracy (model selection on val), best val, its step, the last step's test accuracy; per other variant:
     the paired difference BRL - variant."""
-    per = {}
+    per, paired = {}, {}
     for v in variants:
         rs = {s: r for (w, s), r in results.items() if w == v}
         if rs:
@@ -978,7 +959,6 @@ def study_stats(results, variants):
                 ('test_at_best_val', 'test_acc_at_best_val'), ('best_val', 'best_val_acc'),
                 ('best_step', 'best_step'), ('final_test', 'final_test_acc'))},
                 train_minutes=float(np.mean([r['train_seconds'] for r in rs.values()])) / 60)
-    paired = {}
     for b in (v for v in per if v != 'brl' and 'brl' in per):
         seeds = [s for s in per['brl']['seeds'] if s in per[b]['seeds']]
         if seeds:
@@ -992,10 +972,9 @@ def study_table(stats):
     pct = lambda ms: pm(ms, 1, 100)
     lines = ['| variant | seeds | test acc at best val | best val acc | best step | last-step test acc | '
              'train min/run | paper (seed 004 Tables 1-2) |', '| --- | --- | --- | --- | --- | --- | --- | --- |']
-    for v, s in stats['variants'].items():
-        lines.append(f"| {v} | {len(s['seeds'])} | {pct(s['test_at_best_val'])} | {pct(s['best_val'])} | "
-                     f"{s['best_step'][0]:.0f} | {pct(s['final_test'])} | {s['train_minutes']:.1f} | "
-                     f"{PAPER_LISTOPS[v]} |")
+    lines += [f"| {v} | {len(s['seeds'])} | {pct(s['test_at_best_val'])} | {pct(s['best_val'])} | "
+              f"{s['best_step'][0]:.0f} | {pct(s['final_test'])} | {s['train_minutes']:.1f} | {PAPER_LISTOPS[v]} |"
+              for v, s in stats['variants'].items()]
     lines.append(f"\ncommonest test label: {100 * stats['majority_test_acc']:.1f} %\n")
     lines += paired_rows(stats['paired'], 'brl', 'BRL − variant (test acc at best val, points)', digits=1, scale=100)
     return '\n'.join(lines) + '\n'
@@ -1018,10 +997,11 @@ def study(args):
     for r in runs:
         r.seconds = seconds[r.group]
     print('\n'.join(f"  {v:13s} {s / 60:6.1f} min/run" for v, s in seconds.items()))
+    minutes = {v: s / 60 for v, s in seconds.items()}
     if args.estimate:
         wall = longest_first_wall([r.seconds for r in runs], args.workers) / 60
         print(f"  whole study: {len(runs)} runs on {max(1, args.workers)} worker(s): ~{wall:.0f} min")
-        return dict(minutes_per_run={v: s / 60 for v, s in seconds.items()}, study_minutes=wall)
+        return dict(minutes_per_run=minutes, study_minutes=wall)
     codes = sweep(runs, states, __file__, main, args.workers, tag='study')
     results = {(r.group, r.seed): read_results(r.out_dir, '--sweep_dir') for r in runs
                if os.path.exists(os.path.join(r.out_dir, 'results.json'))}
@@ -1038,8 +1018,7 @@ def study(args):
     with io_errors('--sweep_dir', args.sweep_dir):
         write_json(paths['json'], dict(sweep=args.sweep, quick=args.quick, variants=variants, seeds=seeds,
                                        variant_flags={v: STUDY_VARIANTS[v] for v in variants}, command=args._argv,
-                                       minutes_per_run={v: s / 60 for v, s in seconds.items()}, runs=rows,
-                                       stats=stats, format=FORMAT))
+                                       minutes_per_run=minutes, runs=rows, stats=stats, format=FORMAT))
         write_text(paths['table'], table)
         plot_seed_bands(paths['plot'], {v: [r['history'] for r in rows if r['variant'] == v]
                                         for v in stats['variants']}, ('step', 'train_seconds'),
@@ -1060,10 +1039,9 @@ def build_parser():
     p = ArgParser(prog=SCRIPT, description=__doc__)  # one-line errors, defaults in --help
     g = p.add_argument_group('task and data')
     g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
-    g.add_argument('--data', default='', help='release files of --task (see the loaders); empty = generate here')
+    g.add_argument('--data', default='', help='the release files of --task (RELEASES); empty = generate here')
     g.add_argument('--cache_dir', default='data/lra', help='cache of generated data and parsed release data')
-    g.add_argument('--max_len', type=int, default=None, help='sequence length; default ListOps 256 (LRA 2000), '
-                   'Text and Retrieval (per document) 4000, Image and Pathfinder 1024 (fixed)')
+    g.add_argument('--max_len', type=int, default=None, help='default ListOps 256, Text, Retrieval 4000, images 1024')
     g.add_argument('--min_len', type=int, default=64, help='ListOps: keep trees with > min_len tokens (LRA: 500)')
     g.add_argument('--n_train', type=int, default=4000, help='generated training examples (LRA ListOps: 96000)')
     g.add_argument('--n_val', type=int, default=500, help='generated validation examples (LRA: 2000)')
@@ -1071,8 +1049,7 @@ def build_parser():
     g.add_argument('--data_seed', type=int, default=-1, help='seed of the generated data (-1 = --seed)')
     g.add_argument('--show', action='store_true', help='pathfinder: <out_dir>/lra_pathfinder_samples.png, then exit')
     g = p.add_argument_group('LRA model: preset, embedding, positions, pooling (the encoder: model flags below)')
-    g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': seed 004 Table 12 for --task, "
-                   "w = m = 256, LRA lengths, 5000 steps (flags given win)")
+    g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': LRA_PRESETS (flags given win)")
     g.add_argument('--pooling', choices=['mean', 'cls', 'max'], default='mean', help='sequence pooling')
     g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
                    help='image / pathfinder: pixel value as a token (LRA) or Linear(1 -> D) of value/255')
@@ -1084,25 +1061,20 @@ def build_parser():
     g.add_argument('--weight_decay', type=float, default=0.01, help='AdamW weight decay on matrices')
     g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip (0 = off)')
-    g.add_argument('--trim', type=int, default=64, help='cut each padded batch to its longest row rounded up to '
-                   'this multiple (0 = always max_len)')
+    g.add_argument('--trim', type=int, default=64, help='cut padded batches to a multiple past their longest row')
     g = p.add_argument_group('evaluation and logging')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between validation passes')
     g.add_argument('--eval_batch_size', type=int, default=128, help='batch size of evaluation')
     g.add_argument('--log_interval', type=int, default=50, help='steps between log lines')
-    g.add_argument('--compare', default='', help='comma list of run dirs: plot their validation accuracy vs '
-                   'training time to <out_dir>/lra_compare.png and exit')
+    g.add_argument('--compare', default='', help='comma list of run dirs: <out_dir>/lra_compare.png, then exit')
     g = p.add_argument_group('benchmark (--bench: the model above, random tokens, one fwd+bwd per point)')
     g.add_argument('--bench', action='store_true', help='time and peak memory vs sequence length, then exit')
     g.add_argument('--bench_lens', default='1024,2048,4096,8192,16384', help='comma list of sequence lengths')
-    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl', help='comma list of variants; '
-                   'standard_unfused = standard on SDPA\'s math backend (forms T x T, like Fig. 5)')
+    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl', help='comma list of variants')
     g.add_argument('--bench_batch', type=int, default=1, help='batch size of the benchmark')
     g.add_argument('--bench_reps', type=int, default=2, help='timed steps per point (median reported)')
-    g.add_argument('--bench_max_sec', type=float, default=30.0, help='skip a point whose predicted seconds per '
-                   'step (the last point x (T/T_last)^2) are more')
-    g.add_argument('--bench_max_gb', type=float, default=4.0, help="skip standard_unfused where its T x T "
-                   "scores, probabilities and their gradient take more GB")
+    g.add_argument('--bench_max_sec', type=float, default=30.0, help='skip a point predicted slower (s per step)')
+    g.add_argument('--bench_max_gb', type=float, default=4.0, help='skip standard_unfused past these GB of T x T')
     g = add_sweep_args(p, 'listops', STUDY_VARIANTS, '', 'ListOps study (--sweep listops): local, full, BRL, 2 BRL '
                        'ablations x seeds', 'train --variants x --seeds on the study setting (STUDY in the source; '
                        'flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir',
@@ -1128,7 +1100,6 @@ POSITIVE = ('n_layer', 'n_embd', 'n_head', 'window', 'n_compressed', 'max_len', 
 NON_NEGATIVE = ('mlp_hidden', 'min_len', 'warmup_iters', 'weight_decay', 'grad_clip', 'trim', 'seed', 'threads',
                 'workers')
 LRA_RANGES = dict(weight_decay='[0, 1]', seeds='(0, 1000]')   # AdamW decays weights by lr * weight_decay per step
-
 
 def comma_list(p, args, name, kind=str, valid=None):
     """--name's comma list as a list of kind: an empty item, a duplicate, an item that is not a (positive, for
@@ -1162,48 +1133,44 @@ def check_memory(p, args, model):
                 f"--max_len, --n_train or --batch_size smaller")
 
 
-def check_args(p, args):
+def check_args(p, a):
     """One-line errors (exit 2) for flags out of range or in conflict, before any work."""
-    check_numbers(p, args, LRA_RANGES)
-    check_ranges(p, args, POSITIVE, NON_NEGATIVE)
-    if args.data_seed < -1:
-        p.error(f"--data_seed {args.data_seed}: must be >= 0, or -1 for --seed")
-    if args.attn not in ATTENTION and args.attn != 'global_swa':
-        p.error(f"--attn {args.attn!r}: valid: {', '.join(ATTENTION)}, global_swa")
-    if args.task in ('image', 'pathfinder') and args.max_len != 1024:
-        p.error(f"--max_len {args.max_len}: {args.task} images are 32 x 32 = 1024 pixels, use 1024")
-    if args.task in ('text', 'retrieval', 'image') and not args.data and not (args.bench or args.compare):
-        p.error(f"--task {args.task} has no generator here: pass --data with the release files")
-    if args.show and args.task != 'pathfinder':
-        p.error("--show draws Pathfinder samples: use it with --task pathfinder")
-    if args.resume and args.overwrite:
-        p.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
-    args._bench_lens = comma_list(p, args, 'bench_lens', int)
-    args._bench_attn = comma_list(p, args, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
-    args._compare = comma_list(p, args, 'compare') if args.compare else []
-    if args.bench and args.layer_pattern:
-        p.error(f"--layer_pattern {args.layer_pattern!r}: --bench times each --bench_attn variant in every layer; "
-                f"drop --layer_pattern")
-    if not args.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
+    check_numbers(p, a, LRA_RANGES)
+    check_ranges(p, a, POSITIVE, NON_NEGATIVE)
+    sweep_decides = (('--task', a.task != 'listops'), ('--data', a.data), ('--preset', a.preset != 'none'),
+                     ('--resume', a.resume), ('--overwrite', a.overwrite), ('--compare', a.compare),
+                     ('--bench', a.bench), ('--out_dir', a.out_dir), ('--show', a.show))
+    for bad, message in (
+            (a.data_seed < -1, f"--data_seed {a.data_seed}: must be >= 0, or -1 for --seed"),
+            (a.attn not in (*ATTENTION, 'global_swa'), f"--attn {a.attn!r}: valid: {', '.join(ATTENTION)}, global_swa"),
+            (a.task in ('image', 'pathfinder') and a.max_len != 1024,
+             f"--max_len {a.max_len}: {a.task} images are 32 x 32 = 1024 pixels, use 1024"),
+            (a.task in ('text', 'retrieval', 'image') and not (a.data or a.bench or a.compare),
+             f"--task {a.task} has no generator here: pass --data with the release files"),
+            (a.show and a.task != 'pathfinder', "--show draws Pathfinder samples: use it with --task pathfinder"),
+            (a.resume and a.overwrite, "--resume continues the run in --out_dir and --overwrite replaces it: give one "
+                                       "of them"),
+            (a.bench and a.layer_pattern, f"--layer_pattern {a.layer_pattern!r}: --bench times each --bench_attn "
+                                          f"variant in every layer; drop --layer_pattern"),
+            (not a.sweep and (a.quick or a.estimate), f"--{'quick' if a.quick else 'estimate'} belongs to --sweep "
+                                                      f"listops"),
+            *((a.sweep and on, f"{flag} does not go with --sweep listops (generated ListOps; its runs live in "
+                               f"--sweep_dir, finished ones are reused and cut-off ones resumed by themselves)")
+              for flag, on in sweep_decides)):
+        if bad:
+            p.error(message)
+    a._bench_lens = comma_list(p, a, 'bench_lens', int)
+    a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
+    a._compare = comma_list(p, a, 'compare') if a.compare else []
+    if a.sweep:
+        comma_list(p, a, 'variants', valid=tuple(STUDY_VARIANTS))
+    if not a.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
         try:
             with torch.device('meta'):
-                model = build_model(args, task_meta(args.task))[0]
+                model = build_model(a, task_meta(a.task))[0]
         except ValueError as e:
             p.error(str(e))
-        check_memory(p, args, model)
-    if not args.sweep:
-        if args.quick or args.estimate:
-            p.error(f"--{'quick' if args.quick else 'estimate'} belongs to --sweep listops")
-        return
-    comma_list(p, args, 'variants', valid=tuple(STUDY_VARIANTS))
-    clash = [f for f, on in (('--task', args.task != 'listops'), ('--data', args.data),
-                             ('--preset', args.preset != 'none'), ('--resume', args.resume),
-                             ('--overwrite', args.overwrite), ('--compare', args.compare), ('--bench', args.bench),
-                             ('--out_dir', args.out_dir), ('--show', args.show)) if on]
-    if clash:
-        p.error(f"{clash[0]} does not go with --sweep listops (generated ListOps; its runs live in --sweep_dir, "
-                f"finished ones are reused and cut-off ones resumed by themselves)")
-
+        check_memory(p, a, model)
 
 def parse_args(argv=None):
     p = build_parser()
