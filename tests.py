@@ -2307,9 +2307,11 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
 
 
 def test_bench_points_skips_and_plot(tmp_path, monkeypatch):
-    """--bench: one fresh process per point, a memory guard and a time guard, JSON and plot; bench_one of a
-    windowed variant in this process."""
-    monkeypatch.setitem(sys.modules, '__main__', type(sys)('__main__'))   # the point's process imports no tests.py
+    """--bench: a process of its own per point (forked here, to skip the interpreter's start), a memory guard and a
+    time guard, JSON and plot; bench_one of a windowed variant in this process."""
+    import multiprocessing
+    real_context = multiprocessing.get_context
+    monkeypatch.setattr(multiprocessing, 'get_context', lambda method: real_context('fork'))
     rows = lra.main(['--bench', '--bench_lens', '64,128,4096', '--bench_attn', 'standard_unfused', '--bench_max_gb',
                      '0.1', '--bench_max_sec', '1e-9', '--bench_reps', '1', '--n_layer', '1', '--n_embd', '16',
                      '--n_head', '2', '--threads', '1', '--out_dir', str(tmp_path)])
@@ -2326,9 +2328,9 @@ def test_every_model_flag_reaches_the_model_and_the_bench():
     """One non-default value for every ModelConfig flag: build_model's config and the benchmark's options carry
     each of them; --attn global_swa is a variant here, RoPE has no learned positions; --preset lra sets Table 12
     where no flag is given."""
-    values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard',
-                  layer_pattern='standard,standard,standard', global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1, ranks='8|8',
-                  mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
+    values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard', layer_pattern='standard,' * 2 +
+                  'standard', global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1,
+                  ranks='8|8', mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
                   bilinear_rms_cap=True, bilinear_mlr_ln='head', window=8, gswa_ranks='8|8', n_compressed=4,
                   brl_block=4, brl_beta=0.25, brl_lambda_init=0.3, brl_gamma=False, brl_history='block',
                   brl_rel_buckets=8, mup_base_width=64, pos='rope')
@@ -2409,6 +2411,14 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     # 4. --estimate: the minutes of every run, nothing trained
     est = lra.main(argv('--estimate', '--no-reuse'))
     assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
+    # 5. a flag given to the study reaches every run; the variant's own flags come after it, so they win
+    args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3'])
+    runs = {v: lra.parse_args(lra.study_run_argv(args, v, 1)) for v in lra.STUDY_VARIANTS}
+    assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in runs.items()} == {
+        'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
+        'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
+    assert {(a.lr, a.seed, a.threads, a.max_len, a.window, a.data_seed, a.sweep) for a in runs.values()} == \
+        {(3e-3, 1, 1, 1000, 16, 0, None)}                              # the study's setting
 
 
 @pytest.mark.parametrize('extra, named', [(['--seeds', '0'], '--seeds'),
@@ -2423,18 +2433,6 @@ def test_study_bad_input_is_one_line(extra, named, capsys):
         lra.parse_args(extra if extra == ['--quick'] else ['--sweep', 'listops', *extra])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
-
-
-def test_run_argv_keeps_given_flags_and_variant_wins():
-    """A flag given to the study reaches every run; the variant's own flags come after it, so they win."""
-    args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3', '--seeds', '2'])
-    kinds = {v: lra.parse_args(lra.study_run_argv(args, v, 1)) for v in lra.STUDY_VARIANTS}
-    brl = kinds['brl']
-    assert (brl.lr, brl.seed, brl.threads, brl.max_len, brl.window, brl.data_seed, brl.sweep) == \
-        (3e-3, 1, 1, 1000, 16, 0, None)                              # the study's setting
-    assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in kinds.items()} == {
-        'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
-        'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
 
 
 # -----------------------------------------------------------------------------
@@ -3359,14 +3357,16 @@ def lra_argv(out, cache, *extra):
             '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL, *extra]
 
 
-LRA_BAD_LINES = dict(no_tab='( ( [MAX 2 ) ] ) 2', bad_label='( ( [MAX 2 ) ] )\tseven', label_range='( ( [MAX 2 ) ] )\t12',
-                     unknown_token='( ( [POW 2 ) ] )\t4')
+# a bad line 3 of basic_train.tsv, and what the error names
+LRA_BAD_LINES = dict(no_tab=('( ( [MAX 2 ) ] ) 2', 'Source<TAB>Target'), bad_label=('( ( [MAX 2 ) ] )\tseven',
+                     "'seven'"), label_range=('( ( [MAX 2 ) ] )\t12', "label '12'"),
+                     unknown_token=('( ( [POW 2 ) ] )\t4', "token '[POW'"))
 
 
 def lra_setup(out, cache, how, tmp_path):
     rel = tmp_path / 'rel'
     if how in LRA_BAD_LINES or how == 'binary_tsv':
-        write_listops_release(rel, LRA_BAD_LINES.get(how))
+        write_listops_release(rel, LRA_BAD_LINES.get(how, [None])[0])
         if how == 'binary_tsv':
             (rel / 'basic_val.tsv').write_bytes(b'\xff\xfe\x00\x01' * 50)
     elif how == 'wrong_folder':
@@ -3401,10 +3401,8 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('n_head', ['--n_head', '3'], None, 2, ['n_head', '3']),        # checked with the flags (meta-device model)
     ('min_len', ['--min_len', '63'], None, 1, ['need 0 <= min_len < max_len - 1', 'min_len=63']),
     ('no_data_dir', ['--data', '/nonexistent/lra'], None, 1, ["--data '/nonexistent/lra'"]),
-    ('tsv_no_tab', ['--data', 'REL'], 'no_tab', 1, ['basic_train.tsv line 3', 'Source<TAB>Target']),
-    ('tsv_bad_label', ['--data', 'REL'], 'bad_label', 1, ['basic_train.tsv line 3', "'seven'"]),
-    ('tsv_label_range', ['--data', 'REL'], 'label_range', 1, ['basic_train.tsv line 3', "label '12'"]),
-    ('tsv_unknown_token', ['--data', 'REL'], 'unknown_token', 1, ['basic_train.tsv line 3', "token '[POW'"]),
+    *[(f'tsv_{how}', ['--data', 'REL'], how, 1, ['basic_train.tsv line 3', w])
+      for how, (_, w) in LRA_BAD_LINES.items()],
     ('tsv_binary', ['--data', 'REL'], 'binary_tsv', 1, ['not a readable listops release folder', 'decode']),
     ('wrong_release_folder', ['--data', 'REL'], 'wrong_folder', 1, ['not a readable listops release folder',
                                                                          '*_train.tsv']),

@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import pickle
 import random
 import re
@@ -91,10 +92,7 @@ LRA_MODEL_DEFAULTS = dict(n_layer=2, n_embd=64, window=32)
 # data caches: made once, used while their bytes match the digest written with them
 
 def write_text(path, text):
-    def write(tmp):
-        with open(tmp, 'w') as f:
-            f.write(text)
-    atomic_write(path, write)
+    atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def save_npz(path, arrays):
