@@ -431,7 +431,8 @@ def read_release(task, data_dir, max_len, classes):
             if part not in parts:
                 parts[part] = reader(data_dir, part, max_len)
             x, y = parts[part]
-            data[split] = x[int(lo * len(x)):int(hi * len(x))], y[int(lo * len(y)):int(hi * len(y))]
+            a, b = int(lo * len(y)), int(hi * len(y))
+            data[split] = x[a:b], y[a:b]
     except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"--data {data_dir!r} is not a readable {task} release folder: "
                          f"{type(e).__name__}: {e}") from None
@@ -1039,7 +1040,7 @@ def build_parser():
     g.add_argument('--task', choices=TASKS, default='listops', help='LRA task')
     g.add_argument('--data', default='', help='the release files of --task (RELEASES); empty = generate here')
     g.add_argument('--cache_dir', default='data/lra', help='cache of generated data and parsed release data')
-    g.add_argument('--max_len', type=int, default=None, help='default ListOps 256, Text, Retrieval 4000, images 1024')
+    g.add_argument('--max_len', type=int, default=None, help='tokens: ListOps 256, Text / Retrieval 4000, images 1024')
     g.add_argument('--min_len', type=int, default=64, help='ListOps: keep trees with > min_len tokens (LRA: 500)')
     g.add_argument('--n_train', type=int, default=4000, help='generated training examples (LRA ListOps: 96000)')
     g.add_argument('--n_val', type=int, default=500, help='generated validation examples (LRA: 2000)')
@@ -1047,7 +1048,8 @@ def build_parser():
     g.add_argument('--data_seed', type=int, default=-1, help='seed of the generated data (-1 = --seed)')
     g.add_argument('--show', action='store_true', help='pathfinder: <out_dir>/lra_pathfinder_samples.png, then exit')
     g = p.add_argument_group('LRA model: preset, embedding, positions, pooling (the encoder: model flags below)')
-    g.add_argument('--preset', choices=['none', 'lra'], default='none', help="'lra': LRA_PRESETS (flags given win)")
+    g.add_argument('--preset', choices=['none', 'lra'], default='none',
+                   help="'lra': seed 004 Table 12 for --task, w = m = 256, LRA lengths, 5000 steps (flags given win)")
     g.add_argument('--pooling', choices=['mean', 'cls', 'max'], default='mean', help='sequence pooling')
     g.add_argument('--pixel_embed', choices=['token', 'linear'], default='token',
                    help='image / pathfinder: pixel value as a token (LRA) or Linear(1 -> D) of value/255')
@@ -1059,7 +1061,7 @@ def build_parser():
     g.add_argument('--weight_decay', type=float, default=0.01, help='AdamW weight decay on matrices')
     g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip (0 = off)')
-    g.add_argument('--trim', type=int, default=64, help='cut padded batches to a multiple past their longest row')
+    g.add_argument('--trim', type=int, default=64, help='cut batches to the longest row, rounded up to this (0: off)')
     g = p.add_argument_group('evaluation and logging')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between validation passes')
     g.add_argument('--eval_batch_size', type=int, default=128, help='batch size of evaluation')
@@ -1068,11 +1070,14 @@ def build_parser():
     g = p.add_argument_group('benchmark (--bench: the model above, random tokens, one fwd+bwd per point)')
     g.add_argument('--bench', action='store_true', help='time and peak memory vs sequence length, then exit')
     g.add_argument('--bench_lens', default='1024,2048,4096,8192,16384', help='comma list of sequence lengths')
-    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl', help='comma list of variants')
+    g.add_argument('--bench_attn', default='standard,standard_unfused,swa,brl',
+                   help="comma list of variants; standard_unfused: on SDPA's math backend, T x T scores (Fig. 5)")
     g.add_argument('--bench_batch', type=int, default=1, help='batch size of the benchmark')
     g.add_argument('--bench_reps', type=int, default=2, help='timed steps per point (median reported)')
-    g.add_argument('--bench_max_sec', type=float, default=30.0, help='skip a point predicted slower (s per step)')
-    g.add_argument('--bench_max_gb', type=float, default=4.0, help='skip standard_unfused past these GB of T x T')
+    g.add_argument('--bench_max_sec', type=float, default=30.0,
+                   help='skip a point whose predicted s per step (the last point x (T / T_last)^2) are more')
+    g.add_argument('--bench_max_gb', type=float, default=4.0,
+                   help='skip standard_unfused where its T x T scores, probabilities and gradient take more GB')
     g = add_sweep_args(p, 'listops', STUDY_VARIANTS, '', 'ListOps study (--sweep listops): local, full, BRL, 2 BRL '
                        'ablations x seeds', 'train --variants x --seeds on the study setting (STUDY in the source; '
                        'flags given win), then sweep.json, table.md and lra_study.png in --sweep_dir',
