@@ -2306,12 +2306,9 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     assert (tmp_path / 'c' / 'lra_compare.png').stat().st_size > 1000
 
 
-def test_bench_points_skips_and_plot(tmp_path, monkeypatch):
-    """--bench: a process of its own per point (forked here, to skip the interpreter's start), a memory guard and a
-    time guard, JSON and plot; bench_one of a windowed variant in this process."""
-    import multiprocessing
-    real_context = multiprocessing.get_context
-    monkeypatch.setattr(multiprocessing, 'get_context', lambda method: real_context('fork'))
+def test_bench_points_skips_and_plot(tmp_path):
+    """--bench: a fresh process per point, a memory guard and a time guard, JSON and plot; bench_one of a windowed
+    variant in this process."""
     rows = lra.main(['--bench', '--bench_lens', '64,128,4096', '--bench_attn', 'standard_unfused', '--bench_max_gb',
                      '0.1', '--bench_max_sec', '1e-9', '--bench_reps', '1', '--n_layer', '1', '--n_embd', '16',
                      '--n_head', '2', '--threads', '1', '--out_dir', str(tmp_path)])
