@@ -589,9 +589,10 @@ def plot_positions(results, path, title):
     save_figure(fig, ax, path)
 
 
-def plot_curves(by_point, key, style, figsize):
+def plot_curves(path, by_point, key, style, figsize, hlines=(), loc='best', **axes):
     """Training curves per sweep point: history[key] against step or FLOPs (style(label, rs) -> x key, color, line
-    style), the mean over seeds and their min-max band (on a log axis mean - std is often below 0 with 3 seeds)."""
+    style), the mean over seeds and their min-max band (on a log axis mean - std is often below 0 with 3 seeds);
+    hlines: (label, y) reference lines."""
     fig, ax = plt.subplots(figsize=figsize)
     for k, rs in by_point.items():
         x_key, c, ls = style(k, rs)
@@ -602,7 +603,10 @@ def plot_curves(by_point, key, style, figsize):
         keep = (x > 0) | (x_key == 'step')                                                     # log axis: no 0 FLOPs
         ax.plot(x[keep], y.mean(0)[keep], label=f'{k} ({len(rs)} seed{"s" * (len(rs) > 1)})', color=c, ls=ls)
         ax.fill_between(x[keep], y.min(0)[keep], y.max(0)[keep], alpha=0.15, color=c)
-    return fig, ax
+    for label, y in hlines:
+        ax.axhline(y, color='gray', lw=0.7, ls=':', label=label)
+    ax.set(**axes)
+    save_figure(fig, ax, path, loc=loc)
 
 
 def plot_bottleneck(path, sweep, args):
@@ -924,13 +928,11 @@ def sweep_compute(args):
     first = next(iter(points))
 
     def plot(path, sweep, by_point):
-        fig, ax = plot_curves(by_point, 'at_2d', lambda k, rs: (
-            'flops', color(k), ':' if k.startswith('bilinear MLR') and k != first else '-'), (6.5, 4.2))
-        ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
-               ylabel=f'error at N = 2d (d = {args.d})',
-               title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals in training, '
-                     f'{args.n_eval_during} held-out prompts; mean, seed range)')
-        save_figure(fig, ax, path, loc='lower left')
+        plot_curves(path, by_point, 'at_2d', lambda k, rs: (
+            'flops', color(k), ':' if k.startswith('bilinear MLR') and k != first else '-'), (6.5, 4.2),
+            loc='lower left', xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
+            ylabel=f'error at N = 2d (d = {args.d})', title=f'error vs compute, D = {D}, {args.n_layer} layers\n'
+            f'(evals in training, {args.n_eval_during} held-out prompts; mean, seed range)')
     return run_sweep(args, points, lambda k, rs: {
         **table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'score_rank': score_rank(rs[0]['config']),
         'flops_per_step': rs[0]['train_flops'] / args.max_iters, 'train_flops': rs[0]['train_flops']},
@@ -962,13 +964,11 @@ def sweep_linear(args):
                     samples_to_90=None if row['steps_to_90'] is None else row['steps_to_90'] * batch)
 
     def plot(path, sweep, by_point):
-        fig, ax = plot_curves(by_point, 'query', lambda k, rs: (
-            'step', f"C{depths.index(rs[0]['config']['n_layer'])}", '-' if k.startswith('standard') else '--'), (6, 4))
-        for name in ('averaging', 'zero'):
-            ax.axhline(sweep['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')
-        ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
-               title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
-        save_figure(fig, ax, path)
+        plot_curves(path, by_point, 'query', lambda k, rs: (
+            'step', f"C{depths.index(rs[0]['config']['n_layer'])}", '-' if k.startswith('standard') else '--'), (6, 4),
+            [(f'{name} baseline', sweep['baselines'][name]['query']) for name in ('averaging', 'zero')],
+            yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
+            title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
     return run_sweep(args, points, row, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test', 'aniso_test',
                                          'steps_to_90', 'samples_to_90', 'time_s'], plot, lambda first, table: dict(
         baselines_query={k: v['query'] for k, v in first['baselines'].items()},
