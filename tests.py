@@ -1717,11 +1717,9 @@ def test_icl_task_and_baselines():
     pred = icl.predict_least_squares(xs, ys)
     assert_close(pred[:, 7:], ys[:, 7:], atol=1e-4, what='least-squares predictions once i > d')
     assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
-    X, y = xs[:, :3].double(), ys[:, :3].double()
-    w3 = icl.least_squares_w(X, y)
-    assert_close(torch.einsum('nid,nd->ni', X, w3), y, atol=1e-8, what='min-norm fit')
-    proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
-    assert_close(proj.squeeze(-1), w3, atol=1e-8, what='min-norm w in row space')
+    X, y = xs[:, :3].double(), ys[:, :3].double()                # N < d: the min-norm w = X^T (X X^T)^-1 y
+    min_norm = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), y.unsqueeze(-1))
+    assert_close(icl.least_squares_w(X, y), min_norm.squeeze(-1), atol=1e-8, what='min-norm w')
     # every baseline uses only the pairs before x_i
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(2), 4, 5, 12)
     xs2, ys2 = xs.clone(), ys.clone()
@@ -1806,7 +1804,7 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
     lists (once it trained with one level of rank = head width, a low-rank model by another name), each model at
     a --width_lrs width at its lr; d in the run names. A sweep's recipe, then --quick's, set every flag not given;
     --d 8 takes LARGER_D_RECIPE on top (its per-width settings only at its own widths). The linear sweep takes
-    seed 003's lr, batch and no muP per architecture, a given flag for both (and says so). Bad specs: one line."""
+    seed 003's lr, batch and no muP per architecture, a given flag for both (and says so)."""
     points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
                                                        '--full_rank_widths', '8', '--width_lrs', '8:1e-4'))
     assert {k: (a.lr, name) for k, (a, name) in points.items()} == {
@@ -1824,7 +1822,6 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
     assert icl.lr_text(args, [8]) == '0.0001' and icl.lr_text(icl.variant(args, width_lrs=''), [8, 16]) == '0.0003'
     spec = icl.build_parser().get_default('bottleneck_ranks')
     assert [sum(map(int, icl.bottleneck_mlr_ranks(spec, hw).split('|'))) for hw in (4, 8)] == [4, 8]   # official
-    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) is None
     a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir',
                                str(tmp_path)).values()))[0]
     assert a.max_iters == 7 and (a.n_embd, a.seeds) == (int(icl.QUICK['bottleneck']['widths']), 1)  # given: wins
@@ -1849,15 +1846,6 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
     linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1', '--lr', '2e-4')
     assert {a.lr for a, _ in linear.values()} == {2e-4} and {a.batch_size for a, _ in linear.values()} == {32, 64}
     assert '--lr given: used for both architectures' in capsys.readouterr().out
-    for bad, words in (('--full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
-                       ('--full_rank_models=btt', "'btt' is not a model here"), ('--width_lrs=8:0', "'8:0'"),
-                       ('--width_lrs=8', "--width_lrs '8'"), ('--width_lrs=x:1e-4', "'width:lr,...'"),
-                       ('--width_lrs=8:nan', "'8:nan'"), ('--width_lrs=16:1e-4', "'16:1e-4': its widths must be"),
-                       ('--d=8', "--quick is the d = 5 bottleneck sweep's short version")):
-        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', bad, '--quick'), capsys)
-        assert_one_line_error(got, err, 2, [words], 'train_icl.py')
-    got, err = run_cli(icl.main, ['--quick'], capsys)
-    assert_one_line_error(got, err, 2, ['--quick shortens a sweep'], 'train_icl.py')
 
 
 ICL_SWEEP = ('--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')   # 4 models x 2 seeds
@@ -1900,7 +1888,6 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
     printed = capsys.readouterr().out
     assert 'icl: 8 finished run(s) reused, 0 to train' in printed
     assert printed.strip().splitlines()[-1].startswith('outputs: results ') and 'copies in' not in printed
-    assert icl.build_parser().parse_args([]).assets_dir == ''             # no --assets_dir: no copies
     assert len(again['reused']) == 8 and again['wall_s_when_trained'] == first['wall_s']   # a replot keeps it
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
     with pytest.raises(ValueError, match='holds a run with --lr .*--overwrite'):   # other settings: not over them
@@ -2042,27 +2029,6 @@ def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
         monkeypatch.setattr(icl, 'save_figure', unrendered_save)      # the others: drawn, not rendered
     assert len(paths) >= 2
 
-
-def test_resume_continues_to_a_larger_max_iters(tmp_path, unrendered):
-    """--resume of a finished run redoes nothing; --resume --max_iters 6 continues a 4-step run whose lr is constant
-    after warmup and whose curriculum ends by step 4 to the curve and held-out errors of a 6-step run from scratch;
-    below the checkpoint's step is refused, and so is a cosine schedule (it scales with the run's length, so its
-    steps would differ), naming the first such step."""
-    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
-    first = icl.main(icl_argv(tmp_path / 'a', *curr))
-    again = icl.main(icl_argv(tmp_path / 'a', *curr, '--resume'))         # finished at step 4: nothing to redo
-    assert again['model'] == first['model'] and again['config']['max_iters'] == 4
-    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
-        icl.main(icl_argv(tmp_path / 'a', '--resume', '--max_iters', '3'))
-    longer = icl.main(icl_argv(tmp_path / 'a', *curr, '--resume', '--max_iters', '6'))
-    scratch = icl.main(icl_argv(tmp_path / 'b', *curr, '--max_iters', '6'))
-    assert longer['config']['max_iters'] == 6 and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
-    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
-    assert no_time(longer) == no_time(scratch)
-    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
-    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
-    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
-        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
 
 # -----------------------------------------------------------------------------
 # train_lra.py: ListOps labels, Pathfinder connectivity, release loaders, padding, smoke runs
@@ -3317,20 +3283,13 @@ def test_lm_kill_during_checkpoint_loses_nothing(lm_corpus, tmp_path, monkeypatc
 ICL_RUN = 'icl_standard_H2_D16'
 
 
-def test_icl_full_disk_is_one_line_naming_out_dir_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):
-    real, calls = torch.save, []
-
-    def fails(*args, **kw):                                            # the step-0 checkpoint works, step 2's not
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
-        return real(*args, **kw)
-    monkeypatch.setattr(torch, 'save', fails)
-    code, err = run_cli(icl.main, icl_argv(tmp_path / 'out', '--save'), capsys)
-    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / 'out' / ICL_RUN}.pt'"], 'train_icl.py')
-    monkeypatch.undo()
-    assert torch.load(tmp_path / 'out' / f'{ICL_RUN}.pt', weights_only=True)['step'] == 0
-    assert not tmp_files(tmp_path / 'out')
+def test_icl_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, unrendered):
+    icl.main(icl_argv(tmp_path))
+    full = RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    with dying_torch_save(monkeypatch, full):
+        code, err = run_cli(icl.main, icl_argv(tmp_path, '--resume', '--max_iters', '6'), capsys)
+    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / ICL_RUN}.pt'"], 'train_icl.py')
+    assert torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)['step'] == 4 and not tmp_files(tmp_path)
 
 
 def icl_setup(out, how):
@@ -3356,6 +3315,12 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
     ('resume_other_model', ['--resume', '--n_embd', '8'], 'run', 1, ['no checkpoint icl_standard_H2_D8.pt',
                                                                   f'holds {ICL_RUN}.pt', '--n_embd']),
     ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
+    ('quick_without_sweep', ['--quick'], None, 2, ['--quick shortens a sweep']),
+] + [(bad, ['--sweep', 'bottleneck', '--widths', '8', '--quick', f'--{bad}'], None, 2, [words]) for bad, words in (
+    ('full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
+    ('full_rank_models=btt', "'btt' is not a model here"), ('width_lrs=8:0', "'8:0'"), ('width_lrs=8', "'8'"),
+    ('width_lrs=x:1e-4', "'width:lr,...'"), ('width_lrs=8:nan', "'8:nan'"),
+    ('width_lrs=16:1e-4', "'16:1e-4': its widths must be"), ('d=8', "--quick is the d = 5 bottleneck sweep's"))
 ] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
 
 
@@ -3377,19 +3342,31 @@ def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch
     assert not os.path.exists(tmp_path / f'{ICL_RUN}.json')                # no results from a diverged run
 
 
-def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys, unrendered):
-    argv = lambda out, *x: icl_argv(out, '--max_iters', '6', '--eval_interval', '4', *x)
+def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
+    """Ctrl-C saves after its step; --resume continues to the losses, curve and held-out errors of the run never
+    stopped; a finished run --resume'd redoes nothing, and with --max_iters 6 it continues to the 6-step run, as
+    its lr is constant after warmup and its curriculum ended by step 4. Below the checkpoint's step is refused, and
+    so is a cosine schedule (it scales with the run's length), naming the first step that would differ."""
+    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
     whole = LossTap(monkeypatch, 'mse_loss')
-    a = icl.main(argv(tmp_path / 'a'))
+    scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
     first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
-    code, err = run_cli(icl.main, argv(tmp_path / 'b'), capsys)
+    code, err = run_cli(icl.main, icl_argv(tmp_path / 'b', *curr), capsys)
     assert_one_line_error(code, err, 130, ['interrupted:', 'at step 3', f'{ICL_RUN}.pt', '--resume'], 'train_icl.py')
     rest = LossTap(monkeypatch, 'mse_loss')
-    b = icl.main(argv(tmp_path / 'b', '--resume'))
-    assert first.values + rest.values == whole.values and len(whole.values) == 6
-    strip = lambda h: [{k: v for k, v in r.items() if k != 'time_s'} for r in h]
-    assert strip(a['history']) == strip(b['history'])
-    assert a['model'] == b['model'] and a['train_flops'] == b['train_flops']
+    done = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    assert again['model'] == done['model'] and len(rest.values) == 1                  # finished: nothing redone
+    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
+        icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
+    longer = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--max_iters', '6'))
+    assert first.values + rest.values == whole.values and len(whole.values) == 6     # steps 1-3, 4, 5-6
+    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
+    assert no_time(longer) == no_time(scratch) and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
+    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
+    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
+    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
+        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
 
 
 def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys, orphan, unrendered):
