@@ -1649,16 +1649,11 @@ def unrendered_save(fig, ax, path, **legend):
     icl.plt.close(fig)
 
 
-def undrawn_positions(results, path, title):
-    """train_icl.plot_positions not drawn (the smoke runs draw it): every run's per-position error is there."""
-    assert results and all(len(r['model']['mean']) == r['config']['n_points'] for r in results.values()), title
-    open(path, 'wb').close()
-
-
 def no_drawing(monkeypatch):
-    """No figure rendered, no per-position plot drawn, and no step timed for a sweep's estimate (test_estimate_...)."""
+    """No figure rendered, no per-position plot drawn (the smoke runs draw it; its file only if it had runs), and
+    no step timed for a sweep's estimate (test_estimate_... times them)."""
     monkeypatch.setattr(icl, 'save_figure', unrendered_save)
-    monkeypatch.setattr(icl, 'plot_positions', undrawn_positions)
+    monkeypatch.setattr(icl, 'plot_positions', lambda results, path, title: results and open(path, 'wb').close())
     monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01)
 
 
@@ -1763,11 +1758,9 @@ def built(*extra):
 
 
 def test_model_flags_reach_the_model():
-    """Flags of the shared model group this script did not have: the MLP width, GQA, BRL's settings; MLR's
-    block_size rounded up so that its level blocks tile 2N; --pos rope has no parameters (no wpe) and the same
-    weights predict otherwise with it than with none."""
-    assert (built().body.blocks[0].mlp.up.weight.shape, built('--mlp_hidden', '24').body.blocks[0].mlp.up.weight.shape
-            ) == ((128, 32), (24, 32))
+    """The MLP width, GQA, BRL's settings; MLR's block_size rounded up to tile 2N; --pos rope: no wpe, and the
+    same weights predict otherwise than with --pos none."""
+    assert [built(*x).body.blocks[0].mlp.up.weight.shape for x in ([], ['--mlp_hidden', '24'])] == [(128, 32), (24, 32)]
     gqa = built('--n_kv_head', '2').body.blocks[0].attn                    # 8 heads of width 4 share 2 k, v heads
     assert gqa.k_proj.weight.shape == gqa.v_proj.weight.shape == (2 * 4, 32)
     brl = built('--attn', 'brl', '--window', '4', '--n_compressed', '3', '--brl_beta', '0.25')
@@ -1776,10 +1769,7 @@ def test_model_flags_reach_the_model():
     assert cfg.block_size == 20 and cfg.layer_kinds() == ['standard', 'mlr']   # 2N = 18, 3 levels: 4 divides 20
     plain, rot = built('--pos', 'none'), built('--pos', 'rope')
     assert rot.wpe is None and plain.wpe is None and built().wpe is not None
-    for p in plain.parameters():                          # the zero-init output maps would hide the attention
-        if p.ndim >= 2:
-            torch.nn.init.normal_(p, std=0.3)
-    rot.load_state_dict(plain.state_dict())
+    rot.load_state_dict(randomize_(plain, std=0.3).state_dict())     # zero-init output maps would hide attention
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(1), 2, 4, 8)
     with torch.no_grad():
         assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
@@ -1794,18 +1784,15 @@ def sweep_points(monkeypatch, *argv):
     seen = {}
     monkeypatch.setattr(icl, 'run_sweep', lambda args, points, *_: seen.update(points) or 1 / 0)   # stop there
     with pytest.raises(ZeroDivisionError):
-        icl.main(list(argv))
+        icl.main([*argv, '--out_dir', 'unused'])                   # a sweep's points: no folder touched
     return seen
 
 
-def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
-    """Which models train at which width and lr: 8-head standard at every width, 1-head standard and bilinear BTT /
-    MLR at --full_rank_widths (--full_rank_models of them), bilinear MLR only at a head width --bottleneck_ranks
-    lists (once it trained with one level of rank = head width, a low-rank model by another name), each model at
-    a --width_lrs width at its lr; d in the run names. A sweep's recipe, then --quick's, set every flag not given;
-    --d 8 takes LARGER_D_RECIPE on top (its per-width settings only at its own widths). The linear sweep takes
-    seed 003's lr, batch and no muP per architecture, a given flag for both (and says so)."""
-    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
+def test_sweep_points_and_recipes(monkeypatch, capsys):
+    """Which models train at which width and lr (bilinear MLR only at a head width --bottleneck_ranks lists); a
+    sweep's recipe, then --quick's, LARGER_D_RECIPE at d = 8 (per-width settings only at its widths) set every
+    flag not given; the linear sweep: seed 003's lr, batch and no muP per architecture, a flag given for both."""
+    points = sweep_points(monkeypatch, *icl_sweep_argv('', 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
                                                        '--full_rank_widths', '8', '--width_lrs', '8:1e-4'))
     assert {k: (a.lr, name) for k, (a, name) in points.items()} == {
         'standard, 8 heads, D=16': (3e-4, 'bottleneck_standard_H8_D16_d4'),
@@ -1813,7 +1800,7 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
         'standard, 1 head, D=8': (1e-4, 'bottleneck_standard_H1_D8_d4'),
         'standard, 8 heads, D=8': (1e-4, 'bottleneck_standard_H8_D8_d4')}
     assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
-    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks',
+    points = sweep_points(monkeypatch, *icl_sweep_argv('', 'bottleneck', '--widths', '8', '--bottleneck_ranks',
                                                        '1:1', '--full_rank_models', 'standard_1head,bilinear_mlr'))
     assert sorted(name for _, name in points.values()) == [
         'bottleneck_bilinear_mlr1_H8_D8_d4', 'bottleneck_standard_H1_D8_d4', 'bottleneck_standard_H8_D8_d4']
@@ -1822,28 +1809,26 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
     assert icl.lr_text(args, [8]) == '0.0001' and icl.lr_text(icl.variant(args, width_lrs=''), [8, 16]) == '0.0003'
     spec = icl.build_parser().get_default('bottleneck_ranks')
     assert [sum(map(int, icl.bottleneck_mlr_ranks(spec, hw).split('|'))) for hw in (4, 8)] == [4, 8]   # official
-    a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir',
-                               str(tmp_path)).values()))[0]
+    a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7').values()))[0]
     assert a.max_iters == 7 and (a.n_embd, a.seeds) == (int(icl.QUICK['bottleneck']['widths']), 1)  # given: wins
     assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
-    d8_points = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--out_dir', str(tmp_path))
+    d8_points = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8')
     assert d8_points['bilinear MLR, 8 heads, D=32'][0].bilinear_mlr_ln == 'head'   # the recipe's LayerNorm: only
     assert d8_points['standard, 1 head, D=32'][0].bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'   # MLR
     d8 = {k: (a.lr, a.max_iters, name) for k, (a, name) in d8_points.items()}
     assert d8['standard, 8 heads, D=64'] == (1e-4, 8000, 'bottleneck_standard_H8_D64_d8')    # LARGER_D_RECIPE
     assert {k.split(', D=')[1] for k in d8 if not k.startswith('standard, 8')} == {'32'}
     assert d8['standard, 1 head, D=32'][:2] == (icl.CPU_RECIPE['lr'], 8000)
-    other = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--widths', '16,32', '--out_dir',
-                         str(tmp_path))                    # other widths: not the recipe's per-width settings
+    other = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--widths', '16,32')   # not the recipe's
+    # per-width settings at other widths; and given together with --widths, they win
     assert len(other) == 4 + 3 and {a.lr for a, _ in other.values()} == {icl.CPU_RECIPE['lr']}
-    assert len(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--widths', '16,24', '--full_rank_widths', '16',
-                            '--out_dir', str(tmp_path))) == 1 + 3              # given with them: wins
-    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1')
+    assert len(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--widths', '16,24', '--full_rank_widths', '16')) == 4
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--depths', '1')
     for attn in ('standard', 'linear'):
         assert {f: getattr(linear[f'{attn} 1-layer'][0], f) for f in ('lr', 'batch_size', 'mup')} == \
             icl.SEED003_OPTIMIZER[attn]
     assert 'used for both architectures' not in capsys.readouterr().out
-    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1', '--lr', '2e-4')
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--depths', '1', '--lr', '2e-4')
     assert {a.lr for a, _ in linear.values()} == {2e-4} and {a.batch_size for a, _ in linear.values()} == {32, 64}
     assert '--lr given: used for both architectures' in capsys.readouterr().out
 
@@ -1866,13 +1851,11 @@ def copied(icl_sweep, tmp_path):
 
 
 def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, unrendered):
-    """Per-seed results and their mean ± std; finished runs reused, not over other settings. --quick tags its
-    runs, sweep JSON and plots '_quick': in the full sweep's --out_dir / --assets_dir it neither collides with the
-    full runs (refused, or asked to --overwrite them) nor replaces their plots."""
+    """Per-seed results and their mean ± std; finished runs reused, not over other settings; --quick's runs and
+    files tagged '_quick', beside the full sweep's in the same --out_dir / --assets_dir."""
     out, first = copied(icl_sweep, tmp_path)
     argv = icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
-    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
     saved = json.loads((out / 'sweep_bottleneck_d4.json').read_text())
     assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
     for row in saved['table']:
@@ -1909,10 +1892,9 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
 
 
 def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, monkeypatch, unrendered):
-    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained;
-    each is estimated from the step its checkpoint reached (whole runs were counted: 110 min printed for 37 min
-    of work), and runs as `python train_icl.py`, this very file. A finished sweep --resume'd with a larger
-    --max_iters continues each run from its checkpoint (test_resume_continues_...: as if trained that long)."""
+    """A run folder with its JSON is reused, one with only its checkpoint resumed, an empty one trained, each
+    estimated from its checkpoint's step (whole runs were counted once) and run as this very file; a finished
+    sweep --resume'd with a larger --max_iters continues each run from its checkpoint."""
     out, first = copied(icl_sweep, tmp_path)
     gone = sorted(p for p in os.listdir(out) if p.endswith('_s1'))[:3]
     for p in gone[:2]:                             # as if the sweep had been killed before these two started
@@ -1939,8 +1921,8 @@ def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_p
 
 
 def test_estimate_counts_the_steps_left_at_each_prompt_length(monkeypatch):
-    """A run's estimated seconds: the curriculum's steps at each prompt length N x one step's time at N (timing
-    every step at the full N read ~40 % high), its evaluations, and for a resumed run only what is left."""
+    """The curriculum's steps at each prompt length N x one step's time at N (all at the full N read ~40 % high),
+    plus the evaluations; a resumed run only what is left."""
     lengths = []                                   # each step timed at its N: 10 ms per point
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
@@ -1956,8 +1938,8 @@ def test_estimate_counts_the_steps_left_at_each_prompt_length(monkeypatch):
 
 
 def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
-    """The compute sweep's four models at one width, the linear sweep's two per depth (seed 003: each with its own
-    lr and batch, muP off; the --batch_size given wins for both), their tables and curve plots (one rendered)."""
+    """Compute: four models at one width; linear: two per depth, seed 003's lr each (the --batch_size given wins);
+    their tables, JSON and curve plots (one rendered)."""
     real = icl.save_figure
     no_drawing(monkeypatch)
     monkeypatch.setattr(icl, 'save_figure', lambda fig, ax, path, **kw: (
@@ -1974,7 +1956,8 @@ def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
         assert {f: r['config'][f] for f in want} == want, k
     assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
     assert all(row['test'] == row['test_seeds'][0] for row in out['table'])
-    assert out['baselines_query_aniso'] != out['baselines_query'] == {k: v['query'] for k, v in out['baselines'].items()}
+    assert out['baselines_query'] == {k: b['query'] for k, b in out['baselines'].items()}
+    assert out['baselines_query_aniso'] != out['baselines_query']                       # the shifted test set's
     assert (tmp_path / 'icl_compute_d4.png').stat().st_size > 1000 and (tmp_path / 'icl_linear.png').exists()
 
 
@@ -1983,9 +1966,8 @@ JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iter
 
 
 def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
-    """A sweep run's folder is 'done' when its results JSON holds the same training settings (sweep flags aside),
-    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too.
-    A run's command line parses back to the settings it was built from, its folder its own."""
+    """'done' when the run's JSON holds the same training settings (sweep flags aside), 'partial' with only a
+    checkpoint; other settings or another version refused (--overwrite: retrained). Its argv parses back."""
     name, run_dir = 'bottleneck_standard_H8_D32_s0', tmp_path / 'bottleneck_standard_H8_D32_s0'
     parse = lambda *x: icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path), *x])
     job = lambda *x: icl.variant(parse(*x), seed=0, eval_seed=1000003)        # as run_sweep builds them
@@ -2016,8 +1998,7 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
 
 
 def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
-    """The bottleneck figure drawn from each committed assets/icl_bottleneck*.json (the sweep JSON's format), the
-    first one rendered."""
+    """The bottleneck figure from each committed assets/icl_bottleneck*.json (the sweep JSON's format)."""
     paths = sorted(glob.glob(os.path.join(HERE, 'assets', 'icl_bottleneck*.json')))
     for i, path in enumerate(paths):
         saved = json.loads(open(path).read())
@@ -3343,10 +3324,9 @@ def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch
 
 
 def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
-    """Ctrl-C saves after its step; --resume continues to the losses, curve and held-out errors of the run never
-    stopped; a finished run --resume'd redoes nothing, and with --max_iters 6 it continues to the 6-step run, as
-    its lr is constant after warmup and its curriculum ended by step 4. Below the checkpoint's step is refused, and
-    so is a cosine schedule (it scales with the run's length), naming the first step that would differ."""
+    """Ctrl-C saves; --resume continues to the run never stopped, and a finished one with --max_iters 6 to the
+    6-step run (constant lr after warmup, curriculum over by step 4); below its step, or a cosine schedule (it
+    scales with the run's length), refused naming the first step that would differ."""
     curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
     whole = LossTap(monkeypatch, 'mse_loss')
     scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
