@@ -1920,23 +1920,6 @@ def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_p
     assert [r['history'][-1]['step'] for r in longer['runs'].values()] == [4, 4]
 
 
-def test_estimate_counts_the_steps_left_at_each_prompt_length(monkeypatch):
-    """The curriculum's steps at each prompt length N x one step's time at N (all at the full N read ~40 % high),
-    plus the evaluations; a resumed run only what is left."""
-    lengths = []                                   # each step timed at its N: 10 ms per point
-    real = icl.sample_prompts
-    monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
-    monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01 * lengths[-1])
-    a = icl_args('--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')
-    assert [icl.curriculum(s, a) for s in (0, 1)] == [(2, 4), (4, 8)]
-    ms = {}
-    fresh, resumed = icl.run_seconds(a, 0, ms), icl.run_seconds(a, 2, ms)
-    assert sorted(lengths) == [4, 8]               # measured once per model and length
-    # steps at their lengths + evaluations (at N = 8) / 3 + baselines
-    assert fresh == pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
-    assert resumed == pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
-
-
 def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
     """Compute: four models at one width; linear: two per depth, seed 003's lr each (the --batch_size given wins);
     their tables, JSON and curve plots (one rendered)."""
@@ -1965,9 +1948,11 @@ JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iter
             '--lr', '3e-4', '--n_eval', '500', '--widths', '32', '--seeds', '1']
 
 
-def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
-    """'done' when the run's JSON holds the same training settings (sweep flags aside), 'partial' with only a
-    checkpoint; other settings or another version refused (--overwrite: retrained). Its argv parses back."""
+def test_sweep_run_state_argv_and_estimate(tmp_path, monkeypatch):
+    """A run's folder is 'done' when its JSON holds the same training settings (sweep flags aside), 'partial' with
+    only a checkpoint; other settings or another version refused (--overwrite: retrained). Its argv parses back.
+    Its estimate: the curriculum's steps at each prompt length N x one step's time at N (all at the full N read
+    ~40 % high), plus the evaluations; a resumed run only what is left."""
     name, run_dir = 'bottleneck_standard_H8_D32_s0', tmp_path / 'bottleneck_standard_H8_D32_s0'
     parse = lambda *x: icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path), *x])
     job = lambda *x: icl.variant(parse(*x), seed=0, eval_seed=1000003)        # as run_sweep builds them
@@ -1995,6 +1980,18 @@ def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
     same = lambda ns: {k: v for k, v in vars(icl.resolve(ns)).items() if k not in icl.NOT_TRAINING}
     assert same(back) == same(a) and back.out_dir == str(tmp_path / 'r') and back.run_name == 'r'
     assert not any(f.startswith(('--sweep', '--workers', '--widths', '--seeds')) for f in argv)
+    lengths = []                                   # each step timed at its N: 10 ms per point
+    real = icl.sample_prompts
+    monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
+    monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01 * lengths[-1])
+    a = icl_args('--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4')
+    assert [icl.curriculum(s, a) for s in (0, 1)] == [(2, 4), (4, 8)]
+    ms = {}
+    fresh, resumed = icl.run_seconds(a, 0, ms), icl.run_seconds(a, 2, ms)
+    assert sorted(lengths) == [4, 8]               # measured once per model and length
+    # steps at their lengths + evaluations (at N = 8) / 3 + baselines
+    assert fresh == pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
+    assert resumed == pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
 
 
 def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
