@@ -821,17 +821,15 @@ def print_table(rows, cols):
 
 
 def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
-    """The one path of every sweep. Train each point {label: (settings, run name)} with --seeds seeds on the same
-    held-out prompts, each a run in <out_dir>/<name>_s<seed> (runs.sweep); print its table, a row(label, results
-    per seed) per point; write <out_dir>/sweep_<name>.json (the table, extra(first run's results, table), the
-    baselines, the same for every run, and each run per seed) and icl_<name>.png (plot(path, that dict,
-    by_point)), copied to --assets_dir. -> (the JSON's dict, {label: [results per seed]})."""
+    """Every sweep's one path: each point {label: (settings, run name)} trained with --seeds seeds on the same
+    held-out prompts, a run in <out_dir>/<name>_s<seed> each (runs.sweep); the table, row(label, results per seed)
+    per point, printed; <out_dir>/sweep_<name>.json (table, extra(first run, table), the baselines, every run)
+    and icl_<name>.png (plot(path, that dict, by_point)), copied to --assets_dir. -> (that dict, by_point)"""
     t0 = time.time()
     prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
     if args.assets_dir:
         prepare_out_dir(args.assets_dir, flag='--assets_dir')
-    eval_seed = args.eval_seed if args.eval_seed >= 0 else args.seed + 1000003
-    todo, states, ms = [], {}, {}
+    eval_seed, todo, states, ms = resolve(args).eval_seed, [], {}, {}
     for label, (a, name) in points.items():
         for s in range(args.seed, args.seed + args.seeds):
             a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
