@@ -1928,12 +1928,13 @@ def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
     monkeypatch.setattr(icl, 'save_figure', lambda fig, ax, path, **kw: (
         real if path.endswith('icl_compute_d4.png') else unrendered_save)(fig, ax, path, **kw))
     out = icl.main(icl_sweep_argv(tmp_path, 'compute', '--seeds', '1', '--compute_ranks', '2|1|1',
-                                  '--compute_width', '16'))
+                                  '--compute_width', '16', '--no-save'))     # no checkpoints: none needed here
     assert [(t['model'], t['score_rank']) for t in out['table']] == [
         ('bilinear MLR 2/1/1, 8 heads', 2 + 2 * 1 + 4 * 1), ('bilinear BTT, 8 heads', 16), ('standard, 1 head', 16),
         ('standard, 8 heads', 2)]
     assert all(t['flops_per_step'] * 2 == t['train_flops'] and len(t['err_at_2d_seeds']) == 1 for t in out['table'])
-    out = icl.main(icl_sweep_argv(tmp_path, 'linear', '--seeds', '1', '--depths', '1', '--linear_width', '16'))
+    out = icl.main(icl_sweep_argv(tmp_path, 'linear', '--seeds', '1', '--depths', '1', '--linear_width', '16',
+                                  '--no-save'))
     for k, r in out['runs'].items():
         want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4, d=5)   # d = 5 whatever --d says
         assert {f: r['config'][f] for f in want} == want, k
@@ -3270,10 +3271,6 @@ def test_icl_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monke
     assert torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)['step'] == 4 and not tmp_files(tmp_path)
 
 
-def icl_setup(out, how):
-    setup_case(how, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
-
-
 ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1', threads='-2', log_interval='0',
                       eval_interval='-1', seeds='0') + [
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
@@ -3305,7 +3302,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
 @pytest.mark.parametrize('case,extra,setup,code,words', ICL_BAD, ids=[c[0] for c in ICL_BAD])
 def test_icl_bad_input_one_line(tmp_path, capsys, unrendered, case, extra, setup, code, words):
     out = tmp_path / 'run'
-    icl_setup(out, setup)
+    setup_case(setup, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
     extra = [{'UNWRITABLE': str(tmp_path / 'a_file' / 'x')}.get(a, a) for a in extra]
     got, err = run_cli(icl.main, icl_argv(out, *extra), capsys)
     assert_one_line_error(got, err, code, words, 'train_icl.py')
