@@ -410,6 +410,11 @@ def curve_point(st, model, ex, ey, args, device, step):
                           'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']})
 
 
+def evaluated(st, step):
+    """Whether the training curve has its point at this step (a resumed run's first step may have it)."""
+    return st['history'] and st['history'][-1]['step'] == step
+
+
 def steps_to_90(history, key='query'):
     """First evaluated step at which 90% of the drop from the first to the final eval error is done (seed 003)."""
     if len(history) < 2 or history[-1][key] >= history[0][key]:
@@ -492,14 +497,13 @@ def train(args, run_name='run'):
     flops_per_T = {}                                        # T -> body.forward_flops(T)
     time0, cpu0, t0, c0 = st['time_s'], st['cpu_s'], time.time(), time.process_time()
     x_scale = covariance_scale(args.train_cov, args.d)
-    evaluated = lambda step: st['history'] and st['history'][-1]['step'] == step   # noqa: E731
     bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
                mininterval=2.0)
     model.train()
     with ctrl_c_finishes_step() as ctrl_c:
         for step in range(st['step'], args.max_iters):
             st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0  # wall, CPU
-            if args.eval_interval and step % args.eval_interval == 0 and not evaluated(step):
+            if args.eval_interval and step % args.eval_interval == 0 and not evaluated(st, step):
                 curve(step)
                 save()
             if ctrl_c.stop:
@@ -532,7 +536,7 @@ def train(args, run_name='run'):
                            f'train FLOPs {st["flops"]:.3e}')
     bar.close()
     st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0
-    if not evaluated(args.max_iters):
+    if not evaluated(st, args.max_iters):
         curve(args.max_iters)
     # the final evaluation: the full held-out set (and the shifted one, --test_cov), the baselines on the same prompts
     results = {'run': run_name, 'config': dict(vars(args)), 'body_params': body_params, 'train_flops': st['flops'],
