@@ -1643,14 +1643,23 @@ def icl_sweep_argv(out, sweep, *extra):
 
 def unrendered_save(fig, ax, path, **legend):
     """train_icl.save_figure without the ~0.3 s of rendering: the figure must hold data; an empty file stands in."""
+    ax.legend(**legend)
     assert ax.lines or ax.collections, path
     open(path, 'wb').close()
     icl.plt.close(fig)
 
 
+def no_drawing(monkeypatch):
+    """No figure rendered, no per-position plot drawn (the smoke runs draw it; its file only if it had runs), and
+    no step timed for a sweep's estimate (test_estimate_... times them)."""
+    monkeypatch.setattr(icl, 'save_figure', unrendered_save)
+    monkeypatch.setattr(icl, 'plot_positions', lambda results, path, title: results and open(path, 'wb').close())
+    monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01)
+
+
 @pytest.fixture
 def unrendered(monkeypatch):
-    monkeypatch.setattr(icl, 'save_figure', unrendered_save)
+    no_drawing(monkeypatch)
 
 
 # every attention: 7 of them as the layers of one model (its plot rendered), brl (it cannot mix) and global_swa
@@ -1667,7 +1676,7 @@ def test_icl_smoke_run(kind, tmp_path, monkeypatch):
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1])
     if kind != 'pattern':
-        monkeypatch.setattr(icl, 'save_figure', unrendered_save)
+        no_drawing(monkeypatch)
     r = icl.main(icl_argv(tmp_path, *ICL_SMOKE[kind]))
     m = r['model']
     assert len(m['mean']) == 8 and all(np.isfinite(m['mean'])) and m['lo'][3] <= m['mean'][3] <= m['hi'][3]
@@ -1703,11 +1712,9 @@ def test_icl_task_and_baselines():
     pred = icl.predict_least_squares(xs, ys)
     assert_close(pred[:, 7:], ys[:, 7:], atol=1e-4, what='least-squares predictions once i > d')
     assert ((pred[:, 2:5] - ys[:, 2:5]).abs() > 1e-3).any()      # with fewer than d points it cannot be exact
-    X, y = xs[:, :3].double(), ys[:, :3].double()
-    w3 = icl.least_squares_w(X, y)
-    assert_close(torch.einsum('nid,nd->ni', X, w3), y, atol=1e-8, what='min-norm fit')
-    proj = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), X @ w3.unsqueeze(-1))
-    assert_close(proj.squeeze(-1), w3, atol=1e-8, what='min-norm w in row space')
+    X, y = xs[:, :3].double(), ys[:, :3].double()                # N < d: the min-norm w = X^T (X X^T)^-1 y
+    min_norm = X.transpose(1, 2) @ torch.linalg.solve(X @ X.transpose(1, 2), y.unsqueeze(-1))
+    assert_close(icl.least_squares_w(X, y), min_norm.squeeze(-1), atol=1e-8, what='min-norm w')
     # every baseline uses only the pairs before x_i
     xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(2), 4, 5, 12)
     xs2, ys2 = xs.clone(), ys.clone()
@@ -1743,28 +1750,49 @@ def test_icl_prediction_is_causal(attn):
     assert_close(p1[:, :5], p2[:, :5], atol=1e-5, what=f'{attn}: predictions up to position 4')
     assert (p1[:, 5:] - p2[:, 5:]).abs().max() > 1e-4     # and later predictions do see the change
 
+
+def built(*extra):
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '4', '--n_layer', '2', '--n_embd', '32', *extra]))
+    torch.manual_seed(0)
+    return icl.ICLModel(icl.model_config(a), a.d, a.pos_std, a.read_in_std)
+
+
+def test_model_flags_reach_the_model():
+    """The MLP width, GQA, BRL's settings; MLR's block_size rounded up to tile 2N; --pos rope: no wpe, and the
+    same weights predict otherwise than with --pos none."""
+    assert [built(*x).body.blocks[0].mlp.up.weight.shape for x in ([], ['--mlp_hidden', '24'])] == [(128, 32), (24, 32)]
+    gqa = built('--n_kv_head', '2').body.blocks[0].attn                    # 8 heads of width 4 share 2 k, v heads
+    assert gqa.k_proj.weight.shape == gqa.v_proj.weight.shape == (2 * 4, 32)
+    brl = built('--attn', 'brl', '--window', '4', '--n_compressed', '3', '--brl_beta', '0.25')
+    assert brl.body.cfg.n_compressed == 3 and brl.body.cfg.brl_beta == 0.25
+    cfg = icl.model_config(icl_args('--n_points', '9', '--ranks', '4|2|2', '--layer_pattern', 'standard,mlr'))
+    assert cfg.block_size == 20 and cfg.layer_kinds() == ['standard', 'mlr']   # 2N = 18, 3 levels: 4 divides 20
+    plain, rot = built('--pos', 'none'), built('--pos', 'rope')
+    assert rot.wpe is None and plain.wpe is None and built().wpe is not None
+    rot.load_state_dict(randomize_(plain, std=0.3).state_dict())     # zero-init output maps would hide attention
+    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(1), 2, 4, 8)
+    with torch.no_grad():
+        assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
+
 # -----------------------------------------------------------------------------
-# train_icl.py sweeps: the points each trains and its recipe, training seeds per point, reuse of finished (run,
-# seed) pairs, resume of cut-off ones, --quick beside the full sweep, the estimate
+# train_icl.py sweeps: the points each trains and its recipe, seeds per point, reuse of finished runs by their
+# settings, resume of cut-off ones and to a longer run, --quick beside the full sweep, the estimate, the figures
 
 
 def sweep_points(monkeypatch, *argv):
     """The points {label: (settings, run name)} a sweep would train, from main, without training them."""
     seen = {}
-    monkeypatch.setattr(icl, 'run_points', lambda args, points: seen.update(points) or 1 / 0)   # 1 / 0: stop there
+    monkeypatch.setattr(icl, 'run_sweep', lambda args, points, *_: seen.update(points) or 1 / 0)   # stop there
     with pytest.raises(ZeroDivisionError):
-        icl.main(list(argv))
+        icl.main([*argv, '--out_dir', 'unused'])                   # a sweep's points: no folder touched
     return seen
 
 
-def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
-    """Which models train at which width and lr: 8-head standard at every width, 1-head standard and bilinear BTT /
-    MLR at --full_rank_widths (--full_rank_models of them), bilinear MLR only at a head width --bottleneck_ranks
-    lists (once it trained with one level of rank = head width, a low-rank model by another name), each model at
-    a --width_lrs width at its lr; d in the run names. A sweep's recipe, then --quick's, set every flag not given;
-    --d 8 takes LARGER_D_RECIPE on top (its per-width settings only at its own widths). The linear sweep takes
-    seed 003's lr, batch and no muP per architecture, a given flag for both (and says so). Bad specs: one line."""
-    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
+def test_sweep_points_and_recipes(monkeypatch, capsys):
+    """Which models train at which width and lr (bilinear MLR only at a head width --bottleneck_ranks lists); a
+    sweep's recipe, then --quick's, LARGER_D_RECIPE at d = 8 (per-width settings only at its widths) set every
+    flag not given; the linear sweep: seed 003's lr, batch and no muP per architecture, a flag given for both."""
+    points = sweep_points(monkeypatch, *icl_sweep_argv('', 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
                                                        '--full_rank_widths', '8', '--width_lrs', '8:1e-4'))
     assert {k: (a.lr, name) for k, (a, name) in points.items()} == {
         'standard, 8 heads, D=16': (3e-4, 'bottleneck_standard_H8_D16_d4'),
@@ -1772,7 +1800,7 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
         'standard, 1 head, D=8': (1e-4, 'bottleneck_standard_H1_D8_d4'),
         'standard, 8 heads, D=8': (1e-4, 'bottleneck_standard_H8_D8_d4')}
     assert 'bilinear MLR, 8 heads, D=8: not trained (head width 1' in capsys.readouterr().out
-    points = sweep_points(monkeypatch, *icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', '--bottleneck_ranks',
+    points = sweep_points(monkeypatch, *icl_sweep_argv('', 'bottleneck', '--widths', '8', '--bottleneck_ranks',
                                                        '1:1', '--full_rank_models', 'standard_1head,bilinear_mlr'))
     assert sorted(name for _, name in points.values()) == [
         'bottleneck_bilinear_mlr1_H8_D8_d4', 'bottleneck_standard_H1_D8_d4', 'bottleneck_standard_H8_D8_d4']
@@ -1781,40 +1809,28 @@ def test_sweep_points_and_recipes(tmp_path, monkeypatch, capsys):
     assert icl.lr_text(args, [8]) == '0.0001' and icl.lr_text(icl.variant(args, width_lrs=''), [8, 16]) == '0.0003'
     spec = icl.build_parser().get_default('bottleneck_ranks')
     assert [sum(map(int, icl.bottleneck_mlr_ranks(spec, hw).split('|'))) for hw in (4, 8)] == [4, 8]   # official
-    assert icl.bottleneck_mlr_ranks('4:2|1|1', 4) == '2|1|1' and icl.bottleneck_mlr_ranks('4:2|1|1', 6) is None
-    a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7', '--out_dir',
-                               str(tmp_path)).values()))[0]
+    a = next(iter(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--quick', '--max_iters', '7').values()))[0]
     assert a.max_iters == 7 and (a.n_embd, a.seeds) == (int(icl.QUICK['bottleneck']['widths']), 1)  # given: wins
     assert a.curr_d_start == icl.SWEEP_RECIPE['bottleneck']['curr_d_start'] != icl.DEFAULTS['curr_d_start']
-    d8_points = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--out_dir', str(tmp_path))
+    d8_points = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8')
     assert d8_points['bilinear MLR, 8 heads, D=32'][0].bilinear_mlr_ln == 'head'   # the recipe's LayerNorm: only
     assert d8_points['standard, 1 head, D=32'][0].bilinear_mlr_ln == A.ModelConfig.bilinear_mlr_ln == 'level'   # MLR
     d8 = {k: (a.lr, a.max_iters, name) for k, (a, name) in d8_points.items()}
     assert d8['standard, 8 heads, D=64'] == (1e-4, 8000, 'bottleneck_standard_H8_D64_d8')    # LARGER_D_RECIPE
     assert {k.split(', D=')[1] for k in d8 if not k.startswith('standard, 8')} == {'32'}
     assert d8['standard, 1 head, D=32'][:2] == (icl.CPU_RECIPE['lr'], 8000)
-    other = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--widths', '16,32', '--out_dir',
-                         str(tmp_path))                    # other widths: not the recipe's per-width settings
+    other = sweep_points(monkeypatch, '--sweep', 'bottleneck', '--d', '8', '--widths', '16,32')   # not the recipe's
+    # per-width settings at other widths; and given together with --widths, they win
     assert len(other) == 4 + 3 and {a.lr for a, _ in other.values()} == {icl.CPU_RECIPE['lr']}
-    assert len(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--widths', '16,24', '--full_rank_widths', '16',
-                            '--out_dir', str(tmp_path))) == 1 + 3              # given with them: wins
-    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1')
+    assert len(sweep_points(monkeypatch, '--sweep', 'bottleneck', '--widths', '16,24', '--full_rank_widths', '16')) == 4
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--depths', '1')
     for attn in ('standard', 'linear'):
         assert {f: getattr(linear[f'{attn} 1-layer'][0], f) for f in ('lr', 'batch_size', 'mup')} == \
             icl.SEED003_OPTIMIZER[attn]
     assert 'used for both architectures' not in capsys.readouterr().out
-    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--out_dir', str(tmp_path), '--depths', '1', '--lr', '2e-4')
+    linear = sweep_points(monkeypatch, '--sweep', 'linear', '--depths', '1', '--lr', '2e-4')
     assert {a.lr for a, _ in linear.values()} == {2e-4} and {a.batch_size for a, _ in linear.values()} == {32, 64}
     assert '--lr given: used for both architectures' in capsys.readouterr().out
-    for bad, words in (('--full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
-                       ('--full_rank_models=btt', "'btt' is not a model here"), ('--width_lrs=8:0', "'8:0'"),
-                       ('--width_lrs=8', "--width_lrs '8'"), ('--width_lrs=x:1e-4', "'width:lr,...'"),
-                       ('--width_lrs=8:nan', "'8:nan'"), ('--width_lrs=16:1e-4', "'16:1e-4': its widths must be"),
-                       ('--d=8', "--quick is the d = 5 bottleneck sweep's short version")):
-        got, err = run_cli(icl.main, icl_sweep_argv(tmp_path, 'bottleneck', '--widths', '8', bad, '--quick'), capsys)
-        assert_one_line_error(got, err, 2, [words], 'train_icl.py')
-    got, err = run_cli(icl.main, ['--quick'], capsys)
-    assert_one_line_error(got, err, 2, ['--quick shortens a sweep'], 'train_icl.py')
 
 
 ICL_SWEEP = ('--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')   # 4 models x 2 seeds
@@ -1825,7 +1841,7 @@ def icl_sweep(tmp_path_factory):
     """A finished bottleneck sweep (4 models at D = 8, 2 seeds: 8 runs) and what main returned; tests copy it."""
     out = tmp_path_factory.mktemp('icl_sweep') / 'sweep'
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(icl, 'save_figure', unrendered_save)
+        no_drawing(mp)
         return out, icl.main(icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP))
 
 
@@ -1835,13 +1851,11 @@ def copied(icl_sweep, tmp_path):
 
 
 def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, unrendered):
-    """Per-seed results and their mean ± std; finished runs reused, not over other settings. --quick tags its
-    runs, sweep JSON and plots '_quick': in the full sweep's --out_dir / --assets_dir it neither collides with the
-    full runs (refused, or asked to --overwrite them) nor replaces their plots."""
+    """Per-seed results and their mean ± std; finished runs reused, not over other settings; --quick's runs and
+    files tagged '_quick', beside the full sweep's in the same --out_dir / --assets_dir."""
     out, first = copied(icl_sweep, tmp_path)
     argv = icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
-    assert {t['score_rank'] for t in first['table']} == {1, 8}           # 8 heads of width 1 vs full rank 8
     saved = json.loads((out / 'sweep_bottleneck_d4.json').read_text())
     assert saved['seeds'] == [0, 1] and len(saved['runs']) == 8          # per-seed results in the sweep JSON
     for row in saved['table']:
@@ -1850,13 +1864,13 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
         assert row['err_at_2d_std'] == pytest.approx(np.std(per_seed, ddof=1))
     assert {r['config']['seed'] for r in saved['runs'].values()} == {0, 1}   # own training seed...
     assert len({r['config']['eval_seed'] for r in saved['runs'].values()}) == 1   # ...shared test prompts
+    assert saved['baselines_at_2d'] == {k: v['at_2d'] for k, v in saved['baselines'].items()}
     assert all(os.path.exists(out / f) for f in ('icl_bottleneck_d4.png', 'icl_position_d4.png'))
     capsys.readouterr()
     again = icl.main(argv)                                                # nothing retrained
     printed = capsys.readouterr().out
     assert 'icl: 8 finished run(s) reused, 0 to train' in printed
     assert printed.strip().splitlines()[-1].startswith('outputs: results ') and 'copies in' not in printed
-    assert icl.build_parser().parse_args([]).assets_dir == ''             # no --assets_dir: no copies
     assert len(again['reused']) == 8 and again['wall_s_when_trained'] == first['wall_s']   # a replot keeps it
     assert [t['err_at_2d'] for t in again['table']] == [t['err_at_2d'] for t in first['table']]
     with pytest.raises(ValueError, match='holds a run with --lr .*--overwrite'):   # other settings: not over them
@@ -1877,34 +1891,96 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
         f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
 
 
-def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, unrendered):
-    """A run folder with its results JSON is reused, one with only its checkpoint resumed, an empty one trained.
-    A finished sweep --resume'd with a larger --max_iters continues each run from its checkpoint (the preflight
-    accepts the longer length) and ends where the same sweep trained that long from scratch ends."""
+def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, monkeypatch, unrendered):
+    """A run folder with its JSON is reused, one with only its checkpoint resumed, an empty one trained, each
+    estimated from its checkpoint's step (whole runs were counted once) and run as this very file; a finished
+    sweep --resume'd with a larger --max_iters continues each run from its checkpoint."""
     out, first = copied(icl_sweep, tmp_path)
     gone = sorted(p for p in os.listdir(out) if p.endswith('_s1'))[:3]
     for p in gone[:2]:                             # as if the sweep had been killed before these two started
         os.remove(out / p / f'{p}.json')
         os.remove(out / p / f'{p}.pt')
     os.remove(out / gone[2] / f'{gone[2]}.json')   # ...and this one cut off after its last checkpoint
+    starts, real_sweep = [], R.sweep
+    monkeypatch.setattr(icl, 'run_seconds', lambda a, start, ms: starts.append((a.attn, a.n_head, start)) or 1.0)
+    monkeypatch.setattr(R, 'sweep', lambda todo, states, script, *x, **k: os.path.samefile(script, icl.__file__)
+                        and real_sweep(todo, states, script, *x, **k))
     capsys.readouterr()
     again = icl.main(icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP))
     printed = capsys.readouterr().out
     assert 'icl: 5 finished run(s) reused, 3 to train' in printed and printed.count('resumed from') == 1
-    assert len(again['reused']) == 5
+    assert len(again['reused']) == 5 and sorted(s for *_, s in starts) == [0, 0, 2]
     assert [t['err_at_2d_seeds'] for t in again['table']] == [t['err_at_2d_seeds'] for t in first['table']]
     two = ('--widths', '8', '--full_rank_models', 'standard_1head', '--bottleneck_ranks', '', '--seeds', '1')
+    starts.clear()
     longer = icl.main(icl_sweep_argv(out, 'bottleneck', *two, '--max_iters', '4', '--resume'))
     printed = capsys.readouterr().out
     assert 'icl: 0 finished run(s) reused, 2 to train' in printed and printed.count('resumed from') == 2
-    scratch = icl.main(icl_sweep_argv(tmp_path / 'b', 'bottleneck', *two, '--max_iters', '4'))
-    assert [t['err_at_2d_seeds'] for t in longer['table']] == [t['err_at_2d_seeds'] for t in scratch['table']]
+    assert sorted(starts) == [('standard', 1, 2), ('standard', 8, 2)]
+    assert [r['history'][-1]['step'] for r in longer['runs'].values()] == [4, 4]
 
 
-def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_path, monkeypatch):
-    """A run's estimated seconds: the curriculum's steps at each prompt length N x one step's time at N (timing
-    every step at the full N read ~40 % high), its evaluations, and for a resumed run only the steps (and
-    evaluations) left after its checkpoint (whole runs were counted: 110 min printed for 37 min of work)."""
+def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
+    """Compute: four models at one width; linear: two per depth, seed 003's lr each (the --batch_size given wins);
+    their tables, JSON and curve plots (one rendered)."""
+    real = icl.save_figure
+    no_drawing(monkeypatch)
+    monkeypatch.setattr(icl, 'save_figure', lambda fig, ax, path, **kw: (
+        real if path.endswith('icl_compute_d4.png') else unrendered_save)(fig, ax, path, **kw))
+    out = icl.main(icl_sweep_argv(tmp_path, 'compute', '--seeds', '1', '--compute_ranks', '2|1|1',
+                                  '--compute_width', '16', '--no-save'))     # no checkpoints: none needed here
+    assert [(t['model'], t['score_rank']) for t in out['table']] == [
+        ('bilinear MLR 2/1/1, 8 heads', 2 + 2 * 1 + 4 * 1), ('bilinear BTT, 8 heads', 16), ('standard, 1 head', 16),
+        ('standard, 8 heads', 2)]
+    assert all(t['flops_per_step'] * 2 == t['train_flops'] and len(t['err_at_2d_seeds']) == 1 for t in out['table'])
+    out = icl.main(icl_sweep_argv(tmp_path, 'linear', '--seeds', '1', '--depths', '1', '--linear_width', '16',
+                                  '--no-save'))
+    for k, r in out['runs'].items():
+        want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4, d=5)   # d = 5 whatever --d says
+        assert {f: r['config'][f] for f in want} == want, k
+    assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
+    assert all(row['test'] == row['test_seeds'][0] for row in out['table'])
+    assert out['baselines_query'] == {k: b['query'] for k, b in out['baselines'].items()}
+    assert out['baselines_query_aniso'] != out['baselines_query']                       # the shifted test set's
+    assert (tmp_path / 'icl_compute_d4.png').stat().st_size > 1000 and (tmp_path / 'icl_linear.png').exists()
+
+
+JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iters', '2000', '--warmup_iters', '250',
+            '--lr', '3e-4', '--n_eval', '500', '--widths', '32', '--seeds', '1']
+
+
+def test_sweep_run_state_argv_and_estimate(tmp_path, monkeypatch):
+    """A run's folder is 'done' when its JSON holds the same training settings (sweep flags aside), 'partial' with
+    only a checkpoint; other settings or another version refused (--overwrite: retrained). Its argv parses back.
+    Its estimate: the curriculum's steps at each prompt length N x one step's time at N (all at the full N read
+    ~40 % high), plus the evaluations; a resumed run only what is left."""
+    name, run_dir = 'bottleneck_standard_H8_D32_s0', tmp_path / 'bottleneck_standard_H8_D32_s0'
+    parse = lambda *x: icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path), *x])
+    job = lambda *x: icl.variant(parse(*x), seed=0, eval_seed=1000003)        # as run_sweep builds them
+    state = lambda *x, args=parse(): icl.run_status(args, job(*x), name, str(run_dir))
+    config = vars(icl.resolve(job()))
+    assert config['format'] == R.FORMAT and state() == ('new', 0)
+    os.makedirs(run_dir)
+    torch.save({'script': 'train_icl.py', 'config': config, 'step': 7, 'format': R.FORMAT}, run_dir / f'{name}.pt')
+    assert state() == ('partial', 7)
+    (run_dir / f'{name}.json').write_text(json.dumps({'run': name, 'config': config}))
+    assert state()[0] == state('--compute_ranks', '4|4', '--workers', '5', '--seeds', '3',
+                               '--full_rank_models', 'bilinear_btt')[0] == 'done'         # sweep flags
+    for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--lr', '1e-3'], ['--no-qk_ln'],
+                  ['--pos', 'rope']):
+        with pytest.raises(ValueError, match='holds a run with --.*--overwrite'):
+            state(*other)
+        assert state(*other, args=parse('--overwrite')) == ('new', 0)
+    assert state(args=parse('--no-reuse')) == ('new', 0)
+    (run_dir / f'{name}.json').write_text(json.dumps({'run': name, 'config': dict(config, format=None)}))
+    with pytest.raises(ValueError, match='written by another version of this code'):
+        state()
+    a = job('--test_cov', '', '--no-mup', '--ranks', '2|1|1', '--lr', '5e-5')
+    argv = icl.run_argv(a, 'r', str(tmp_path / 'r'))
+    back = icl.build_parser().parse_args(argv)
+    same = lambda ns: {k: v for k, v in vars(icl.resolve(ns)).items() if k not in icl.NOT_TRAINING}
+    assert same(back) == same(a) and back.out_dir == str(tmp_path / 'r') and back.run_name == 'r'
+    assert not any(f.startswith(('--sweep', '--workers', '--widths', '--seeds')) for f in argv)
     lengths = []                                   # each step timed at its N: 10 ms per point
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])
@@ -1917,159 +1993,20 @@ def test_estimate_counts_the_steps_left_at_each_prompt_length(icl_sweep, tmp_pat
     # steps at their lengths + evaluations (at N = 8) / 3 + baselines
     assert fresh == pytest.approx((40 + 3 * 80 + 80 * (2 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
     assert resumed == pytest.approx((2 * 80 + 80 * (1 * 8 + 2 * 16) / 4 / 3) / 1e3 + 2)
-    # a sweep --resume'd to 4 steps: runs finished at step 2 are estimated from there, a new seed's from 0; and they
-    # run as `python train_icl.py` processes of this very file
-    out, _ = copied(icl_sweep, tmp_path)
-    monkeypatch.setattr(icl, 'run_seconds', lambda a, start, ms: start + a.seed / 10)
-    seen = {}
-    monkeypatch.setattr(R, 'sweep', lambda todo, states, script, *x, **k: seen.update(
-        seconds={r.name: r.seconds for r in todo}, script=script) or 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        icl.main(icl_sweep_argv(out, 'bottleneck', '--widths', '8', '--full_rank_models', 'standard_1head',
-                                '--bottleneck_ranks', '', '--seeds', '3', '--max_iters', '4', '--resume'))
-    want = {f'bottleneck_standard_H{h}_D8_d4_s{s}': [2, 2.1, 0.2][s] for h in (8, 1) for s in range(3)}
-    assert seen['seconds'] == want
-    assert os.path.samefile(seen['script'], icl.__file__)
-
-
-def test_compute_and_linear_sweeps(tmp_path, monkeypatch):
-    """The compute sweep's four models at one width, the linear sweep's two per depth (seed 003: each with its own
-    lr and batch, muP off; the --batch_size given wins for both), their tables and curve plots (one rendered)."""
-    real = icl.save_figure
-    monkeypatch.setattr(icl, 'save_figure', lambda fig, ax, path, **kw: (
-        real if path.endswith('icl_compute_d4.png') else unrendered_save)(fig, ax, path, **kw))
-    out = icl.main(icl_sweep_argv(tmp_path, 'compute', '--seeds', '1', '--compute_ranks', '2|1|1',
-                                  '--compute_width', '16'))
-    assert [(t['model'], t['score_rank']) for t in out['table']] == [
-        ('bilinear MLR 2/1/1, 8 heads', 2 + 2 * 1 + 4 * 1), ('bilinear BTT, 8 heads', 16), ('standard, 1 head', 16),
-        ('standard, 8 heads', 2)]
-    assert all(t['flops_per_step'] * 2 == t['train_flops'] and len(t['err_at_2d_seeds']) == 1 for t in out['table'])
-    out = icl.main(icl_sweep_argv(tmp_path, 'linear', '--seeds', '1', '--depths', '1', '--linear_width', '16'))
-    for k, r in out['runs'].items():
-        want = dict(icl.SEED003_OPTIMIZER[r['config']['attn']], batch_size=4, d=5)   # d = 5 whatever --d says
-        assert {f: r['config'][f] for f in want} == want, k
-    assert {(row['lr'], row['batch_size']) for row in out['table']} == {(1e-4, 4), (3e-4, 4)}
-    assert all(row['test'] == row['test_seeds'][0] for row in out['table'])
-    assert (tmp_path / 'icl_compute_d4.png').stat().st_size > 1000 and (tmp_path / 'icl_linear.png').exists()
-
-# -----------------------------------------------------------------------------
-# train_icl.py: finished runs reused by their settings; a run of another version refused; --resume to a longer run
-
-JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iters', '2000', '--warmup_iters', '250',
-            '--lr', '3e-4', '--n_eval', '500', '--widths', '32', '--seeds', '1']
-
-
-def job_args(out, argv):
-    """The args of one sweep job as run_points builds them (resolved, seed 0, its eval seed)."""
-    return icl.variant(icl.build_parser().parse_args(argv + ['--out_dir', str(out)]), seed=0, eval_seed=1000003)
-
-
-def test_run_state_by_training_settings_and_another_version_refused(tmp_path):
-    """A sweep run's folder is 'done' when its results JSON holds the same training settings (sweep flags aside),
-    'partial' with only a checkpoint; other settings are refused (--overwrite: retrained), another version too.
-    A run's command line parses back to the settings it was built from, its folder its own."""
-    args = icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path)])
-    config = vars(icl.resolve(job_args(tmp_path, JOB_ARGV)))
-    assert config['format'] == R.FORMAT
-    name, run_dir = 'bottleneck_standard_H8_D32_s0', str(tmp_path / 'bottleneck_standard_H8_D32_s0')
-    state = lambda argv, a=args: icl.run_status(a, job_args(tmp_path, argv), name, run_dir)[0]
-    assert state(JOB_ARGV) == 'new'
-    os.makedirs(run_dir)
-    torch.save({'script': 'train_icl.py', 'config': config, 'step': 7, 'format': R.FORMAT}, f'{run_dir}/{name}.pt')
-    assert icl.run_status(args, job_args(tmp_path, JOB_ARGV), name, run_dir) == ('partial', 7)
-    (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': config}))
-    assert state(JOB_ARGV) == state(JOB_ARGV + ['--compute_ranks', '4|4', '--workers', '5', '--seeds', '3',
-                                                '--full_rank_models', 'bilinear_btt']) == 'done'       # sweep flags
-    for other in (['--max_iters', '2001'], ['--warmup_iters', '1000'], ['--lr', '1e-3'], ['--no-qk_ln'],
-                  ['--pos', 'rope']):
-        with pytest.raises(ValueError, match='holds a run with --.*--overwrite'):
-            state(JOB_ARGV + other)
-        assert state(JOB_ARGV + other, icl.build_parser().parse_args(JOB_ARGV + ['--overwrite'])) == 'new'
-    assert state(JOB_ARGV, icl.build_parser().parse_args(JOB_ARGV + ['--no-reuse'])) == 'new'
-    (tmp_path / name / f'{name}.json').write_text(json.dumps({'run': name, 'config': dict(config, format=None)}))
-    with pytest.raises(ValueError, match='written by another version of this code'):
-        state(JOB_ARGV)
-    a = job_args(tmp_path, JOB_ARGV + ['--test_cov', '', '--no-mup', '--ranks', '2|1|1', '--lr', '5e-5'])
-    argv = icl.run_argv(a, 'r', str(tmp_path / 'r'))
-    back = icl.build_parser().parse_args(argv)
-    same = lambda ns: {k: v for k, v in vars(icl.resolve(ns)).items() if k not in icl.NOT_TRAINING}
-    assert same(back) == same(a) and back.out_dir == str(tmp_path / 'r') and back.run_name == 'r'
-    assert not any(f.startswith(('--sweep', '--workers', '--widths', '--seeds')) for f in argv)
 
 
 def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
-    """The bottleneck figure drawn from each committed assets/icl_bottleneck*.json (the sweep JSON's format), the
-    first one rendered."""
+    """The bottleneck figure from each committed assets/icl_bottleneck*.json (the sweep JSON's format)."""
     paths = sorted(glob.glob(os.path.join(HERE, 'assets', 'icl_bottleneck*.json')))
     for i, path in enumerate(paths):
         saved = json.loads(open(path).read())
-        args = icl.build_parser().parse_args([])
-        for k, v in next(iter(saved['runs'].values()))['config'].items():
-            if k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs'):
-                setattr(args, k, v)
-        out, widths = tmp_path / (os.path.basename(path) + '.png'), sorted({t['D'] for t in saved['table']})
-        icl.plot_bottleneck(str(out), saved['table'], saved['baselines'], widths, args)
-        assert i > 0 or out.stat().st_size > 1000, path
+        config = next(iter(saved['runs'].values()))['config']
+        args = icl.build_parser().parse_args([f'--{k}={v}' for k, v in config.items()
+                                              if k in ('d', 'n_layer', 'max_iters', 'lr', 'width_lrs')])
+        icl.plot_bottleneck(str(tmp_path / f'{i}.png'), saved, args)
+        assert i > 0 or (tmp_path / '0.png').stat().st_size > 1000, path
         monkeypatch.setattr(icl, 'save_figure', unrendered_save)      # the others: drawn, not rendered
     assert len(paths) >= 2
-
-
-def test_resume_continues_to_a_larger_max_iters(tmp_path, unrendered):
-    """--resume of a finished run redoes nothing; --resume --max_iters 6 continues a 4-step run whose lr is constant
-    after warmup and whose curriculum ends by step 4 to the curve and held-out errors of a 6-step run from scratch;
-    below the checkpoint's step is refused, and so is a cosine schedule (it scales with the run's length, so its
-    steps would differ), naming the first such step."""
-    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
-    first = icl.main(icl_argv(tmp_path / 'a', *curr))
-    again = icl.main(icl_argv(tmp_path / 'a', *curr, '--resume'))         # finished at step 4: nothing to redo
-    assert again['model'] == first['model'] and again['config']['max_iters'] == 4
-    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
-        icl.main(icl_argv(tmp_path / 'a', '--resume', '--max_iters', '3'))
-    longer = icl.main(icl_argv(tmp_path / 'a', *curr, '--resume', '--max_iters', '6'))
-    scratch = icl.main(icl_argv(tmp_path / 'b', *curr, '--max_iters', '6'))
-    assert longer['config']['max_iters'] == 6 and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
-    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
-    assert no_time(longer) == no_time(scratch)
-    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
-    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
-    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
-        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
-
-# -----------------------------------------------------------------------------
-# model flags this script did not have: they reach the model
-
-
-def built(*extra):
-    a = icl.resolve(icl.build_parser().parse_args(['--d', '4', '--n_layer', '2', '--n_embd', '32', *extra]))
-    torch.manual_seed(0)
-    return icl.ICLModel(icl.model_config(a), a.d, a.pos_std, a.read_in_std)
-
-
-def test_new_model_flags_change_the_model():
-    n_params = lambda model: sum(p.numel() for p in model.body.parameters())
-    base, wide = built(), built('--mlp_hidden', '24')
-    assert (base.body.blocks[0].mlp.up.weight.shape, wide.body.blocks[0].mlp.up.weight.shape) == ((128, 32), (24, 32))
-    assert n_params(base) - n_params(wide) == 2 * 2 * 32 * (128 - 24)   # 2 layers x (up, down), no biases
-    gqa = built('--n_kv_head', '2').body.blocks[0].attn                    # 8 heads of width 4 share 2 k, v heads
-    assert gqa.k_proj.weight.shape == gqa.v_proj.weight.shape == (2 * 4, 32)
-    brl = built('--attn', 'brl', '--window', '4', '--n_compressed', '3', '--brl_beta', '0.25')
-    assert brl.body.cfg.n_compressed == 3 and brl.body.cfg.brl_beta == 0.25
-    # MLR fixes its level blocks from block_size: 2N = 18 tokens, 3 levels -> 20 (4 divides it)
-    cfg = icl.model_config(icl_args('--n_points', '9', '--ranks', '4|2|2', '--layer_pattern', 'standard,mlr'))
-    assert cfg.block_size == 20 and cfg.layer_kinds() == ['standard', 'mlr']
-
-
-def test_rope_changes_the_output():
-    """--pos rope has no parameters: the same weights give a different prediction with it than with none."""
-    plain, rot = built('--pos', 'none'), built('--pos', 'rope')
-    assert rot.wpe is None and plain.wpe is None and built().wpe is not None
-    for p in plain.parameters():                          # the zero-init output maps would hide the attention
-        if p.ndim >= 2:
-            torch.nn.init.normal_(p, std=0.3)
-    rot.load_state_dict(plain.state_dict())
-    xs, ys, _ = icl.sample_prompts(torch.Generator().manual_seed(1), 2, 4, 8)
-    with torch.no_grad():
-        assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
 
 
 # -----------------------------------------------------------------------------
@@ -3266,24 +3203,13 @@ def test_lm_kill_during_checkpoint_loses_nothing(lm_corpus, tmp_path, monkeypatc
 ICL_RUN = 'icl_standard_H2_D16'
 
 
-def test_icl_full_disk_is_one_line_naming_out_dir_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):
-    real, calls = torch.save, []
-
-    def fails(*args, **kw):                                            # the step-0 checkpoint works, step 2's not
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
-        return real(*args, **kw)
-    monkeypatch.setattr(torch, 'save', fails)
-    code, err = run_cli(icl.main, icl_argv(tmp_path / 'out', '--save'), capsys)
-    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / 'out' / ICL_RUN}.pt'"], 'train_icl.py')
-    monkeypatch.undo()
-    assert torch.load(tmp_path / 'out' / f'{ICL_RUN}.pt', weights_only=True)['step'] == 0
-    assert not tmp_files(tmp_path / 'out')
-
-
-def icl_setup(out, how):
-    setup_case(how, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
+def test_icl_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, unrendered):
+    icl.main(icl_argv(tmp_path))
+    full = RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    with dying_torch_save(monkeypatch, full):
+        code, err = run_cli(icl.main, icl_argv(tmp_path, '--resume', '--max_iters', '6'), capsys)
+    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / ICL_RUN}.pt'"], 'train_icl.py')
+    assert torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)['step'] == 4 and not tmp_files(tmp_path)
 
 
 ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1', threads='-2', log_interval='0',
@@ -3305,13 +3231,19 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', lr='nan', warmup_iters='-1
     ('resume_other_model', ['--resume', '--n_embd', '8'], 'run', 1, ['no checkpoint icl_standard_H2_D8.pt',
                                                                   f'holds {ICL_RUN}.pt', '--n_embd']),
     ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
+    ('quick_without_sweep', ['--quick'], None, 2, ['--quick shortens a sweep']),
+] + [(bad, ['--sweep', 'bottleneck', '--widths', '8', '--quick', f'--{bad}'], None, 2, [words]) for bad, words in (
+    ('full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
+    ('full_rank_models=btt', "'btt' is not a model here"), ('width_lrs=8:0', "'8:0'"), ('width_lrs=8', "'8'"),
+    ('width_lrs=x:1e-4', "'width:lr,...'"), ('width_lrs=8:nan', "'8:nan'"),
+    ('width_lrs=16:1e-4', "'16:1e-4': its widths must be"), ('d=8', "--quick is the d = 5 bottleneck sweep's"))
 ] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
 
 
 @pytest.mark.parametrize('case,extra,setup,code,words', ICL_BAD, ids=[c[0] for c in ICL_BAD])
 def test_icl_bad_input_one_line(tmp_path, capsys, unrendered, case, extra, setup, code, words):
     out = tmp_path / 'run'
-    icl_setup(out, setup)
+    setup_case(setup, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
     extra = [{'UNWRITABLE': str(tmp_path / 'a_file' / 'x')}.get(a, a) for a in extra]
     got, err = run_cli(icl.main, icl_argv(out, *extra), capsys)
     assert_one_line_error(got, err, code, words, 'train_icl.py')
@@ -3326,19 +3258,30 @@ def test_icl_nan_stops_at_that_step_without_nan_checkpoint(tmp_path, monkeypatch
     assert not os.path.exists(tmp_path / f'{ICL_RUN}.json')                # no results from a diverged run
 
 
-def test_icl_ctrl_c_saves_and_resume_is_exact(tmp_path, monkeypatch, capsys, unrendered):
-    argv = lambda out, *x: icl_argv(out, '--max_iters', '6', '--eval_interval', '4', *x)
+def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
+    """Ctrl-C saves; --resume continues to the run never stopped, and a finished one with --max_iters 6 to the
+    6-step run (constant lr after warmup, curriculum over by step 4); below its step, or a cosine schedule (it
+    scales with the run's length), refused naming the first step that would differ."""
+    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
     whole = LossTap(monkeypatch, 'mse_loss')
-    a = icl.main(argv(tmp_path / 'a'))
+    scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
     first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
-    code, err = run_cli(icl.main, argv(tmp_path / 'b'), capsys)
+    code, err = run_cli(icl.main, icl_argv(tmp_path / 'b', *curr), capsys)
     assert_one_line_error(code, err, 130, ['interrupted:', 'at step 3', f'{ICL_RUN}.pt', '--resume'], 'train_icl.py')
     rest = LossTap(monkeypatch, 'mse_loss')
-    b = icl.main(argv(tmp_path / 'b', '--resume'))
-    assert first.values + rest.values == whole.values and len(whole.values) == 6
-    strip = lambda h: [{k: v for k, v in r.items() if k != 'time_s'} for r in h]
-    assert strip(a['history']) == strip(b['history'])
-    assert a['model'] == b['model'] and a['train_flops'] == b['train_flops']
+    done = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    assert again['model'] == done['model'] and len(rest.values) == 1                  # finished: nothing redone
+    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
+        icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
+    longer = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--max_iters', '6'))
+    assert first.values + rest.values == whole.values and len(whole.values) == 6     # steps 1-3, 4, 5-6
+    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
+    assert no_time(longer) == no_time(scratch) and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
+    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
+    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
+    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
+        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
 
 
 def test_icl_kill_during_checkpoint_loses_nothing(tmp_path, monkeypatch, capsys, orphan, unrendered):

@@ -25,6 +25,7 @@ A run writes a JSON and a checkpoint to --out_dir. A sweep trains each (point, s
 import argparse
 import collections
 import copy
+import functools
 import glob
 import json
 import math
@@ -111,7 +112,6 @@ DEFAULTS = dict(
 
 
 def build_parser():
-    """The command line, in the order of --help; the defaults in DEFAULTS and MODEL_DEFAULTS."""
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bool_flag = argparse.BooleanOptionalAction
@@ -148,8 +148,7 @@ def build_parser():
     g.add_argument('--n_eval_during', type=int, default=256, help='held-out prompts used during training')
     g.add_argument('--n_boot', type=int, default=1000, help='bootstrap resamples for the 95%% intervals')
     g = p.add_argument_group('sweeps (each writes <out_dir>/sweep_<name>.json and icl_<name>.png)')
-    g.add_argument('--sweep', type=str, default='', choices=['', 'bottleneck', 'compute', 'linear'],
-                   help="a paper figure's sweep instead of one run")
+    g.add_argument('--sweep', type=str, default='', choices=['', *SWEEPS], help="a paper figure's sweep, not one run")
     g.add_argument('--widths', type=str, default='16,32,64', help='bottleneck: model widths D')
     g.add_argument('--full_rank_widths', type=str, default='', help='bottleneck: widths of 1 head, BTT, MLR ("" = all)')
     g.add_argument('--full_rank_models', type=str, default=','.join(FULL_RANK_MODELS), help='bottleneck: which')
@@ -197,7 +196,7 @@ def resolve(args):
     return args
 
 # -----------------------------------------------------------------------------
-# The task: prompts, tokens, curriculum
+# The task: prompts, curriculum
 
 SEED003_ANISO = (0.5, 1.0, 1.5, 1.0, 1.75)   # seed 003's anisotropic test covariance (variances, d = 5)
 SHIFTED_SEED_OFFSET = 7919                    # the shifted test set's generator: eval_seed + this
@@ -220,8 +219,8 @@ def covariance_scale(spec, d):
 
 
 def sample_prompts(gen, n, d, n_points, d_active=None, x_scale=None, noise_std=0.0):
-    """n prompts with a fresh w each. Returns xs (n, N, d), ys (n, N), ws (n, d).
-    Dimensions >= d_active are zeroed in x (Garg's curriculum), so only the first d_active of w matter."""
+    """n prompts with a fresh w each: xs (n, N, d), ys (n, N), ws (n, d). Dimensions >= d_active are zeroed in x
+    (Garg's curriculum), so only the first d_active of w matter."""
     xs = torch.randn(n, n_points, d, generator=gen)        # (n, N, d)
     ws = torch.randn(n, d, generator=gen)                  # (n, d)
     if x_scale is not None:
@@ -285,12 +284,8 @@ def predict_nearest_neighbours(xs, ys, k=3):
     return (y_k * valid).sum(-1) / valid.sum(-1).clamp(min=1)
 
 
-BASELINES = {
-    'least_squares': predict_least_squares,
-    'averaging': predict_averaging,
-    '3-NN': predict_nearest_neighbours,
-    'zero': lambda xs, ys: torch.zeros_like(ys),
-}
+BASELINES = {'least_squares': predict_least_squares, 'averaging': predict_averaging,
+             '3-NN': predict_nearest_neighbours, 'zero': lambda xs, ys: torch.zeros_like(ys)}
 
 # -----------------------------------------------------------------------------
 # The model: read-in, Transformer body, zero-init read-out at the x positions
@@ -304,8 +299,7 @@ class ICLModel(nn.Module):
         if read_in_std > 0:                                             # ... or N(0, read_in_std^2), official 0.02
             nn.init.normal_(self.read_in.weight, std=read_in_std)
         self.read_in.weight.lr_mult = 1.0   # muP: the input layer's Adam lr does not scale with width
-        # learned positions, as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02 (--pos rope / none:
-        # none here)
+        # learned positions (--pos learned), as Garg's GPT-2 and the official code: N(0, pos_std^2), official 0.02
         self.wpe = nn.Embedding(cfg.block_size, D) if cfg.pos == 'learned' else None
         if self.wpe is not None:
             nn.init.normal_(self.wpe.weight, std=pos_std)
@@ -334,7 +328,34 @@ def model_config(args):
     return runs.model_config(args, block_size=T, causal=True)
 
 # -----------------------------------------------------------------------------
-# Evaluation: normalized squared error per position, bootstrap intervals, baselines on the same prompts
+# Optimizer: AdamW with muP learning rates, warmup and schedule
+
+
+def make_optimizer(model, args):
+    """AdamW, the official betas (0.9, 0.95) and eps; under --mup each weight's lr is lr x its lr_mult
+    (optimizer_groups). Each group keeps its base_lr, which the schedule (lr_at) scales."""
+    if args.mup:
+        groups = optimizer_groups(model, args.lr, args.weight_decay)
+    else:   # one lr for everything: ignore the lr_mult tags
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{'params': [p for p in params if p.ndim >= 2], 'weight_decay': args.weight_decay, 'lr': args.lr},
+                  {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0, 'lr': args.lr}]
+    for g in groups:
+        g['base_lr'] = g['lr']
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps)
+
+
+def lr_at(step, args):
+    """The lr multiplier at this step: linear warmup, then constant or cosine decay to 10 %."""
+    if step < args.warmup_iters:
+        return (step + 1) / args.warmup_iters
+    if args.lr_schedule == 'constant':
+        return 1.0
+    progress = (step - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+# -----------------------------------------------------------------------------
+# Evaluation: normalized squared error per position on held-out prompts, bootstrap intervals, the baselines
 
 
 def eval_set(args, n, cov):
@@ -380,43 +401,40 @@ def evaluate(model, xs, ys, args, device):
     errs = model_errors(model, xs, ys, args.d, device)
     return summarize(errs, args), {k: summarize((f(xs, ys) - ys) ** 2 / args.d, args) for k, f in BASELINES.items()}
 
-# -----------------------------------------------------------------------------
-# Training
+
+def curve_point(st, model, ex, ey, args, device, step):
+    """A point of the training curve in st['history']: the held-out error at N = 2d, at the query and overall."""
+    mean = model_errors(model, ex, ey, args.d, device).mean(0)
+    i2d = min(2 * args.d, mean.numel()) - 1
+    st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'], 'at_2d': mean[i2d].item(),
+                          'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']})
 
 
-def lr_at(step, args):
-    """The lr multiplier at this step: linear warmup, then constant or cosine decay to 10 %."""
-    if step < args.warmup_iters:
-        return (step + 1) / args.warmup_iters
-    if args.lr_schedule == 'constant':
-        return 1.0
-    progress = (step - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def evaluated(st, step):
+    """Whether the training curve has its point at this step (a resumed run's first step may have it)."""
+    return st['history'] and st['history'][-1]['step'] == step
 
 
 def steps_to_90(history, key='query'):
     """First evaluated step at which 90% of the drop from the first to the final eval error is done (seed 003)."""
-    if len(history) < 2:
-        return None
-    start, final = history[0][key], history[-1][key]
-    if final >= start:
+    if len(history) < 2 or history[-1][key] >= history[0][key]:
         return None                     # no drop to speak of
-    target = start - 0.9 * (start - final)
+    target = history[0][key] - 0.9 * (history[0][key] - history[-1][key])
     return next(h['step'] for h in history if h[key] <= target)
 
+# -----------------------------------------------------------------------------
+# Training: the loop, checkpoints, --resume
 
-def make_optimizer(model, args):
-    """AdamW with the official betas and eps; under --mup each weight's lr is lr x its lr_mult (optimizer_groups).
-    Each group keeps its base_lr, which the schedule (lr_at) scales."""
-    if args.mup:
-        groups = optimizer_groups(model, args.lr, args.weight_decay)
-    else:   # one lr for everything: ignore the lr_mult tags
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{'params': [p for p in params if p.ndim >= 2], 'weight_decay': args.weight_decay, 'lr': args.lr},
-                  {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0, 'lr': args.lr}]
-    for g in groups:
-        g['base_lr'] = g['lr']
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps)   # official betas, eps
+
+def save_run(path, args, model, opt, st, gen):
+    """The checkpoint <run>.pt (with --save): weights, optimizer, config, run state and RNGs -> its path, or None."""
+    if not args.save:
+        return None
+    with io_errors('--out_dir', path):
+        save_checkpoint(path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                               'config': dict(vars(args)), 'step': st['step'], 'state': st,
+                               'data_rng': gen.get_state(), 'rng': rng_state()})
+    return path
 
 
 def check_resume(saved, args, given, step):
@@ -426,11 +444,10 @@ def check_resume(saved, args, given, step):
     ended before `step` do this; a cosine schedule or a curriculum scaled to the run's length do not)."""
     may_change = set(NOT_TRAINING)
     if 'max_iters' in given and args.max_iters != saved['max_iters']:
-        old = argparse.Namespace(**saved)
-        new = argparse.Namespace(**dict(saved, max_iters=args.max_iters))
         if args.max_iters < step:
             raise ValueError(f"--max_iters {args.max_iters} is below the checkpoint's step {step}; give "
                              f"--max_iters >= {step} to continue the run")
+        old, new = argparse.Namespace(**saved), argparse.Namespace(**dict(saved, max_iters=args.max_iters))
         for s in range(step):
             was, now = (lr_at(s, old), curriculum(s, old)), (lr_at(s, new), curriculum(s, new))
             if was != now:
@@ -444,8 +461,8 @@ def check_resume(saved, args, given, step):
 
 
 def train(args, run_name='run'):
-    """Train one model; returns the results dict (also written to <out_dir>/<run_name>.json). In nanoGPT's order:
-    config, data, model, optimizer, resume, the loop with its evaluations and checkpoints, the final evaluation."""
+    """Train one model -> the results dict (also <out_dir>/<run_name>.json). In nanoGPT's order: config, data,
+    model, optimizer, resume, the loop with its evaluations and checkpoints, the final evaluation."""
     args = resolve(args)                                         # config
     torch.manual_seed(args.seed)
     if args.threads > 0:
@@ -468,23 +485,8 @@ def train(args, run_name='run'):
         set_rng_state(ck['rng'])
         st = ck['state']
         print(f'[{run_name}] resumed from {ckpt_path} at step {st["step"]}')
-
-    def curve_point(step):   # the held-out error at N = 2d, at the query and overall, on n_eval_during prompts
-        mean = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device).mean(0)
-        i2d = min(2 * args.d, mean.numel()) - 1
-        st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'],
-                              'at_2d': mean[i2d].item(), 'query': mean[-1].item(), 'mean': mean.mean().item(),
-                              'time_s': st['time_s']})
-
-    def save():              # the checkpoint <run_name>.pt (with --save): -> its path, or None
-        if not args.save:
-            return None
-        with io_errors('--out_dir', ckpt_path):
-            save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                                        'config': dict(vars(args)), 'step': st['step'], 'state': st,
-                                        'data_rng': gen.get_state(), 'rng': rng_state()})
-        return ckpt_path
-
+    save = functools.partial(save_run, ckpt_path, args, model, opt, st, gen)
+    curve = functools.partial(curve_point, st, model, ex[:args.n_eval_during], ey[:args.n_eval_during], args, device)
     body_params = sum(p.numel() for p in model.body.parameters())
     print(f'[{run_name}] attn={args.attn} L={args.n_layer} H={args.n_head} D={args.n_embd} '
           f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} '
@@ -501,9 +503,8 @@ def train(args, run_name='run'):
     with ctrl_c_finishes_step() as ctrl_c:
         for step in range(st['step'], args.max_iters):
             st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0  # wall, CPU
-            if (args.eval_interval and step % args.eval_interval == 0
-                    and not (st['history'] and st['history'][-1]['step'] == step)):
-                curve_point(step)
+            if args.eval_interval and step % args.eval_interval == 0 and not evaluated(st, step):
+                curve(step)
                 save()
             if ctrl_c.stop:
                 path = save()
@@ -535,8 +536,8 @@ def train(args, run_name='run'):
                            f'train FLOPs {st["flops"]:.3e}')
     bar.close()
     st['time_s'], st['cpu_s'] = time0 + time.time() - t0, cpu0 + time.process_time() - c0
-    if not (st['history'] and st['history'][-1]['step'] == args.max_iters):
-        curve_point(args.max_iters)
+    if not evaluated(st, args.max_iters):
+        curve(args.max_iters)
     # the final evaluation: the full held-out set (and the shifted one, --test_cov), the baselines on the same prompts
     results = {'run': run_name, 'config': dict(vars(args)), 'body_params': body_params, 'train_flops': st['flops'],
                'train_time_s': st['time_s'], 'cpu_time_s': st['cpu_s'], 'history': st['history'],
@@ -592,9 +593,10 @@ def plot_positions(results, path, title):
     save_figure(fig, ax, path)
 
 
-def plot_curves(by_point, key, style, figsize):
+def plot_curves(path, by_point, key, style, figsize, hlines=(), loc='best', **axes):
     """Training curves per sweep point: history[key] against step or FLOPs (style(label, rs) -> x key, color, line
-    style), the mean over seeds and their min-max band (on a log axis mean - std is often below 0 with 3 seeds)."""
+    style), the mean over seeds and their min-max band (on a log axis mean - std is often below 0 with 3 seeds);
+    hlines: (label, y) reference lines."""
     fig, ax = plt.subplots(figsize=figsize)
     for k, rs in by_point.items():
         x_key, c, ls = style(k, rs)
@@ -605,12 +607,16 @@ def plot_curves(by_point, key, style, figsize):
         keep = (x > 0) | (x_key == 'step')                                                     # log axis: no 0 FLOPs
         ax.plot(x[keep], y.mean(0)[keep], label=f'{k} ({len(rs)} seed{"s" * (len(rs) > 1)})', color=c, ls=ls)
         ax.fill_between(x[keep], y.min(0)[keep], y.max(0)[keep], alpha=0.15, color=c)
-    return fig, ax
+    for label, y in hlines:
+        ax.axhline(y, color='gray', lw=0.7, ls=':', label=label)
+    ax.set(**axes)
+    save_figure(fig, ax, path, loc=loc)
 
 
-def plot_bottleneck(path, table, base, widths, args):
-    """Fig. 2/3a: error at N = 2d against width D per model: the mean over seeds (line), each seed (dots) and
-    their range (band), the models drawn a little apart at each width; the baselines as horizontal lines."""
+def plot_bottleneck(path, sweep, args):
+    """Fig. 2/3a from a sweep's JSON dict: error at N = 2d against width D per model: the mean over seeds (line),
+    each seed (dots) and their range (band), the models a little apart at each width; the baselines as lines."""
+    table, widths = sweep['table'], sorted({t['D'] for t in sweep['table']})   # 8 heads: at every width
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for k, label in enumerate(BOTTLENECK_MODELS):
         rows = sorted((t for t in table if t['model'].startswith(label + ',')), key=lambda t: t['D'])
@@ -624,7 +630,7 @@ def plot_bottleneck(path, table, base, widths, args):
         ax.fill_between(x, [v.min() for v in seeds], [v.max() for v in seeds], alpha=0.15, color=color(label))
         for xi, v in zip(x, seeds):
             ax.scatter(np.full(len(v), xi), v, s=12, color=color(label), alpha=0.6)
-    for name, b in base.items():
+    for name, b in sweep['baselines'].items():
         if name != 'least_squares':
             ax.axhline(b['at_2d'], color=BASELINE_STYLE[name][0], ls=BASELINE_STYLE[name][1], lw=1, label=name)
     ax.set(xscale='log', yscale='log', xlabel='model width D (8 heads: head width D/8)',
@@ -687,12 +693,48 @@ NOT_TRAINING = {'sweep', 'run_name', 'out_dir', 'assets_dir', 'workers', 'progre
                 'full_rank_models', 'width_lrs'}
 
 
+def ints(text):
+    """'8,16' -> [8, 16] (ValueError when not integers)."""
+    return [int(v) for v in text.split(',')]
+
+
+def width_lrs(args):
+    """--width_lrs 'width:lr,...' -> {width: lr} (empty: every width at --lr)."""
+    return {int(w): float(lr) for w, lr in (item.split(':') for item in args.width_lrs.split(',') if item)}
+
+
+def lr_text(args, widths):
+    """The sweep's lr for a plot title: '1e-04', or per width with --width_lrs ('5e-05 at D = 32, 1e-04 at 64')."""
+    lrs = {D: width_lrs(args).get(D, args.lr) for D in sorted(widths)}
+    if len(set(lrs.values())) == 1:
+        return f'{lrs[min(lrs)]:g}'
+    return ', '.join(f'{lr:g} at {"D = " if i == 0 else ""}{D}' for i, (D, lr) in enumerate(lrs.items()))
+
+
+def bottleneck_mlr_ranks(spec, head_width):
+    """Bilinear-MLR ranks for a head width from --bottleneck_ranks ('width:ranks,...'), None when not listed. Under
+    a LayerNorm per level ('level', official) a level of 1 or 2 features never learns: the recipe's 'head' does."""
+    return {w.strip(): r.strip() for w, _, r in (item.partition(':') for item in spec.split(','))}.get(str(head_width))
+
+
+def score_rank(c):
+    """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
+    min(D, sum_l 2^l r_l) for bilinear MLR (paper §3.2, Table 1)."""
+    D, H = c['n_embd'], c['n_head']
+    mlr = min(D, sum(2 ** l * int(r) for l, r in enumerate((c['ranks'] or str(D // H)).split('|'))))
+    return {'bilinear_btt': D, 'bilinear_mlr': mlr}.get(c['attn'], D // H)
+
+
+def run_tag(args):
+    """'_d8' at d = 8 (not linear: d = 5), '_quick' with --quick: sweeps' files lie side by side, never collide."""
+    other_d = args.d != DEFAULTS['d'] and args.sweep != 'linear'
+    return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
+
+
 def variant(args, **overrides):
     """One sweep run's settings; bilinear_mlr_ln stays at its default but for bilinear MLR (other runs are reused)."""
     a = copy.copy(args)
-    a.sweep = ''
-    for k, v in overrides.items():
-        setattr(a, k, v)
+    vars(a).update(sweep='', **overrides)
     if a.attn != 'bilinear_mlr':
         a.bilinear_mlr_ln = attention.ModelConfig.bilinear_mlr_ln
     return a
@@ -714,7 +756,7 @@ def run_argv(a, name, run_dir):
 
 
 def run_status(args, a, name, run_dir):
-    """-> (runs.run_state of the run folder: 'done', 'partial' or 'new', the step its checkpoint reached). Other
+    """-> (runs.run_state of the run's folder: 'done', 'partial' or 'new'; the step its checkpoint reached). Other
     settings are refused unless --overwrite; with --resume a run may continue to a larger --max_iters."""
     json_path, ckpt_path = (os.path.join(run_dir, f'{name}.{ext}') for ext in ('json', 'pt'))
     want = resolve(a)
@@ -755,43 +797,12 @@ def run_seconds(a, start, ms):
     return sum(ms[model, n] * k for n, k in lengths.items()) + ms[model, a.n_points] * evals / a.batch_size / 3 + 2.0
 
 
-def run_points(args, points):
-    """Train each point {label: (settings, run name)} with --seeds seeds (the same held-out prompts), each a run in
-    <out_dir>/<name>_s<seed> (runs.sweep). -> ({label: [result of each seed]}, wall seconds)."""
-    t0 = time.time()
-    prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
-    if args.assets_dir:
-        prepare_out_dir(args.assets_dir, flag='--assets_dir')
-    eval_seed = args.eval_seed if args.eval_seed >= 0 else args.seed + 1000003
-    todo, states, ms = [], {}, {}
-    for label, (a, name) in points.items():
-        for s in range(args.seed, args.seed + args.seeds):
-            a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
-            run_dir = os.path.join(args.out_dir, run)
-            states[run], step = run_status(args, a_s, run, run_dir)
-            seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
-            todo.append(runs.Run(run, label, s, run_argv(a_s, run, run_dir), run_dir, seconds))
-    codes = runs.sweep(todo, states, __file__, main, args.workers, tag='icl')
-    failed = [r.name for r in todo if codes.get(r.name, 0) != 0]
-    if failed:
-        raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their train.log)")
-    by_point = {}
-    for r in todo:
-        with open(os.path.join(r.out_dir, f'{r.name}.json')) as f:
-            reused = {'reused': True} if states[r.name] == 'done' else {}
-            by_point.setdefault(r.group, []).append(dict(json.load(f), **reused))
-    return by_point, time.time() - t0
-
-
-def mean_std(values):
-    """(mean, sample std; 0 for one value) of the values that are not None; (None, None) when none is."""
-    v = [x for x in values if x is not None]
-    return (None, None) if not v else (runs.mean_std(v)[0], runs.mean_std(v)[1] if len(v) > 1 else 0.0)
-
-
 def table_row(label, rs, **values):
-    """A sweep table's row for one point (rs: its results per seed): for each key=get, the mean, std and per-seed
-    values of get(result); the mean training and CPU seconds."""
+    """A sweep table's row for one point (rs: its results per seed): for each key=get, the mean, std (0 for one
+    seed) and per-seed values of get(result), None ones left out; the mean training and CPU seconds."""
+    def mean_std(values):
+        v = [x for x in values if x is not None]
+        return (None, None) if not v else (runs.mean_std(v)[0], runs.mean_std(v)[1] if len(v) > 1 else 0.0)
     row = {'model': label, 'seeds': len(rs)}
     for key, get in values.items():
         vals = [get(r) for r in rs]
@@ -813,14 +824,41 @@ def print_table(rows, cols):
         print('| ' + ' | '.join(cell(r[c], r.get(f'{c}_std')) for c in cols) + ' |')
 
 
-def write_sweep(args, by_point, wall, table, cols, plot, **extra):
-    """Print the table; write <out_dir>/sweep_<name>.json (every run per seed, the baselines, identical for runs on
-    the same prompts, kept once) and icl_<name>.png (plot(path)); copy both to --assets_dir. -> the JSON's dict."""
+def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
+    """Every sweep's one path: each point {label: (settings, run name)} trained with --seeds seeds on the same
+    held-out prompts, a run in <out_dir>/<name>_s<seed> each (runs.sweep); the table, row(label, results per seed)
+    per point, printed; <out_dir>/sweep_<name>.json (table, extra(first run, table), the baselines, every run)
+    and icl_<name>.png (plot(path, that dict, by_point)), copied to --assets_dir. -> (that dict, by_point)"""
+    t0 = time.time()
+    prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
+    if args.assets_dir:
+        prepare_out_dir(args.assets_dir, flag='--assets_dir')
+    eval_seed, todo, states, ms = resolve(args).eval_seed, [], {}, {}
+    for label, (a, name) in points.items():
+        for s in range(args.seed, args.seed + args.seeds):
+            a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
+            run_dir = os.path.join(args.out_dir, run)
+            states[run], step = run_status(args, a_s, run, run_dir)
+            seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
+            todo.append(runs.Run(run, label, s, run_argv(a_s, run, run_dir), run_dir, seconds))
+    codes = runs.sweep(todo, states, __file__, main, args.workers, tag='icl')
+    failed = [r.name for r in todo if codes.get(r.name, 0) != 0]
+    if failed:
+        raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their train.log)")
+    by_point = {}
+    for r in todo:
+        with open(os.path.join(r.out_dir, f'{r.name}.json')) as f:
+            result = json.load(f)
+        by_point.setdefault(r.group, []).append(dict(result, reused=True) if states[r.name] == 'done' else result)
+    wall = time.time() - t0
+    table = [row(k, rs) for k, rs in by_point.items()]
     print_table(table, cols)
     name = args.sweep + run_tag(args)          # 'bottleneck', 'bottleneck_d8', 'compute_quick', ...
+    first = next(iter(by_point.values()))[0]
     seed_runs = {f'{k}, seed={r["config"]["seed"]}': r for k, rs in by_point.items() for r in rs}
     payload = {'sweep': name, 'wall_s': wall, 'seeds': list(range(args.seed, args.seed + args.seeds)),
-               'reused': [k for k, r in seed_runs.items() if r.get('reused')], 'table': table, **extra,
+               'reused': [k for k, r in seed_runs.items() if r.get('reused')], 'table': table,
+               **extra(first, table), 'baselines': first['baselines'],
                'runs': {k: {f: v for f, v in r.items() if f not in ('baselines', 'baselines_shifted')}
                         for k, r in seed_runs.items()}}
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
@@ -832,49 +870,17 @@ def write_sweep(args, by_point, wall, table, cols, plot, **extra):
             payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
     with io_errors('--out_dir', args.out_dir):
         write_json(jpath, payload)
-        plot(ppath)
+        plot(ppath, payload, by_point)
     if args.assets_dir:
         with io_errors('--assets_dir', args.assets_dir):
             shutil.copy(ppath, args.assets_dir)
             shutil.copy(jpath, os.path.join(args.assets_dir, f'icl_{name}.json'))
-    return payload
-
-
-def run_tag(args):
-    """'_d8' at d = 8 (not linear: d = 5), '_quick' with --quick: sweeps' files lie side by side, never collide."""
-    other_d = args.d != DEFAULTS['d'] and args.sweep != 'linear'
-    return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
-
-
-def score_rank(c):
-    """Rank of one head's scoring matrix: d = D/H for standard attention, D for bilinear BTT, and
-    min(D, sum_l 2^l r_l) for bilinear MLR (paper §3.2, Table 1)."""
-    D, H = c['n_embd'], c['n_head']
-    mlr = min(D, sum(2 ** l * int(r) for l, r in enumerate((c['ranks'] or str(D // H)).split('|'))))
-    return {'bilinear_btt': D, 'bilinear_mlr': mlr}.get(c['attn'], D // H)
-
-
-def width_lrs(args):
-    """--width_lrs 'width:lr,...' -> {width: lr} (empty: every width at --lr)."""
-    return {int(w): float(lr) for w, lr in (item.split(':') for item in args.width_lrs.split(',') if item)}
-
-
-def lr_text(args, widths):
-    """The sweep's lr for a plot title: '1e-04', or per width with --width_lrs ('5e-05 at D = 32, 1e-04 at 64')."""
-    lrs = {D: width_lrs(args).get(D, args.lr) for D in sorted(widths)}
-    if len(set(lrs.values())) == 1:
-        return f'{lrs[min(lrs)]:g}'
-    return ', '.join(f'{lr:g} at {"D = " if i == 0 else ""}{D}' for i, (D, lr) in enumerate(lrs.items()))
-
-
-def bottleneck_mlr_ranks(spec, head_width):
-    """Bilinear-MLR ranks for a head width from --bottleneck_ranks ('width:ranks,...'), None when not listed. Under
-    a LayerNorm per level ('level', official) a level of 1 or 2 features never learns: the recipe's 'head' does."""
-    return {w.strip(): r.strip() for w, _, r in (item.partition(':') for item in spec.split(','))}.get(str(head_width))
+    return payload, by_point
 
 
 def sweep_bottleneck(args):
-    """Fig. 2/3a: error at N = 2d against width: 8-head and 1-head standard, 8-head bilinear BTT and MLR."""
+    """Fig. 2/3a: error at N = 2d against width: 8-head and 1-head standard, 8-head bilinear BTT and MLR; and the
+    error per position at the narrowest width (the bottlenecked one), first seed."""
     widths, full_rank = ints(args.widths), ints(args.full_rank_widths or args.widths)
     full_rank_labels = {FULL_RANK_MODELS[m] for m in args.full_rank_models.split(',')}
     points = {}
@@ -888,22 +894,19 @@ def sweep_bottleneck(args):
                 continue
             a = variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks, lr=width_lrs(args).get(D, args.lr))
             points[f'{label}, D={D}'] = a, f'bottleneck_{attn}{ranks.replace("|", "")}_H{H}_D{D}{run_tag(args)}'
-    by_point, wall = run_points(args, points)
-    table = []
-    for k, rs in by_point.items():
+
+    def row(k, rs):
         c = rs[0]['config']
-        table.append({**table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'D': c['n_embd'],
-                      'head_width': c['n_embd'] // c['n_head'], 'ranks': c['ranks'], 'score_rank': score_rank(c),
-                      'ci_seed0': rs[0]['model']['at_2d_ci'], 'train_flops': rs[0]['train_flops']})
-    base = next(iter(by_point.values()))[0]['baselines']
-    payload = write_sweep(args, by_point, wall, table, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d',
-                                                         'err_at_2d_seeds', 'train_flops', 'time_s'],
-                          lambda path: plot_bottleneck(path, table, base, widths, args), d=args.d,
-                          sum_run_time_s=sum(t['time_s'] * t['seeds'] for t in table),
-                          baselines_at_2d={k: v['at_2d'] for k, v in base.items()}, baselines=base)
-    print('baselines at N=2d: ' + ', '.join(f'{k} {v["at_2d"]:.4f}' for k, v in base.items())
-          + f' | sweep wall {wall:.0f}s')
-    # per position at the narrowest width (the bottlenecked one), first seed
+        return {**table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'D': c['n_embd'],
+                'head_width': c['n_embd'] // c['n_head'], 'ranks': c['ranks'], 'score_rank': score_rank(c),
+                'ci_seed0': rs[0]['model']['at_2d_ci'], 'train_flops': rs[0]['train_flops']}
+    payload, by_point = run_sweep(
+        args, points, row, ['model', 'D', 'head_width', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'train_flops',
+                            'time_s'], lambda path, sweep, _: plot_bottleneck(path, sweep, args),
+        lambda first, table: dict(d=args.d, sum_run_time_s=sum(t['time_s'] * t['seeds'] for t in table),
+                                  baselines_at_2d={k: v['at_2d'] for k, v in first['baselines'].items()}))
+    print('baselines at N=2d: ' + ', '.join(f'{k} {v:.4f}' for k, v in payload['baselines_at_2d'].items())
+          + f' | sweep wall {payload["wall_s"]:.0f}s')
     narrowest = {k.rsplit(',', 1)[0]: rs[0] for k, rs in by_point.items() if rs[0]['config']['n_embd'] == min(widths)}
     pos_path = os.path.join(args.out_dir, f'icl_position{run_tag(args)}.png')
     with io_errors('--out_dir', args.out_dir):
@@ -924,23 +927,18 @@ def sweep_compute(args):
     points = {label: (variant(args, attn=attn, n_head=H, n_embd=D, ranks=ranks),
                       f'compute_{attn}{ranks.replace("|", "")}_H{H}_D{D}{run_tag(args)}')
               for label, (attn, H, ranks) in models.items()}
-    by_point, wall = run_points(args, points)
-    table = [{**table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'score_rank': score_rank(rs[0]['config']),
-              'flops_per_step': rs[0]['train_flops'] / args.max_iters, 'train_flops': rs[0]['train_flops']}
-             for k, rs in by_point.items()]
-    first = next(iter(by_point))
+    first = next(iter(points))
 
-    def plot(path):
-        fig, ax = plot_curves(by_point, 'at_2d', lambda k, rs: (
-            'flops', color(k), ':' if k.startswith('bilinear MLR') and k != first else '-'), (6.5, 4.2))
-        ax.set(xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
-               ylabel=f'error at N = 2d (d = {args.d})',
-               title=f'error vs compute, D = {D}, {args.n_layer} layers\n(evals in training, '
-                     f'{args.n_eval_during} held-out prompts; mean, seed range)')
-        save_figure(fig, ax, path, loc='lower left')
-    return write_sweep(args, by_point, wall, table, ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds',
-                                                     'flops_per_step', 'train_flops', 'time_s'], plot,
-                       baselines=by_point[first][0]['baselines'])
+    def plot(path, sweep, by_point):
+        plot_curves(path, by_point, 'at_2d', lambda k, rs: (
+            'flops', color(k), ':' if k.startswith('bilinear MLR') and k != first else '-'), (6.5, 4.2),
+            loc='lower left', xscale='log', yscale='log', xlabel='training FLOPs (non-embedding)',
+            ylabel=f'error at N = 2d (d = {args.d})', title=f'error vs compute, D = {D}, {args.n_layer} layers\n'
+            f'(evals in training, {args.n_eval_during} held-out prompts; mean, seed range)')
+    return run_sweep(args, points, lambda k, rs: {
+        **table_row(k, rs, err_at_2d=lambda r: r['model']['at_2d']), 'score_rank': score_rank(rs[0]['config']),
+        'flops_per_step': rs[0]['train_flops'] / args.max_iters, 'train_flops': rs[0]['train_flops']},
+        ['model', 'score_rank', 'err_at_2d', 'err_at_2d_seeds', 'flops_per_step', 'train_flops', 'time_s'], plot)[0]
 
 
 def sweep_linear(args):
@@ -957,39 +955,32 @@ def sweep_linear(args):
                                             grad_clip=1.0, qk_ln=False),   # seed 003: clip 1, GPT-2 blocks (no QK-LN)
                                     f'linear_{attn}_L{L}{run_tag(args)}')
               for L in sorted(ints(args.depths), reverse=True) for attn in ('standard', 'linear')}
-    by_point, wall = run_points(args, points)
-    table = []
-    for k, rs in by_point.items():
+    depths = sorted({a.n_layer for a, _ in points.values()})
+
+    def row(k, rs):
         row = table_row(k, rs, train_loss=lambda r: r['final_train_loss_ema'] / r['config']['d'],
                         test=lambda r: r['model']['query'], aniso_test=lambda r: r['model_shifted']['query'],
                         steps_to_90=lambda r: steps_to_90(r['history']))
         batch = rs[0]['config']['batch_size']
-        table.append(dict(row, params=rs[0]['body_params'], lr=rs[0]['config']['lr'], batch_size=batch,
-                          samples_to_90=None if row['steps_to_90'] is None else row['steps_to_90'] * batch))
-    base = next(iter(by_point.values()))[0]
-    depths = sorted({rs[0]['config']['n_layer'] for rs in by_point.values()})
+        return dict(row, params=rs[0]['body_params'], lr=rs[0]['config']['lr'], batch_size=batch,
+                    samples_to_90=None if row['steps_to_90'] is None else row['steps_to_90'] * batch)
 
-    def plot(path):
-        fig, ax = plot_curves(by_point, 'query', lambda k, rs: (
-            'step', f"C{depths.index(rs[0]['config']['n_layer'])}", '-' if k.startswith('standard') else '--'), (6, 4))
-        for name in ('averaging', 'zero'):
-            ax.axhline(base['baselines'][name]['query'], color='gray', lw=0.7, ls=':', label=f'{name} baseline')
-        ax.set(yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
-               title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
-        save_figure(fig, ax, path)
-    return write_sweep(args, by_point, wall, table, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test',
-                                                     'aniso_test', 'steps_to_90', 'samples_to_90', 'time_s'], plot,
-                       baselines_query={k: v['query'] for k, v in base['baselines'].items()},
-                       baselines_query_aniso={k: v['query'] for k, v in base['baselines_shifted'].items()},
-                       baselines=base['baselines'])
+    def plot(path, sweep, by_point):
+        plot_curves(path, by_point, 'query', lambda k, rs: (
+            'step', f"C{depths.index(rs[0]['config']['n_layer'])}", '-' if k.startswith('standard') else '--'), (6, 4),
+            [(f'{name} baseline', sweep['baselines'][name]['query']) for name in ('averaging', 'zero')],
+            yscale='log', xlabel='step', ylabel='held-out error at the query (d = 5, 10 pairs)',
+            title='softmax vs linear attention (seed 003 setting, CPU scale)\nmean and min-max over seeds')
+    return run_sweep(args, points, row, ['model', 'lr', 'batch_size', 'params', 'train_loss', 'test', 'aniso_test',
+                                         'steps_to_90', 'samples_to_90', 'time_s'], plot, lambda first, table: dict(
+        baselines_query={k: v['query'] for k, v in first['baselines'].items()},
+        baselines_query_aniso={k: v['query'] for k, v in first['baselines_shifted'].items()}))[0]
+
+
+SWEEPS = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}
 
 # -----------------------------------------------------------------------------
-# main
-
-
-def ints(text):
-    """'8,16' -> [8, 16] (ValueError when not integers)."""
-    return [int(v) for v in text.split(',')]
+# main: flags checked, a sweep's recipe applied, then one run or a sweep
 
 
 def check_args(parser, args):
@@ -1034,25 +1025,29 @@ def check_args(parser, args):
         parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
 
 
+def apply_recipe(parser, args, given):
+    """The sweep's CPU recipe (SWEEP_RECIPE, LARGER_D_RECIPE), then --quick's, for every flag not given."""
+    larger_d = LARGER_D_RECIPE.get(args.d, {}) if args.sweep == 'bottleneck' else {}
+    if larger_d and args.quick:
+        parser.error(f'--quick is the d = {DEFAULTS["d"]} bottleneck sweep\'s short version; the d = {args.d} '
+                     f'sweep has none (drop --quick, or --d)')
+    for k, v in {**SWEEP_RECIPE[args.sweep], **larger_d, **(QUICK[args.sweep] if args.quick else {})}.items():
+        if k not in given and not (k in PER_WIDTH and 'widths' in given):   # per-width: the recipe's widths
+            setattr(args, k, v)
+    args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
+    for flag in ('full_rank_widths', 'width_lrs'):
+        ws = ints(args.full_rank_widths or args.widths) if flag == 'full_rank_widths' else width_lrs(args)
+        if not set(ws) <= set(ints(args.widths)):
+            parser.error(f"--{flag} {getattr(args, flag)!r}: its widths must be among --widths {args.widths!r}")
+
+
 @owns_run_folders
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if args.sweep:   # the sweep's CPU recipe, then --quick, for every flag not given on the command line
-        given = given_flags(parser, argv)
-        larger_d = LARGER_D_RECIPE.get(args.d, {}) if args.sweep == 'bottleneck' else {}
-        if larger_d and args.quick:
-            parser.error(f'--quick is the d = {DEFAULTS["d"]} bottleneck sweep\'s short version; the d = {args.d} '
-                         f'sweep has none (drop --quick, or --d)')
-        for k, v in {**SWEEP_RECIPE[args.sweep], **larger_d, **(QUICK[args.sweep] if args.quick else {})}.items():
-            if k not in given and not (k in PER_WIDTH and 'widths' in given):   # per-width: the recipe's widths
-                setattr(args, k, v)
-        args.optimizer_given = sorted(given & set(SEED003_OPTIMIZER['linear']))   # sweep_linear: these win too
-        for flag in ('full_rank_widths', 'width_lrs'):
-            ws = ints(args.full_rank_widths or args.widths) if flag == 'full_rank_widths' else width_lrs(args)
-            if not set(ws) <= set(ints(args.widths)):
-                parser.error(f"--{flag} {getattr(args, flag)!r}: its widths must be among --widths {args.widths!r}")
+    if args.sweep:
+        apply_recipe(parser, args, given_flags(parser, argv))
     try:   # bad settings: one clear line, not a stack trace from deep inside the model
         a = resolve(args)
         pick_device(args.device)
@@ -1061,7 +1056,7 @@ def main(argv=None):
     except ValueError as e:
         raise SystemExit(f'error: {e}')
     if args.sweep:
-        payload = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sweep_linear}[args.sweep](args)
+        payload = SWEEPS[args.sweep](args)
         plots = [f"icl_{payload['sweep']}.png"] + [f'icl_position{run_tag(args)}.png'] * (args.sweep == 'bottleneck')
         report_outputs(results=os.path.join(args.out_dir, f"sweep_{payload['sweep']}.json"),
                        runs=os.path.join(args.out_dir, '<run>', '<run>.json and .pt'),
