@@ -1757,7 +1757,7 @@ def built(*extra):
     return icl.ICLModel(icl.model_config(a), a.d, a.pos_std, a.read_in_std)
 
 
-def test_model_flags_reach_the_model():
+def test_icl_model_flags_reach_the_model():
     """The MLP width, GQA, BRL's settings; MLR's block_size rounded up to tile 2N; --pos rope: no wpe, and the
     same weights predict otherwise than with --pos none."""
     assert [built(*x).body.blocks[0].mlp.up.weight.shape for x in ([], ['--mlp_hidden', '24'])] == [(128, 32), (24, 32)]
