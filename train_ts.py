@@ -47,11 +47,15 @@ if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130
         os._exit(130)
     signal.signal(signal.SIGINT, interrupted_while_starting)
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
+
+matplotlib.use('Agg')                                 # plots are files: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
 
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
 from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_numbers,
@@ -79,8 +83,7 @@ def int_list(s):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-def seed_spec(s):
-    """--seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a comma list."""
+def seed_spec(s):   # --seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a list
     if ',' in s:
         return int_list(s)
     if not s.isdigit() or int(s) == 0:
@@ -462,8 +465,7 @@ def longhorizon_data(args):
 
 
 class ChronosLM(nn.Module):
-    """Bin tokens -> embedding (+ learned positions, --pos learned) -> causal Transformer -> logits over the
-    vocabulary."""
+    """Bin tokens -> embedding (+ learned positions, --pos learned) -> causal Transformer -> logits over the bins."""
 
     def __init__(self, cfg, vocab):
         super().__init__()
@@ -835,67 +837,58 @@ def evaluate_windows(predict, data, starts, L, H, batch=256):
     return dict(mse=se / n, mae=ae / n, mae_target=ae_last / (n / data.shape[1]))
 
 
-def mse_loss(model, x, y):
-    return F.mse_loss(model(x), y)
-
-
-def run_horizon(args, H, data, borders, season, device):
-    """Seasonal naive, DLinear and every --attn Forecaster on horizon H's windows, each model trained on MSE with
-    its best val weights kept (early stopping), scored on the test windows -> (results, a forecast panel)."""
-    L, P, B = args.seq_len, args.patch, args.batch_size
-    T = (L + H) // P
-    tr = window_starts(*borders[0], L, H)
-    va = window_starts(*borders[1], L, H, args.eval_stride)
-    te = window_starts(*borders[2], L, H, args.eval_stride)
-    va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]   # at most --val_windows
-    res = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te), T=T)
-    dev_data = data.to(device)
-    x, y = get_windows(data, [te[len(te) // 2]], L, H)                 # the test window that the plot shows
-
-    def naive(xb):
-        return torch.from_numpy(seasonal_naive(xb.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
-    res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
-    preds = {'seasonal naive': naive(x)[0, :, -1].numpy()}
-    for tag in ['dlinear'] + args.attn:
-        torch.manual_seed(args.seed)
-        if tag == 'dlinear':
-            model, steps, lr = DLinear(L, H).to(device), args.dlinear_steps, args.dlinear_lr
-        else:
-            cfg = config_for(args, tag, T, causal=False)
-            model, steps, lr = Forecaster(cfg, data.shape[1], L, H, P).to(device), args.max_iters, args.lr
-        fwd = model.forward_flops(T)
-
-        def batch_fn(step):
-            return get_windows(dev_data, np.random.default_rng([args.seed, H, step]).choice(tr, B), L, H)
-
-        def eval_fn():
-            model.eval()
-            return evaluate_windows(model, dev_data, va, L, H)['mse']
-        config = dict(dataclasses.asdict(model.body.cfg) if tag != 'dlinear' else {}, model=tag,
-                      n_channels=data.shape[1], seq_len=L, horizon=H, patch=P)
-        hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * B, args, f'{tag}-H{H}',
-                              os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), steps, lr, keep_best=True)
-        res[tag] = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n, forward_flops=fwd,
-                        train_flops_per_step=3 * fwd * B, history=hist,
-                        params=sum(p.numel() for p in model.parameters()))
-        with torch.no_grad():
-            preds[tag] = model(x.to(device))[0, :, -1].cpu().numpy()
-    if 'standard' in res and 'mlr' in res:                                  # the paper's Fig. 15 quantity
-        res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
-    line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
-    print(f"H={H} test MSE/MAE: {line}")
-    return res, (f'horizon {H}, one test window', x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
-
-
 def run_longhorizon(args, device):
-    """Every horizon of --horizons in turn (run_horizon), then the val-loss-vs-FLOPs and forecast plots."""
+    """Per horizon H: seasonal naive, DLinear and every --attn Forecaster on H's windows, each model trained on MSE
+    with its best val weights kept (early stopping) and scored on the test windows; then the plots."""
     cols, data, borders, season = longhorizon_data(args)
     results = dict(format=FORMAT, task='longhorizon', data=args.data, columns=cols, borders=borders, season=season,
                    args=run_config(args), runs={})
-    panels = []
+    L, P, B, dev_data, panels = args.seq_len, args.patch, args.batch_size, data.to(device), []
     for H in args.horizons:
-        results['runs'][str(H)], panel = run_horizon(args, H, data, borders, season, device)
-        panels.append((f'{cols[-1]} (normalized), {panel[0]}', *panel[1:]))
+        T = (L + H) // P
+        tr = window_starts(*borders[0], L, H)
+        va = window_starts(*borders[1], L, H, args.eval_stride)
+        te = window_starts(*borders[2], L, H, args.eval_stride)
+        va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]   # at most --val_windows
+        res = results['runs'][str(H)] = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te),
+                                             T=T)
+        x, y = get_windows(data, [te[len(te) // 2]], L, H)             # the test window that the plot shows
+
+        def naive(xb):
+            return torch.from_numpy(seasonal_naive(xb.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
+        res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
+        preds = {'seasonal naive': naive(x)[0, :, -1].numpy()}
+        for tag in ['dlinear'] + args.attn:
+            torch.manual_seed(args.seed)
+            if tag == 'dlinear':
+                model, steps, lr = DLinear(L, H).to(device), args.dlinear_steps, args.dlinear_lr
+            else:
+                cfg = config_for(args, tag, T, causal=False)
+                model, steps, lr = Forecaster(cfg, data.shape[1], L, H, P).to(device), args.max_iters, args.lr
+            fwd = model.forward_flops(T)
+
+            def batch_fn(step):
+                return get_windows(dev_data, np.random.default_rng([args.seed, H, step]).choice(tr, B), L, H)
+
+            def eval_fn():
+                model.eval()
+                return evaluate_windows(model, dev_data, va, L, H)['mse']
+            config = dict(dataclasses.asdict(model.body.cfg) if tag != 'dlinear' else {}, model=tag,
+                          n_channels=data.shape[1], seq_len=L, horizon=H, patch=P)
+            hist, best, n = train(model, config, batch_fn, lambda m, xb, yb: F.mse_loss(m(xb), yb), eval_fn,
+                                  3 * fwd * B, args, f'{tag}-H{H}',
+                                  os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), steps, lr, True)
+            res[tag] = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n,
+                            forward_flops=fwd, train_flops_per_step=3 * fwd * B, history=hist,
+                            params=sum(p.numel() for p in model.parameters()))
+            with torch.no_grad():
+                preds[tag] = model(x.to(device))[0, :, -1].cpu().numpy()
+        if 'standard' in res and 'mlr' in res:                              # the paper's Fig. 15 quantity
+            res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
+        line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
+        print(f"H={H} test MSE/MAE: {line}")
+        panels.append((f'{cols[-1]} (normalized), horizon {H}, one test window', x[0, :, -1].numpy(),
+                       y[0, :, -1].numpy(), preds))
     plot_loss_vs_flops({f'{os.path.basename(args.data)}, L={args.seq_len}, H={H}, patch {args.patch}':
                         {a: results['runs'][str(H)][a]['history'] for a in args.attn} for H in args.horizons},
                        'val MSE (normalized)', os.path.join(args.out_dir, 'ts_longhorizon_loss_flops.png'))
@@ -1057,14 +1050,7 @@ def aggregate_seeds(runs, a='mlr', b='standard'):
 # plots (matplotlib, Agg)
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def save_figure(plt, fig, path, dpi=80):
+def save_figure(fig, path, dpi=80):
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -1072,7 +1058,6 @@ def save_figure(plt, fig, path, dpi=80):
 
 def plot_loss_vs_flops(panels, ylabel, path):
     """panels: {title: {name: history}} -> one axis per panel, val loss against training FLOPs (log x)."""
-    plt = _plt()
     cols = min(2, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
@@ -1083,12 +1068,11 @@ def plot_loss_vs_flops(panels, ylabel, path):
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    save_figure(plt, fig, path)
+    save_figure(fig, path)
 
 
 def plot_forecasts(panels, path, cols=3):
     """panels [(title, history, truth, {name: forecast (h,) or paths (S, h): median, 10-90 % band})]."""
-    plt = _plt()
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols if cols > 1 else 9, 2.6 * rows), squeeze=False)
     for ax, (title, hist, y, preds) in zip(axes.flat, panels):
@@ -1106,12 +1090,11 @@ def plot_forecasts(panels, path, cols=3):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis('off')
     axes.flat[0].legend(fontsize=7, ncol=1 if cols > 1 else 5)
-    save_figure(plt, fig, path)
+    save_figure(fig, path)
 
 
 def plot_fig15(summary, path):
     """The paper's Fig. 15: relative target MAE change of MLR vs standard against the horizon, ± std over seeds."""
-    plt = _plt()
     rows = sorted((int(k.split('|')[0][2:]), v) for k, v in summary['paired'].items()
                   if k.endswith('rel_mae_target'))                          # keys 'H=96|mlr-standard|...'
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -1120,7 +1103,7 @@ def plot_fig15(summary, path):
     ax.axhline(0, color='gray', lw=0.8)
     ax.set(xlabel='horizon H', ylabel='target MAE change, MLR vs std (%)')
     ax.set_title(f"mean ± std over {rows[0][1]['n']} seeds (< 0: MLR better)", fontsize=9)
-    save_figure(plt, fig, path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_chronos_seeds(runs, path):
