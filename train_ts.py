@@ -490,7 +490,7 @@ class Forecaster(nn.Module):
 
     def __init__(self, cfg, n_channels, L, H, patch=1):
         super().__init__()
-        self.L, self.H, self.P = L, H, patch
+        self.H, self.P = H, patch
         D, C = cfg.n_embd, n_channels
         self.inp = nn.Linear(patch * C, D)                             # lr x1 like an embedding (fan_in is tiny)
         self.pos = nn.Parameter(torch.randn(cfg.block_size, D) * 0.1) if cfg.pos == 'learned' else None
