@@ -377,8 +377,8 @@ def read_ett_csv(path):
             try:
                 dates.append(datetime.fromisoformat(r[0].strip()))
             except ValueError:
-                raise ValueError(f"{row} column {header[0]!r}: {r[0]!r} is not a date like 2016-07-01 00:00:00") \
-                    from None
+                raise ValueError(f"{row} column {header[0]!r}: {r[0]!r} is not a date like "
+                                 f"2016-07-01 00:00:00") from None
             if i and dates[i] <= dates[i - 1]:
                 raise ValueError(f"{row}: date {r[0]!r} is not after the row before's {body[i - 1][0]!r}: the dates "
                                  f"must strictly increase (sort the file, drop repeats)")
