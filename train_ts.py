@@ -47,11 +47,15 @@ if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130
         os._exit(130)
     signal.signal(signal.SIGINT, interrupted_while_starting)
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
+
+matplotlib.use('Agg')                                 # plots are files: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
 
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
 from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_numbers,
@@ -79,8 +83,7 @@ def int_list(s):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-def seed_spec(s):
-    """--seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a comma list."""
+def seed_spec(s):   # --seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a list
     if ',' in s:
         return int_list(s)
     if not s.isdigit() or int(s) == 0:
@@ -179,13 +182,12 @@ def parse_args(argv=None, parser=None):
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     # the largest tensors of these settings, in bytes: refused when this machine's memory cannot hold them
-    if args.task == 'chronos':
-        T, B = args.context + args.horizon, args.batch_size
-        need = {'--batch_size x (--context + --horizon) x --vocab logits': 16 * B * T * args.vocab,
-                '--vocab x --n_embd embedding and head': 32 * args.vocab * args.n_embd,
-                '(--n_series + --val_series) x --series_len KernelSynth series': 4 * (args.n_series + args.val_series)
-                * args.series_len + 40 * args.series_len ** 2}
-    else:
+    T, B = args.context + args.horizon, args.batch_size
+    need = {'--batch_size x (--context + --horizon) x --vocab logits': 16 * B * T * args.vocab,
+            '--vocab x --n_embd embedding and head': 32 * args.vocab * args.n_embd,
+            '(--n_series + --val_series) x --series_len KernelSynth series': 4 * (args.n_series + args.val_series)
+            * args.series_len + 40 * args.series_len ** 2}
+    if args.task == 'longhorizon':
         T, B, need = (args.seq_len + max(args.horizons)) // args.patch, max(args.batch_size * 3 * args.n_layer, 256), {}
     need['--batch_size x --n_head x T^2 attention scores'] = 4 * B * args.n_head * T * T
     have = physical_memory()
@@ -193,6 +195,35 @@ def parse_args(argv=None, parser=None):
         if n > have:
             parser.error(f"{what} would need {n / 2 ** 30:.3g} GiB, more than the {have / 2 ** 30:.3g} GiB memory")
     return args
+
+
+def config_for(args, attn, T, causal):
+    """The ModelConfig of the --attn model `attn` on T tokens: every model flag; --ranks reaches MLR only."""
+    mlr = 'mlr' in (args.layer_pattern or attn)
+    return model_config(args, attn=attn, block_size=T, causal=causal, ranks=args.ranks if mlr else '')
+
+
+def check_task(args):
+    """Lengths and model flags that --task cannot use, refused before any data is made or read: each model is built
+    at each length T on the meta device (no memory, no RNG draws), so each layer refuses what it cannot honour."""
+    if args.layer_pattern and len(args.attn) > 1:
+        raise ValueError(f"--layer_pattern {args.layer_pattern!r} sets the layers of every model, so --attn must "
+                         f"name one model (its name tags the run), got --attn {','.join(args.attn)}")
+    C, H, L, P = args.context, args.horizon, args.seq_len, args.patch
+    if args.task == 'chronos' and args.series_len < C + H:
+        raise ValueError(f"--series_len {args.series_len} is shorter than --context {C} + --horizon {H}")
+    bad = [h for h in args.horizons if L % P or h % P]
+    if args.task == 'longhorizon' and bad:
+        raise ValueError(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {bad[0]}")
+    lengths = ([(C + H, True, f'context {C} + horizon {H}')] if args.task == 'chronos' else
+               [((L + h) // P, False, f'(seq_len {L} + horizon {h}) / patch {P}') for h in args.horizons])
+    for T, causal, what in lengths:
+        for attn in args.attn:
+            try:
+                with torch.device('meta'):
+                    Transformer(config_for(args, attn, T, causal))
+            except ValueError as e:     # e.g. MLR's levels halve T, so T must be divisible by 2^(levels - 1)
+                raise ValueError(f"--attn {attn} at T = {T} ({what}): {e}") from None
 
 # -----------------------------------------------------------------------------
 # data 1: KernelSynth (Ansari et al. 2024, Alg. 2): GP prior samples with a random kernel composition
@@ -244,24 +275,22 @@ def kernelsynth_series(length, rng, max_kernels=5):
 
 
 def kernelsynth(n, length=1024, seed=0, max_kernels=5, cache_dir=None, desc='KernelSynth'):
-    """(n, length) float32. Series i depends only on (seed, i), so sets are reproducible and extendable."""
-    path = None
-    if cache_dir:
-        path = os.path.join(cache_dir, f'kernelsynth_n{n}_len{length}_k{max_kernels}_seed{seed}.npy')
-        for f in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []:   # a set at least as large
-            m = re.fullmatch(rf'kernelsynth_n(\d+)_len{length}_k{max_kernels}_seed{seed}\.npy', f)
-            if m and int(m.group(1)) >= n:
-                return np.load(os.path.join(cache_dir, f))[:n]
+    """(n, length) float32. Series i depends only on (seed, i), so a cached larger set serves a smaller one."""
+    tail = f'_len{length}_k{max_kernels}_seed{seed}.npy'
+    for f in sorted(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else []:
+        m = re.fullmatch(rf'kernelsynth_n(\d+){re.escape(tail)}', f)
+        if m and int(m.group(1)) >= n:
+            return np.load(os.path.join(cache_dir, f))[:n]
     out = np.stack([kernelsynth_series(length, np.random.default_rng([seed, i]), max_kernels)
                     for i in tqdm(range(n), desc=desc, disable=n < 64)])
-    if path:
+    if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         remove_orphan_tmp(cache_dir)                       # of an earlier write that was killed
 
         def write(tmp):
             with open(tmp, 'wb') as f:                     # a file object: numpy would append .npy to a name
                 np.save(f, out)
-        atomic_write(path, write)
+        atomic_write(os.path.join(cache_dir, f'kernelsynth_n{n}{tail}'), write)
     return out
 
 # -----------------------------------------------------------------------------
@@ -283,7 +312,6 @@ class MeanScaleUniformBins:
         self.centers = torch.linspace(low, high, self.n_bins)          # (n_bins,) = (vocab - 3,)
         mids = (self.centers[1:] + self.centers[:-1]) / 2               # (n_bins - 1,)
         self.boundaries = torch.cat([torch.tensor([-1e20]), mids, torch.tensor([1e20])])   # (n_bins + 1,)
-        self.bin_width = (high - low) / (self.n_bins - 1)
 
     def scale(self, context):
         """context (B, C), NaN = missing -> s (B,) = mean |x| over observed values, 1 where that is 0/NaN."""
@@ -342,29 +370,29 @@ def read_ett_csv(path):
     cols, first = (header[1:], 1) if has_date else (header, 0)
     values, dates = np.empty((len(body), len(cols)), np.float32), []
     for i, r in enumerate(body):
+        row = f"{path} row {i + 2}"
         if len(r) - first != len(cols):
-            raise ValueError(f"{path} row {i + 2}: {len(r) - first} values but {len(cols)} columns in the header")
+            raise ValueError(f"{row}: {len(r) - first} values but {len(cols)} columns in the header")
         if has_date:
             try:
                 dates.append(datetime.fromisoformat(r[0].strip()))
             except ValueError:
-                raise ValueError(f"{path} row {i + 2} column {header[0]!r}: {r[0]!r} is not a date like "
+                raise ValueError(f"{row} column {header[0]!r}: {r[0]!r} is not a date like "
                                  f"2016-07-01 00:00:00") from None
             if i and dates[i] <= dates[i - 1]:
-                raise ValueError(f"{path} row {i + 2}: date {r[0]!r} is not after the row before's "
-                                 f"{body[i - 1][0]!r}: the dates must strictly increase (sort the file, drop repeats)")
+                raise ValueError(f"{row}: date {r[0]!r} is not after the row before's {body[i - 1][0]!r}: the dates "
+                                 f"must strictly increase (sort the file, drop repeats)")
         for j, v in enumerate(r[first:]):
             try:
                 values[i, j] = float(v)
             except ValueError:
-                raise ValueError(f"{path} row {i + 2} column {cols[j]!r}: {v!r} is not a number (only the first "
-                                 f"column may be a date, named one of date/time/timestamp/datetime)") from None
+                raise ValueError(f"{row} column {cols[j]!r}: {v!r} is not a number (only the first column may be "
+                                 f"a date, named one of date/time/timestamp/datetime)") from None
             if not math.isfinite(values[i, j]):
-                raise ValueError(f"{path} row {i + 2} column {cols[j]!r}: {v!r} is not a finite number; fill or "
-                                 f"drop such cells first (they would make every metric NaN)")
+                raise ValueError(f"{row} column {cols[j]!r}: {v!r} is not a finite number; fill or drop such cells "
+                                 f"first (they would make every metric NaN)")
     step = (dates[1] - dates[0]).total_seconds() if has_date else 3600
-    season = int(86400 // step) if 86400 % step == 0 else 24
-    return cols, values, season
+    return cols, values, int(86400 // step) if 86400 % step == 0 else 24
 
 # -----------------------------------------------------------------------------
 # data 4: the long-horizon protocol: borders, train-only scaler, windows
@@ -376,8 +404,7 @@ def split_borders(n, L, frac=(0.6, 0.2, 0.2)):
     """[(start, end)] of the train/val/test rows: ETT's Informer borders 12/4/4 months, else 60/20/20 %. Val and
     test start L rows early: their inputs may reach back, their first target is the split's first row."""
     if n in ETT_MONTH:
-        m = ETT_MONTH[n]
-        b1, b2, b3 = 12 * m, 16 * m, 20 * m
+        b1, b2, b3 = 12 * ETT_MONTH[n], 16 * ETT_MONTH[n], 20 * ETT_MONTH[n]
     else:
         b1, b3 = int(n * frac[0]), n
         b2 = b1 + int(n * frac[1])
@@ -405,13 +432,40 @@ def get_windows(data, starts, L, H):
     idx = torch.as_tensor(starts)[:, None]
     return data[idx + torch.arange(L)], data[idx + L + torch.arange(H)]
 
+
+def longhorizon_data(args):
+    """--data with the --target column last, normalized by the train rows' scaler -> (cols, data, borders, season)."""
+    L = args.seq_len
+    if args.data == 'elecdemand':     # half-hourly demand in Victoria, 2014, with temperature and a work-day flag
+        cols, season = ['WorkDay', 'Temperature', 'Demand'], 48
+        values, target = rdataset('fpp2', 'elecdemand')[cols].to_numpy(np.float32), args.target or 'Demand'
+    elif os.path.isfile(args.data):
+        with io_errors('--data', args.data):
+            cols, values, season = read_ett_csv(args.data)
+        target = args.target or 'OT'
+    else:
+        raise ValueError(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
+    if target not in cols:
+        raise ValueError(f"--data {args.data}: no column {target!r} to forecast (--target); the columns are {cols}")
+    order = [j for j, c in enumerate(cols) if c != target] + [cols.index(target)]    # the target last
+    cols, values = [cols[j] for j in order], values[:, order]
+    season = min(args.season or season, L)
+    data, borders, _ = prepare_longhorizon(values, L)                      # scaler: train rows only
+    print(f"data {args.data}: {len(values)} rows x {data.shape[1]} columns {cols} | borders train/val/test "
+          f"{borders} | seasonal-naive period {season}")
+    for H in args.horizons:
+        for (a, b), split in zip(borders, ('train', 'val', 'test')):
+            if b - a < L + H:
+                raise ValueError(f"--horizons {H}: the {split} split of {args.data!r} has {b - a} rows, fewer than "
+                                 f"--seq_len {L} + horizon {H}; use shorter horizons or a longer file")
+    return cols, data, borders, season
+
 # -----------------------------------------------------------------------------
-# model: the backbone plus task heads, and the DLinear baseline
+# models: the backbone with a head per task, and the DLinear baseline
 
 
 class ChronosLM(nn.Module):
-    """Bin tokens -> embedding (+ learned positions, --pos learned) -> causal Transformer -> logits over the
-    vocabulary."""
+    """Bin tokens -> embedding (+ learned positions, --pos learned) -> causal Transformer -> logits over the bins."""
 
     def __init__(self, cfg, vocab):
         super().__init__()
@@ -424,11 +478,8 @@ class ChronosLM(nn.Module):
         x = self.tok(ids)
         return x if self.pos is None else x + self.pos[t0:t0 + ids.shape[1]]
 
-    def hidden(self, ids):                                             # (B, T) -> (B, T, D)
-        return self.body(self.embed(ids))
-
     def forward(self, ids):                                            # (B, T) -> (B, T, V)
-        return self.head(self.hidden(ids))
+        return self.head(self.body(self.embed(ids)))
 
     def forward_flops(self, T):
         return self.body.forward_flops(T) + 2 * T * self.body.cfg.n_embd * self.head.out_features
@@ -439,7 +490,7 @@ class Forecaster(nn.Module):
 
     def __init__(self, cfg, n_channels, L, H, patch=1):
         super().__init__()
-        self.L, self.H, self.P = L, H, patch
+        self.H, self.P = H, patch
         D, C = cfg.n_embd, n_channels
         self.inp = nn.Linear(patch * C, D)                             # lr x1 like an embedding (fan_in is tiny)
         self.pos = nn.Parameter(torch.randn(cfg.block_size, D) * 0.1) if cfg.pos == 'learned' else None
@@ -478,53 +529,8 @@ class DLinear(nn.Module):
     def forward_flops(self, T):
         return 2 * 2 * self.seasonal.in_features * self.seasonal.out_features
 
-
-def config_for(args, attn, T, causal):
-    """The ModelConfig of the --attn model `attn` on T tokens: every model flag; --ranks reaches MLR only."""
-    mlr = 'mlr' in (args.layer_pattern or attn)
-    return model_config(args, attn=attn, block_size=T, causal=causal, ranks=args.ranks if mlr else '')
-
-
-def check_task(args):
-    """Lengths and model flags that --task cannot use, refused before any data is made or read: MLR's default
-    level blocks halve T once per level, so T must be divisible by 2^(levels - 1); and each model is built on the
-    meta device (no memory, no RNG draws), so each layer refuses what it cannot honour."""
-    if args.layer_pattern and len(args.attn) > 1:
-        raise ValueError(f"--layer_pattern {args.layer_pattern!r} sets the layers of every model, so --attn must "
-                         f"name one model (its name tags the run), got --attn {','.join(args.attn)}")
-    if args.task == 'chronos':
-        C, H = args.context, args.horizon
-        if args.series_len < C + H:
-            raise ValueError(f"--series_len {args.series_len} is shorter than --context {C} + --horizon {H}")
-        lengths = [(C + H, True, f'context {C} + horizon {H}')]
-    else:
-        L, P = args.seq_len, args.patch
-        bad = [H for H in args.horizons if L % P or H % P]
-        if bad:
-            raise ValueError(f"--patch {P} must divide --seq_len {L} and every horizon; got horizon {bad[0]}")
-        lengths = [((L + H) // P, False, f'(seq_len {L} + horizon {H}) / patch {P}') for H in args.horizons]
-    for T, causal, what in lengths:
-        for attn in args.attn:
-            cfg = config_for(args, attn, T, causal)
-            mlr = 'mlr' in cfg.layer_kinds() and cfg.ranks and not cfg.mlr_block_sizes   # (explicit: MLR checks)
-            n = len(cfg.ranks.split('|')) if mlr else 0
-            if n and T % 2 ** (n - 1):
-                raise ValueError(f"--attn {attn} with --ranks {cfg.ranks!r} has {n} levels (blocks T, ..., "
-                                 f"T/{2 ** (n - 1)}), so T must be divisible by {2 ** (n - 1)}; got T = {T} ({what}): "
-                                 f"change the lengths or use fewer levels")
-            with torch.device('meta'):
-                Transformer(cfg)
-
 # -----------------------------------------------------------------------------
-# optimizer, schedule, metrics
-
-
-def set_lr(opt, step, steps, warmup_iters):
-    """Linear warmup over warmup_iters steps, then cosine from the base lr down to 10% of it at the last step."""
-    frac = min(1.0, (step + 1) / max(warmup_iters, 1))
-    decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
-    for g in opt.param_groups:
-        g['lr'] = g['base_lr'] * frac * decay
+# metrics: seasonal naive, MASE, the weighted quantile loss
 
 
 def seasonal_naive(history, h, m):
@@ -551,8 +557,9 @@ def quantile_loss(y, qpred):
     return float(np.mean(2 * rho.sum(-1))), float(np.abs(y).sum())
 
 # -----------------------------------------------------------------------------
-# the training loop and its checkpoints. Every checkpoint holds the flags of its run (never a model's own steps
-# or lr), and `resumes`, how often that run was continued when it was written: --resume takes the run's latest.
+# the training loop, shared by both tasks, and its checkpoints. Every checkpoint holds the flags of its run (never a
+# model's own steps or lr), and `resumes`, how often that run was continued when it was written: --resume takes
+# the run's latest.
 
 CKPT_KEYS = ('model', 'optimizer', 'config', 'args', 'resumes', 'step', 'history', 'best_val', 'best_state',
              'losses', 'rng')
@@ -570,9 +577,9 @@ def saved_settings(ckpts):
 
 def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, ckpt_path, max_iters, lr,
           keep_best=False):
-    """AdamW over the muP groups at base lr `lr`, warmup + cosine to 10%, grad clip, for max_iters steps or fewer
-    within --max_flops; evaluates and checkpoints every eval_interval steps. keep_best: the weights of the best val
-    loss are restored at the end (early stopping; the checkpoint holds them, so a resumed run ends like an
+    """AdamW over the muP groups at base lr `lr`, linear warmup then cosine to 10%, grad clip, for max_iters steps
+    or fewer within --max_flops; evaluates and checkpoints every eval_interval steps. keep_best: the weights of the
+    best val loss are restored at the end (early stopping; the checkpoint holds them, so a resumed run ends like an
     uninterrupted one). config: the settings a resume must match. -> (history, best_val, steps)."""
     steps = min(max_iters, max(1, int(args.max_flops // flops_per_step))) if args.max_flops > 0 else max_iters
     opt = torch.optim.AdamW(optimizer_groups(model, lr, args.weight_decay), lr=lr, betas=(0.9, 0.95))
@@ -624,7 +631,10 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
                 if not evaluated:
                     save()
                 raise Interrupted(f"[{tag}] at step {step}: saved {ckpt_path}; continue with --resume")
-            set_lr(opt, step, steps, args.warmup_iters)
+            frac = min(1.0, (step + 1) / max(args.warmup_iters, 1))         # warmup, then cosine to 10 %
+            decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
+            for g in opt.param_groups:
+                g['lr'] = g['base_lr'] * frac * decay
             model.train()
             loss = loss_fn(model, *batch_fn(step))
             # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
@@ -679,7 +689,7 @@ def chronos_forecast(model, tokzr, histories, h, num_samples=20, greedy=False):
         if cache is not None:
             hid = model.body(model.embed(ids[:, t:t + 1], t), cache=cache)[:, 0]            # (N*S, D)
         else:
-            hid = model.hidden(ids[:, :t + 1])[:, -1]
+            hid = model.body(model.embed(ids[:, :t + 1]))[:, -1]
         gen = (t + 1 >= clen) & (t + 1 < clen + h)                                  # rows drawing step t+1
         if gen.any():
             logits = model.head(hid[gen]).float()                                   # (g, V)
@@ -738,37 +748,9 @@ def zero_shot_cases(args):
     return cases, names
 
 
-def train_chronos(args, attn, tokzr, train_series, val_windows, device):
-    """One ChronosLM with attention `attn`, trained (or resumed) on next-bin cross-entropy. -> (model, run record)."""
-    C, T = args.context, args.context + args.horizon
-    torch.manual_seed(args.seed)
-    model = ChronosLM(config_for(args, attn, T, causal=True), args.vocab).to(device)
-    model.tok.weight.lr_mult = args.emb_lr_mult          # N(0, 1) rows move slowly at the hidden-layer lr
-    fwd = model.forward_flops(T)
-    step_flops = 3 * fwd * args.batch_size
-    print(f"[{attn}] {sum(p.numel() for p in model.parameters()):,} params | forward {fwd:.3e} FLOPs/sequence "
-          f"(stack {model.body.forward_flops(T):.3e}) | {step_flops:.3e} training FLOPs/step")
-    vx, vy = val_windows
-
-    def batch_fn(step):
-        x, y = chronos_batch(train_series, tokzr, C, T, args.batch_size, np.random.default_rng([args.seed, step]))
-        return x.to(device), y.to(device)
-
-    @torch.no_grad()
-    def eval_fn():
-        model.eval()
-        return float(np.mean([chronos_loss(model, vx[i:i + 64].to(device), vy[i:i + 64].to(device)).item()
-                              for i in range(0, len(vx), 64)]))
-
-    config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
-    hist, best, steps = train(model, config, batch_fn, chronos_loss, eval_fn, step_flops, args, f'chronos-{attn}',
-                              os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'), args.max_iters, args.lr)
-    return model, dict(params=sum(p.numel() for p in model.parameters()), forward_flops=fwd,
-                       train_flops_per_step=step_flops, steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
-
-
 def run_chronos(args, device):
-    """Pretrain each --attn model on KernelSynth, then score its forecasts of held-out and real series; plots."""
+    """Pretrain each --attn model on KernelSynth (next-bin cross-entropy), then score its forecasts of held-out and
+    real series; plots."""
     C, T = args.context, args.context + args.horizon
     tokzr = MeanScaleUniformBins(args.vocab, args.low, args.high)
     with io_errors('--cache_dir', args.cache_dir):
@@ -776,14 +758,36 @@ def run_chronos(args, device):
                                    'KernelSynth train')
         val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
                                  args.cache_dir, 'KernelSynth val')
-    val_windows = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
+    vx, vy = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
     # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases
     synth_cases = [(s[:-args.horizon], s[-args.horizon:], 1) for s in val_series[:args.forecast_series]]
     real_cases, real_names = zero_shot_cases(args) if args.zero_shot else ([], [])
     results = dict(format=FORMAT, task='chronos', T=T, args=run_config(args), runs={})
     drawn = {}                                                              # attn -> split -> samples
     for attn in args.attn:
-        model, run = train_chronos(args, attn, tokzr, train_series, val_windows, device)
+        torch.manual_seed(args.seed)
+        model = ChronosLM(config_for(args, attn, T, causal=True), args.vocab).to(device)
+        model.tok.weight.lr_mult = args.emb_lr_mult          # N(0, 1) rows move slowly at the hidden-layer lr
+        fwd = model.forward_flops(T)
+        step_flops = 3 * fwd * args.batch_size
+        params = sum(p.numel() for p in model.parameters())
+        print(f"[{attn}] {params:,} params | forward {fwd:.3e} FLOPs/sequence (stack "
+              f"{model.body.forward_flops(T):.3e}) | {step_flops:.3e} training FLOPs/step")
+
+        def batch_fn(step):
+            x, y = chronos_batch(train_series, tokzr, C, T, args.batch_size, np.random.default_rng([args.seed, step]))
+            return x.to(device), y.to(device)
+
+        @torch.no_grad()
+        def eval_fn():
+            model.eval()
+            return float(np.mean([chronos_loss(model, vx[i:i + 64].to(device), vy[i:i + 64].to(device)).item()
+                                  for i in range(0, len(vx), 64)]))
+        config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
+        hist, _, steps = train(model, config, batch_fn, chronos_loss, eval_fn, step_flops, args, f'chronos-{attn}',
+                               os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'), args.max_iters, args.lr)
+        run = results['runs'][attn] = dict(params=params, forward_flops=fwd, train_flops_per_step=step_flops,
+                                           steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
         for split, cases in (('synthetic', synth_cases), ('zero_shot', real_cases)):
             if not cases:
                 continue
@@ -804,7 +808,6 @@ def run_chronos(args, device):
             print(f"[{attn}] {split}: MASE {run[split]['mase']:.3f} (naive {run[split]['naive_mase']:.3f}) | "
                   f"WQL {run[split]['wql']:.3f} (naive {run[split]['naive_wql']:.3f}) | relative MASE "
                   f"{run[split]['rel_mase']:.3f}, WQL {run[split]['rel_wql']:.3f} | {time.time() - t0:.0f} s")
-        results['runs'][attn] = run
     plot_loss_vs_flops({f"Chronos on KernelSynth: T={T}, D={args.n_embd}, {args.n_layer} layers":
                         {a: r['history'] for a, r in results['runs'].items()}}, 'val cross-entropy (nats/token)',
                        os.path.join(args.out_dir, 'ts_chronos_loss_flops.png'))
@@ -834,103 +837,58 @@ def evaluate_windows(predict, data, starts, L, H, batch=256):
     return dict(mse=se / n, mae=ae / n, mae_target=ae_last / (n / data.shape[1]))
 
 
-def longhorizon_data(args):
-    """--data with the --target column last, normalized by the train rows' scaler -> (cols, data, borders, season)."""
-    L = args.seq_len
-    if args.data == 'elecdemand':     # half-hourly demand in Victoria, 2014, with temperature and a work-day flag
-        cols, season = ['WorkDay', 'Temperature', 'Demand'], 48
-        values, target = rdataset('fpp2', 'elecdemand')[cols].to_numpy(np.float32), args.target or 'Demand'
-    elif os.path.isfile(args.data):
-        with io_errors('--data', args.data):
-            cols, values, season = read_ett_csv(args.data)
-        target = args.target or 'OT'
-    else:
-        raise ValueError(f"--data {args.data!r}: no such file; give 'elecdemand' (built in) or an ETT-format CSV")
-    if target not in cols:
-        raise ValueError(f"--data {args.data}: no column {target!r} to forecast (--target); the columns are {cols}")
-    order = [j for j, c in enumerate(cols) if c != target] + [cols.index(target)]    # the target last
-    if order != list(range(len(cols))):
-        cols, values = [cols[j] for j in order], values[:, order]
-    season = min(args.season or season, L)
-    data, borders, _ = prepare_longhorizon(values, L)                      # scaler: train rows only
-    print(f"data {args.data}: {len(values)} rows x {data.shape[1]} columns {cols} | borders train/val/test "
-          f"{borders} | seasonal-naive period {season}")
-    for H in args.horizons:
-        for (a, b), split in zip(borders, ('train', 'val', 'test')):
-            if b - a < L + H:
-                raise ValueError(f"--horizons {H}: the {split} split of {args.data!r} has {b - a} rows, fewer than "
-                                 f"--seq_len {L} + horizon {H}; use shorter horizons or a longer file")
-    return cols, data, borders, season
-
-
-def mse_loss(model, x, y):
-    return F.mse_loss(model(x), y)
-
-
-def fit_forecaster(model, tag, max_iters, lr, args, dev_data, H, windows):
-    """Train DLinear or a Forecaster on MSE, best val weights kept (early stopping), scored on the test windows."""
-    L, P, (tr, va, te) = args.seq_len, args.patch, windows
-    fwd = model.forward_flops((L + H) // P)
-
-    def batch_fn(step):
-        idx = np.random.default_rng([args.seed, H, step]).choice(tr, args.batch_size)
-        return get_windows(dev_data, idx, L, H)
-
-    def eval_fn():
-        model.eval()
-        return evaluate_windows(model, dev_data, va, L, H)['mse']
-    config = dict(dataclasses.asdict(model.body.cfg) if hasattr(model, 'body') else {}, model=tag,
-                  n_channels=dev_data.shape[1], seq_len=L, horizon=H, patch=P)
-    hist, best, n = train(model, config, batch_fn, mse_loss, eval_fn, 3 * fwd * args.batch_size, args, f'{tag}-H{H}',
-                          os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), max_iters, lr, keep_best=True)
-    return dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n, forward_flops=fwd,
-                train_flops_per_step=3 * fwd * args.batch_size, history=hist,
-                params=sum(p.numel() for p in model.parameters()))
-
-
-def run_horizon(args, H, data, borders, season, device):
-    """Seasonal naive, DLinear and every --attn model on horizon H's windows -> (results, a forecast panel)."""
-    L, P = args.seq_len, args.patch
-    T = (L + H) // P
-    tr = window_starts(*borders[0], L, H)
-    va = window_starts(*borders[1], L, H, args.eval_stride)
-    te = window_starts(*borders[2], L, H, args.eval_stride)
-    va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]   # at most --val_windows
-    res = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te), T=T)
-    dev_data = data.to(device)
-
-    def naive(x):
-        return torch.from_numpy(seasonal_naive(x.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
-    res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
-    case = te[len(te) // 2]
-    preds = {'seasonal naive': naive(get_windows(data, [case], L, H)[0])[0, :, -1].numpy()}
-    for tag in ['dlinear'] + args.attn:
-        torch.manual_seed(args.seed)
-        if tag == 'dlinear':
-            model, steps, lr = DLinear(L, H).to(device), args.dlinear_steps, args.dlinear_lr
-        else:
-            cfg = config_for(args, tag, T, causal=False)
-            model, steps, lr = Forecaster(cfg, data.shape[1], L, H, P).to(device), args.max_iters, args.lr
-        res[tag] = fit_forecaster(model, tag, steps, lr, args, dev_data, H, (tr, va, te))
-        with torch.no_grad():
-            preds[tag] = model(get_windows(dev_data, [case], L, H)[0])[0, :, -1].cpu().numpy()
-    if 'standard' in res and 'mlr' in res:                                  # the paper's Fig. 15 quantity
-        res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
-    line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
-    print(f"H={H} test MSE/MAE: {line}")
-    x, y = get_windows(data, [case], L, H)
-    return res, (f'horizon {H}, one test window', x[0, :, -1].numpy(), y[0, :, -1].numpy(), preds)
-
-
 def run_longhorizon(args, device):
-    """Every horizon of --horizons in turn (run_horizon), then the val-loss-vs-FLOPs and forecast plots."""
+    """Per horizon H: seasonal naive, DLinear and every --attn Forecaster on H's windows, each model trained on MSE
+    with its best val weights kept (early stopping) and scored on the test windows; then the plots."""
     cols, data, borders, season = longhorizon_data(args)
     results = dict(format=FORMAT, task='longhorizon', data=args.data, columns=cols, borders=borders, season=season,
                    args=run_config(args), runs={})
-    panels = []
+    L, P, B, dev_data, panels = args.seq_len, args.patch, args.batch_size, data.to(device), []
     for H in args.horizons:
-        results['runs'][str(H)], panel = run_horizon(args, H, data, borders, season, device)
-        panels.append((f'{cols[-1]} (normalized), {panel[0]}', *panel[1:]))
+        T = (L + H) // P
+        tr = window_starts(*borders[0], L, H)
+        va = window_starts(*borders[1], L, H, args.eval_stride)
+        te = window_starts(*borders[2], L, H, args.eval_stride)
+        va = va[np.linspace(0, len(va) - 1, min(len(va), args.val_windows)).astype(int)]   # at most --val_windows
+        res = results['runs'][str(H)] = dict(n_train_windows=len(tr), n_val_windows=len(va), n_test_windows=len(te),
+                                             T=T)
+        x, y = get_windows(data, [te[len(te) // 2]], L, H)             # the test window that the plot shows
+
+        def naive(xb):
+            return torch.from_numpy(seasonal_naive(xb.cpu().numpy().transpose(0, 2, 1), H, season)).transpose(1, 2)
+        res['seasonal_naive'] = evaluate_windows(naive, data, te, L, H)
+        preds = {'seasonal naive': naive(x)[0, :, -1].numpy()}
+        for tag in ['dlinear'] + args.attn:
+            torch.manual_seed(args.seed)
+            if tag == 'dlinear':
+                model, steps, lr = DLinear(L, H).to(device), args.dlinear_steps, args.dlinear_lr
+            else:
+                cfg = config_for(args, tag, T, causal=False)
+                model, steps, lr = Forecaster(cfg, data.shape[1], L, H, P).to(device), args.max_iters, args.lr
+            fwd = model.forward_flops(T)
+
+            def batch_fn(step):
+                return get_windows(dev_data, np.random.default_rng([args.seed, H, step]).choice(tr, B), L, H)
+
+            def eval_fn():
+                model.eval()
+                return evaluate_windows(model, dev_data, va, L, H)['mse']
+            config = dict(dataclasses.asdict(model.body.cfg) if tag != 'dlinear' else {}, model=tag,
+                          n_channels=data.shape[1], seq_len=L, horizon=H, patch=P)
+            hist, best, n = train(model, config, batch_fn, lambda m, xb, yb: F.mse_loss(m(xb), yb), eval_fn,
+                                  3 * fwd * B, args, f'{tag}-H{H}',
+                                  os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), steps, lr, True)
+            res[tag] = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n,
+                            forward_flops=fwd, train_flops_per_step=3 * fwd * B, history=hist,
+                            params=sum(p.numel() for p in model.parameters()))
+            with torch.no_grad():
+                preds[tag] = model(x.to(device))[0, :, -1].cpu().numpy()
+        if 'standard' in res and 'mlr' in res:                              # the paper's Fig. 15 quantity
+            res['mlr_rel_mae_change'] = (res['mlr']['mae'] - res['standard']['mae']) / res['standard']['mae']
+        line = ' | '.join(f"{k} {v['mse']:.3f}/{v['mae']:.3f}" for k, v in res.items() if isinstance(v, dict))
+        print(f"H={H} test MSE/MAE: {line}")
+        panels.append((f'{cols[-1]} (normalized), horizon {H}, one test window', x[0, :, -1].numpy(),
+                       y[0, :, -1].numpy(), preds))
     plot_loss_vs_flops({f'{os.path.basename(args.data)}, L={args.seq_len}, H={H}, patch {args.patch}':
                         {a: results['runs'][str(H)][a]['history'] for a in args.attn} for H in args.horizons},
                        'val MSE (normalized)', os.path.join(args.out_dir, 'ts_longhorizon_loss_flops.png'))
@@ -947,6 +905,10 @@ RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval
                     'seeds', 'workers'}
 
 
+def task_ckpts(out_dir, task):
+    return sorted(glob.glob(os.path.join(glob.escape(out_dir), f'ckpt_{task}_*.pt')))
+
+
 @owns_run_folders
 def main(argv=None):
     """One run of --task in --out_dir (an earlier one refused, or continued with --resume), or one per --seeds."""
@@ -958,8 +920,7 @@ def main(argv=None):
     print(f"device {device} | threads: {torch.get_num_threads()}")
     if args.seeds:
         return run_seeds(args, argv)
-    path = os.path.join(args.out_dir, f'results_{args.task}.json')
-    ckpts = sorted(glob.glob(os.path.join(glob.escape(args.out_dir), f'ckpt_{args.task}_*.pt')))
+    path, ckpts = os.path.join(args.out_dir, f'results_{args.task}.json'), task_ckpts(args.out_dir, args.task)
     args._resumes = 0
     if args.resume:   # the run's settings win; a flag that conflicts with them is refused
         if not ckpts:
@@ -1008,7 +969,7 @@ def saved_run(out_dir, task):
             return {**results['args'], 'format': results.get('format')}, True
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}): delete it, or use --overwrite") from None
-    ckpts = sorted(glob.glob(os.path.join(glob.escape(out_dir), f'ckpt_{task}_*.pt')))
+    ckpts = task_ckpts(out_dir, task)
     return ({**saved_settings(ckpts)[0], 'format': FORMAT}, False) if ckpts else (None, False)
 
 
@@ -1023,8 +984,7 @@ def run_seeds(args, argv):
         saved, finished = saved_run(out, args.task) if not args.overwrite else (None, False)
         states[run.name] = run_state(saved, vars(parse_args(run.argv)), SEED_RUN_FREE, out, finished)
         runs.append(run)
-    codes = sweep(runs, states, SCRIPT, main, args.workers, tag='seeds')
-    failed = [name for name, code in codes.items() if code != 0]
+    failed = [name for name, code in sweep(runs, states, SCRIPT, main, args.workers, tag='seeds').items() if code]
     if failed:
         raise ValueError(f"--seeds: run(s) {', '.join(failed)} failed (see above, or <out_dir>/<run>/train.log); "
                          f"rerun to resume them")
@@ -1041,35 +1001,39 @@ def run_seeds(args, argv):
         print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {'*' if v.get('exceeds_spread') else ' '}")
     path = os.path.join(args.out_dir, f'results_{args.task}_seeds.json')
     write_json(path, summary, default=float)
-    plot = None
-    if args.task == 'longhorizon' and any(k.endswith('rel_mae_target') for k in summary['paired']):
-        plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
-        plot_fig15(summary, plot)
     if args.task == 'chronos':
         plot = os.path.join(args.out_dir, 'ts_chronos_seeds.png')
         plot_chronos_seeds(results, plot)
+    elif any(k.endswith('rel_mae_target') for k in summary['paired']):
+        plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
+        plot_fig15(summary, plot)
+    else:
+        plot = None
     report_outputs(results=path, runs=os.path.join(args.out_dir, 'seed*'), plot=plot)
     return summary
 
 
+def seed_metrics(results):
+    """{(group, model, metric): value} of one seed's results: the test MSE/MAE/target MAE per horizon
+    (longhorizon), or the final val loss and the relative scores (chronos)."""
+    if results['task'] == 'longhorizon':
+        return {(f'H={H}', model, k): r[k] for H, res in results['runs'].items() for model, r in res.items()
+                if isinstance(r, dict) and 'mae' in r for k in ('mse', 'mae', 'mae_target')}
+    out = {}
+    for model, r in results['runs'].items():
+        out[('chronos', model, 'final_val_loss')] = r['final_val_loss']
+        out.update({('chronos', model, f'{split}_{k}'): r[split][k] for split in ('synthetic', 'zero_shot')
+                    if split in r for k in ('rel_mase', 'rel_wql')})
+    return out
+
+
 def aggregate_seeds(runs, a='mlr', b='standard'):
-    """Mean ± std over the seeds' results of every test MSE/MAE/target MAE per horizon (longhorizon) or val loss
-    and relative score (chronos), the paired a − b differences and Fig. 15's (MAE_a − MAE_b) / MAE_b."""
+    """Mean ± std over the seeds of every metric (seed_metrics), the paired a − b differences and Fig. 15's
+    (MAE_a − MAE_b) / MAE_b."""
     def spread(xs):
         m, s = mean_std(xs)
         return dict(mean=m, std=s, n=len(xs))
-    per_seed = []                                                   # {(group, model, metric): value} per seed
-    for results in runs:
-        out = {}
-        for key, res in results['runs'].items():
-            if results['task'] == 'longhorizon':
-                out.update({(f'H={key}', model, k): r[k] for model, r in res.items()
-                            if isinstance(r, dict) and 'mae' in r for k in ('mse', 'mae', 'mae_target')})
-            else:
-                out[('chronos', key, 'final_val_loss')] = res['final_val_loss']
-                out.update({('chronos', key, f'{split}_{k}'): res[split][k] for split in ('synthetic', 'zero_shot')
-                            if split in res for k in ('rel_mase', 'rel_wql')})
-        per_seed.append(out)
+    per_seed = [seed_metrics(r) for r in runs]
     keys = [k for k in per_seed[0] if all(k in m for m in per_seed)]
     summary = dict(metrics={'|'.join(k): spread([m[k] for m in per_seed]) for k in keys}, paired={})
     for group, model, metric in keys:
@@ -1086,35 +1050,29 @@ def aggregate_seeds(runs, a='mlr', b='standard'):
 # plots (matplotlib, Agg)
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
+def save_figure(fig, path, dpi=80):
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def plot_loss_vs_flops(panels, ylabel, path):
     """panels: {title: {name: history}} -> one axis per panel, val loss against training FLOPs (log x)."""
-    plt = _plt()
     cols = min(2, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
     for ax, (title, runs) in zip(axes.flat, panels.items()):
         for name, hist in runs.items():
-            pts = [(h['flops'], h['val_loss']) for h in hist if h['flops'] > 0]
-            ax.plot(*zip(*pts), marker='o', ms=3, label=name)
+            ax.plot(*zip(*[(h['flops'], h['val_loss']) for h in hist if h['flops'] > 0]), marker='o', ms=3, label=name)
         ax.set(xscale='log', xlabel='training FLOPs (3 x forward)', ylabel=ylabel)
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_forecasts(panels, path, cols=3):
     """panels [(title, history, truth, {name: forecast (h,) or paths (S, h): median, 10-90 % band})]."""
-    plt = _plt()
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols if cols > 1 else 9, 2.6 * rows), squeeze=False)
     for ax, (title, hist, y, preds) in zip(axes.flat, panels):
@@ -1132,14 +1090,11 @@ def plot_forecasts(panels, path, cols=3):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis('off')
     axes.flat[0].legend(fontsize=7, ncol=1 if cols > 1 else 5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_fig15(summary, path):
     """The paper's Fig. 15: relative target MAE change of MLR vs standard against the horizon, ± std over seeds."""
-    plt = _plt()
     rows = sorted((int(k.split('|')[0][2:]), v) for k, v in summary['paired'].items()
                   if k.endswith('rel_mae_target'))                          # keys 'H=96|mlr-standard|...'
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -1148,9 +1103,7 @@ def plot_fig15(summary, path):
     ax.axhline(0, color='gray', lw=0.8)
     ax.set(xlabel='horizon H', ylabel='target MAE change, MLR vs std (%)')
     ax.set_title(f"mean ± std over {rows[0][1]['n']} seeds (< 0: MLR better)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_chronos_seeds(runs, path):
