@@ -61,8 +61,7 @@ def assert_close(a, b, atol=1e-10, rtol=1e-7, what=''):
 
 
 def randomize_(model, std=0.1, seed=0):
-    """Give every parameter (incl. zero-init output maps) a random nonzero value, so that tests of
-    masking and caching are not passed trivially by zero outputs."""
+    """Every parameter (zero-init output maps too) nonzero, so that no test passes on zero outputs."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -118,9 +117,8 @@ FAMILIES = {   # (d_in, d_out) -> a module; d_in, d_out multiples of 4
 @pytest.mark.parametrize('family', FAMILIES)
 @pytest.mark.parametrize('d_in,d_out', [(16, 16), (12, 24), (24, 8), (64, 64)])
 def test_family_is_its_dense_matrix(family, d_in, d_out):
-    """forward == x @ to_dense().T for any batch shape, and so are the gradients and the bilinear form; .rank is
-    the numerical rank for random cores; .flops is what the flop counter measures, and equals the parameter count;
-    a wrong input width is refused."""
+    """forward, gradients and the bilinear form equal those of to_dense() for any batch shape; .rank is the
+    numerical rank; .flops is what the flop counter measures and the parameter count; a wrong width is refused."""
     torch.manual_seed(0)
     m = FAMILIES[family](d_in, d_out).double()
     W = m.to_dense()
@@ -305,9 +303,8 @@ def assert_grads_close(fast, ref, q, k, v, what, **kw):
 
 @pytest.fixture(params=['flash', 'flash, small tiles', 'flash, all bottom', 'torch'])
 def mlr_path(request, monkeypatch):
-    """Each MLR fast path. 'small tiles' makes the flash path cut every tile into many pieces and score only
-    blocks of < 8 tokens densely, so its piece loop and sibling tiles run even at these small T; 'all bottom'
-    scores the whole sequence as one dense bottom block (every level a masked feature group), in row pieces."""
+    """Each MLR fast path; 'small tiles': many pieces per tile and dense blocks of < 8 tokens, so the piece loop
+    and sibling tiles run at small T; 'all bottom': the whole sequence as one dense bottom block, in row pieces."""
     if request.param != 'flash':
         monkeypatch.setattr(K, 'PIECE', 256)
     if request.param in ('flash, small tiles', 'flash, all bottom'):
@@ -319,8 +316,7 @@ def mlr_path(request, monkeypatch):
 @pytest.mark.parametrize('T,ranks,level_sizes', [(64, [16], None), (96, [8, 4, 2, 2], None), (48, [4, 4, 4, 4], None),
                                                  (120, [6, 5, 5], [120, 40, 8]), (64, [10, 6], [256, 32])])
 def test_mlr_fast_equals_reference(mlr_path, causal, T, ranks, level_sizes):
-    """With the default scales and none of the options; then with explicit scales, divide_by_levels and a key
-    mask; dv != d."""
+    """Default scales and no options; then explicit scales, divide_by_levels and a key mask; dv != d."""
     g = torch.Generator().manual_seed(T)
     q, k = (torch.randn(2, 3, T, sum(ranks), generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(2, 3, T, sum(ranks) + 4, generator=g, dtype=torch.float64)
@@ -378,8 +374,7 @@ def test_linear_fast_equals_reference(causal, T, rope):
 
 
 def test_mlr_measured_flops_equal_formula(monkeypatch):
-    """The tiles path spends exactly the MLR count; the flash path what mlr_attention_flash_flops says (the
-    exact tiles above its dense bottom)."""
+    """The tiles path spends exactly the MLR count; the flash path mlr_attention_flash_flops."""
     monkeypatch.setattr(K, 'BOTTOM', 16)
     for causal in (True, False):
         for T, ranks, sizes in [(256, [8, 8, 8, 8], None), (96, [16, 8, 8], [96, 32, 8]), (512, [16, 8, 4, 4], None)]:
@@ -402,8 +397,8 @@ needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not instal
 
 @needs_triton
 def test_interpreter_matches_reference():
-    """`kernels.py --selftest-interpret`: the Triton kernels run on CPU tensors (TRITON_INTERPRET=1 must be set
-    before triton is imported, hence a process of their own) and match the float64 references (see its cases)."""
+    """`kernels.py --selftest-interpret` in a process of its own (TRITON_INTERPRET=1 before triton loads): the
+    Triton kernels on CPU tensors match the float64 references."""
     out = subprocess.run([sys.executable, 'kernels.py', '--selftest-interpret'], cwd=HERE, capture_output=True,
                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1'))
     assert out.returncode == 0 and 'FAIL' not in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
@@ -412,9 +407,8 @@ def test_interpreter_matches_reference():
 
 @needs_triton
 def test_kernels_compile_for_gpu():
-    """The forward and both backward kernels compile to sm_90 machine code (MLR with 3 levels; `python
-    kernels.py --compile-check` does 8 levels and SWA, for sm_80 and sm_90); the autotuner drops feature chunks
-    wider than BLOCK_D."""
+    """The forward and backward kernels compile to sm_90 code (MLR, 3 levels; `python kernels.py --compile-check`
+    does more); the autotuner drops feature chunks wider than BLOCK_D."""
     if K._interpreting():
         pytest.skip("TRITON_INTERPRET=1 is set in this process; the compile check needs the real kernels")
     K._compile_check(archs=(90,), levels=(3,))
@@ -491,9 +485,8 @@ def test_kernels_command_line(flags, words, monkeypatch, capsys):
 
 
 def test_kernels_reads_top_to_bottom():
-    """kernels.py opens with the three references; after them every module-level function or class uses only
-    names defined above it (the references may call the input checks that follow them); no function is
-    longer than 60 lines."""
+    """kernels.py opens with the three references; then each definition uses only names defined above it (the
+    references may call the input checks after them); no function is longer than 60 lines."""
     with open(os.path.join(HERE, 'kernels.py'), encoding='utf-8') as f:
         tree = ast.parse(f.read())
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
@@ -588,9 +581,8 @@ def test_rope_turns_each_group_by_the_relative_position():
 
 @pytest.mark.parametrize('kind', CAUSAL_KINDS[:-2] + ['global_swa_split'])      # all but brl and global_swa
 def test_rope_scores_see_relative_positions_only(kind):
-    """Bidirectional, pos 'rope': a sequence moved 32 places right behind masked keys gives the same outputs
-    (32 = a multiple of every MLR block it spans), so every score term sees i - j only; MLR's and global+SWA's
-    per-level rotation included. The same weights without RoPE give other outputs."""
+    """Bidirectional RoPE: a sequence moved 32 places right behind masked keys gives the same outputs, so every
+    score term (MLR's and global+SWA's per-level ones too) sees i - j only; without RoPE the outputs differ."""
     torch.manual_seed(0)
     rot = randomize_(A.Transformer(small_config(attn=kind, causal=False, pos='rope', ranks='7|5|4')).double())
     x = torch.randn(2, 32, 64, dtype=torch.float64)
@@ -724,8 +716,7 @@ QK = ('q_proj', 'k_proj', 'q_ln', 'k_ln')
 
 @pytest.mark.parametrize('attn', ['standard', 'bilinear_mlr', 'bilinear_btt'])
 def test_init_draw_order(attn):
-    """Every trained number depends on the draw order: the q, k variants draw q, k, v, o; the bilinear layers score
-    with their own feature maps and build no q, k projection or LayerNorm (not even built and deleted, so no hidden
+    """The q, k variants draw q, k, v, o; the bilinear layers build no q, k projection or LayerNorm (no hidden
     draw shifts the stream): v_proj is drawn first. The output map starts at zero."""
     cfg = A.ModelConfig(attn=attn, qk_ln=True, **SMALL)
     torch.manual_seed(3)
@@ -743,9 +734,8 @@ def test_init_draw_order(attn):
 
 
 def test_bilinear_mlr_head_layernorm_lets_tiny_levels_learn():
-    """Ranks 1|1|2 at head width 4: with the official per-level LayerNorm, level 0 (1 feature) outputs 0 and
-    its map gets no gradient; with bilinear_mlr_ln 'head' one LayerNorm covers the head's 1 + 2 + 8 features
-    (each head's q / c_l has mean 0 and variance 1 over them) and level 0's map learns."""
+    """Ranks 1|1|2 at head width 4: the per-level LayerNorm zeroes level 0 (1 feature) and its gradient; with
+    bilinear_mlr_ln 'head' one LayerNorm covers the head's 11 features (mean 0, variance 1) and level 0 learns."""
     grads = {}
     for ln in ('level', 'head'):
         torch.manual_seed(0)
@@ -1375,9 +1365,8 @@ def model_groups():
 
 
 def test_every_script_has_model_config_as_flags_with_its_task_defaults(monkeypatch):
-    """Every ModelConfig field but TASK_FIELDS, with its help and kind; the default is ModelConfig's, except the
-    few each task sets (one dict per script; train_lm.py's presets set the rest of its model, --preset cpu). A
-    new field is one line in ModelConfig. The help of --attn names every variant."""
+    """Every ModelConfig field but TASK_FIELDS, with its help and kind, and ModelConfig's default but for those
+    the task sets; a field added to ModelConfig is a flag everywhere. The help of --attn names every variant."""
     task = {'train_lm.py': {**train_lm.LM_MODEL_DEFAULTS, **train_lm.PRESETS['cpu']},
             'train_icl.py': icl.MODEL_DEFAULTS, 'train_lra.py': lra.LRA_MODEL_DEFAULTS,
             'train_ts.py': ts.TS_MODEL_DEFAULTS}
@@ -1413,9 +1402,8 @@ def test_model_config_builds_from_flags_and_refuses_bad_values():
 
 
 def setup_case(how, out, ckpt, run, other_script):
-    """The setups that the bad-input cases of all four scripts share: 'unwritable' (a file where the parent of
-    --out_dir should be), 'random' bytes or 'foreign' (another script's checkpoint) at the checkpoint's path,
-    or a finished 'run', maybe 'truncated' after."""
+    """The setups the four scripts share: 'unwritable' (a file where --out_dir's parent should be), 'random' bytes
+    or 'foreign' (another script's checkpoint) at the checkpoint, a finished 'run', maybe 'truncated' after."""
     if how == 'unwritable':
         (out.parent / 'a_file').write_text('x')
     elif how in ('random', 'foreign'):
@@ -1437,11 +1425,8 @@ def range_cases(**bad):
 
 
 def shared_cases(script, first_file, other_script):
-    """The bad-input cases of every train script (setups: setup_case), under one exit-code rule (runs.py): a bad
-    flag value exits 2 before any work, a file, a conflict or an I/O failure exits 1. Bad --attn, --lr, --threads,
-    --seed; --resume with --overwrite, a device that is not there, an --out_dir that cannot be written, a rerun
-    over a finished run (first_file: the first of its files named), and --resume with no, a truncated, a
-    random-bytes or another script's checkpoint."""
+    """Every script's bad-input cases (setups: setup_case): a bad flag value exits 2 before any work; a file, a
+    conflict or an I/O failure exits 1."""
     no_device = ['--device', 'cuda'] if not torch.cuda.is_available() else ['--device', 'mps']
     return [
         ('unknown_attn', ['--attn', 'nope'], None, 2, ['--attn', "'nope'"]),
@@ -1523,8 +1508,8 @@ def test_smoke_lm_paper_preset(lm_corpus, tmp_path):
 
 
 def test_lm_resume_and_ctrl_c_are_exact(lm_corpus, tmp_path, monkeypatch, capsys):
-    """A run of 2 steps resumed to 6 (the settings from the checkpoint: --attn not given, a flag given equal is
-    accepted), Ctrl-C'd in step 4 (it saves), resumed again: the losses and history of one uninterrupted run."""
+    """2 steps resumed to 6 (settings from the checkpoint), Ctrl-C'd in step 4 (it saves), resumed again: the
+    losses and history of one uninterrupted run."""
     argv = lambda out, *x: lm_tiny_args(lm_corpus, out, '--max_iters', '6', '--eval_interval', '2', *x)
     whole = LossTap(monkeypatch, 'cross_entropy')
     a = train_lm.main(argv(tmp_path / 'a', '--attn', 'mlr'))
@@ -1576,9 +1561,8 @@ def test_lm_get_batch_targets_are_the_next_characters():
 
 
 def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
-    """A directory is split by file (binary and non-UTF-8 files skipped, and said): the val split is file 9 of 12,
-    text unlike the training files'; the logged val loss is the model's mean loss over its fixed batches, not the
-    train split's. The last line names the outputs."""
+    """A directory is split by file (binary and non-UTF-8 files skipped, and said): the val split is file 9 of 12;
+    the logged val loss is the mean loss over its fixed batches, not the train split's; the last line names outputs."""
     d = tmp_path / 'src'
     d.mkdir()
     for i, c in enumerate('ABCDEFGHIJKL'):
@@ -1745,10 +1729,8 @@ def test_lm_model_flags_reach_the_model():
 
 
 def test_lm_presets_resolve_the_official_ranks_scales_and_layers():
-    """--sweep compare selects --preset compare (unless a preset is given), whose 'auto' ranks at d = 64 and
-    T = 1024 are the official 32|8|6|4|4|4|4|2, 'paper' scale MLR 1/r_l and standard 8/d; global_swa in both
-    presets is the official MHA|SWA|SWA|MHA|SWA|SWA (the paper's 'first and fourth layers': 0-based 0 and 3);
-    --preset paper is the official MLR run, value by value."""
+    """--sweep compare selects --preset compare, whose 'auto' ranks at d = 64, T = 1024 are the official ones;
+    global_swa is MHA|SWA|SWA|MHA|SWA|SWA in both presets; --preset paper scales as the official LM code."""
     a = train_lm.parse_args(['--sweep', 'compare', '--attn', 'mlr'])
     assert a.preset == 'compare' and a.block_size == 1024 and a.n_embd // a.n_head == 64
     assert train_lm.parse_args(['--sweep', 'compare', '--preset', 'cpu']).block_size == 256
@@ -1873,8 +1855,7 @@ def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
 
 
 def lm_setup(finished, out, how):
-    """setup_case's setups (a finished run: a copy of lm_finished), and checkpoints with the right keys and wrong
-    insides: of another version of this code, NaN weights, no model settings, another vocabulary."""
+    """setup_case's setups, and checkpoints of another version, with NaN weights, no settings, another vocabulary."""
     if how == 'binary_data':
         (out.parent / 'bin').mkdir(exist_ok=True)
         (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
@@ -1983,8 +1964,7 @@ def unrendered_save(fig, ax, path, **legend):
 
 
 def no_drawing(monkeypatch):
-    """No figure rendered, no per-position plot drawn (the smoke runs draw it; its file only if it had runs), and
-    no step timed for a sweep's estimate (test_estimate_... times them)."""
+    """No figure rendered, no per-position plot drawn, no step timed for a sweep's estimate."""
     monkeypatch.setattr(icl, 'save_figure', unrendered_save)
     monkeypatch.setattr(icl, 'plot_positions', lambda results, path, title: results and open(path, 'wb').close())
     monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01)
@@ -2004,8 +1984,8 @@ ICL_SMOKE = {'pattern': ['--n_layer', '7', '--ranks', '4|2|2', '--layer_pattern'
 
 @pytest.mark.parametrize('kind', ICL_SMOKE)
 def test_icl_smoke_run(kind, tmp_path, monkeypatch):
-    """A run trains, evaluates on held-out prompts that no training step drew, counts its FLOPs exactly, writes a
-    checkpoint that rebuilds the model from its own config, and the per-position plot."""
+    """A run trains, evaluates on held-out prompts no training step drew, counts its FLOPs exactly, and writes a
+    checkpoint that rebuilds the model, and the per-position plot."""
     drawn = []                                         # every prompt batch drawn: training batches and test sets
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1])
@@ -2166,9 +2146,8 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
 
 
 def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
-    """Ctrl-C saves; --resume continues to the run never stopped, and a finished one with --max_iters 6 to the
-    6-step run (constant lr after warmup, curriculum over by step 4); below its step, or a cosine schedule (it
-    scales with the run's length), refused naming the first step that would differ."""
+    """Ctrl-C saves; --resume gives the run never stopped, and --max_iters 6 from a finished 4-step run the 6-step
+    run; a lower --max_iters, or a cosine schedule, refused naming the first step that would differ."""
     curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
     whole = LossTap(monkeypatch, 'mse_loss')
     scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
@@ -2201,9 +2180,8 @@ def sweep_points(monkeypatch, *argv):
 
 
 def test_sweep_points_and_recipes(monkeypatch, capsys):
-    """Which models train at which width and lr (bilinear MLR only at a head width --bottleneck_ranks lists); a
-    sweep's recipe, then --quick's, LARGER_D_RECIPE at d = 8 (per-width settings only at its widths) set every
-    flag not given; the linear sweep: seed 003's lr, batch and no muP per architecture, a flag given for both."""
+    """The models, widths and lrs a bottleneck sweep trains; its recipe, --quick's and LARGER_D_RECIPE's set every
+    flag not given; the linear sweep: seed 003's lr, batch and muP per architecture, unless a flag is given."""
     points = sweep_points(monkeypatch, *icl_sweep_argv('', 'bottleneck', '--widths', '8,16', '--lr', '3e-4',
                                                        '--full_rank_widths', '8', '--width_lrs', '8:1e-4'))
     assert {k: (a.lr, name) for k, (a, name) in points.items()} == {
@@ -2304,9 +2282,8 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
 
 
 def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, monkeypatch, unrendered):
-    """A run folder with its JSON is reused, one with only its checkpoint resumed, an empty one trained, each
-    estimated from its checkpoint's step (whole runs were counted once) and run as this very file; a finished
-    sweep --resume'd with a larger --max_iters continues each run from its checkpoint."""
+    """Run folders with a JSON reused, with only a checkpoint resumed, empty trained, each estimated from its step;
+    a finished sweep --resume'd with a larger --max_iters continues each run."""
     out, first = copied(icl_sweep, tmp_path)
     gone = sorted(p for p in os.listdir(out) if p.endswith('_s1'))[:3]
     for p in gone[:2]:                             # as if the sweep had been killed before these two started
@@ -2362,10 +2339,8 @@ JOB_ARGV = ['--attn', 'standard', '--n_head', '8', '--n_embd', '32', '--max_iter
 
 
 def test_sweep_run_state_argv_and_estimate(tmp_path, monkeypatch):
-    """A run's folder is 'done' when its JSON holds the same training settings (sweep flags aside), 'partial' with
-    only a checkpoint; other settings or another version refused (--overwrite: retrained). Its argv parses back.
-    Its estimate: the curriculum's steps at each prompt length N x one step's time at N (all at the full N read
-    ~40 % high), plus the evaluations; a resumed run only what is left."""
+    """A run folder is 'done' with a JSON of the same training settings, 'partial' with only a checkpoint; other
+    settings or versions refused; its argv parses back; its estimate counts each step at its prompt length."""
     name, run_dir = 'bottleneck_standard_H8_D32_s0', tmp_path / 'bottleneck_standard_H8_D32_s0'
     parse = lambda *x: icl.build_parser().parse_args(JOB_ARGV + ['--out_dir', str(tmp_path), *x])
     job = lambda *x: icl.variant(parse(*x), seed=0, eval_seed=1000003)        # as run_sweep builds them
@@ -2473,10 +2448,8 @@ def test_listops_generated_splits(tmp_path):
 
 
 def pf_connected(curves, markers, scale=2, size=32, r_line=0.5, r_mark=1.5):
-    """Whether the two markers are 4-connected (a flood fill grown a pixel ring at a time) in a picture drawn here,
-    independent of the generator's renderer: every curve as ONE solid polyline through all its paddle endpoints
-    (the gaps bridged), the markers as discs, at scale x resolution (a line is 2 pixels wide, curves 1 pixel apart
-    are never 4-neighbours)."""
+    """Whether the two markers are 4-connected (a flood fill) in a picture drawn here, every curve as one solid
+    polyline through its paddle endpoints and the markers as discs, at scale x resolution."""
     n = size * scale
     c = (np.stack(np.mgrid[0:n, 0:n][::-1], -1).reshape(-1, 2) + 0.5) / scale        # pixel centres (x, y)
     mask = np.zeros(n * n, bool)
@@ -2679,9 +2652,8 @@ def test_bench_points_skips_and_plot(tmp_path):
 
 
 def test_every_model_flag_reaches_the_model_and_the_bench():
-    """One non-default value for every ModelConfig flag: build_model's config and the benchmark's options carry
-    each of them; --attn global_swa is a variant here, RoPE has no learned positions; --preset lra sets Table 12
-    where no flag is given."""
+    """One non-default value for every ModelConfig flag reaches build_model's config and the benchmark's
+    options; RoPE has no learned positions; --preset lra sets Table 12 where no flag is given."""
     values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard', layer_pattern='standard,' * 2 +
                   'standard', global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1,
                   ranks='8|8', mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
@@ -3228,11 +3200,8 @@ def no_timing(x):
 
 
 def test_ts_longhorizon_smoke_then_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
-    """Long-horizon: DLinear (3 steps), standard and MLR (4 steps each, best weights restored), every output
-    written. A Ctrl-C in each model in turn (at an evaluation step in DLinear, between them in the
-    others), each time --resume: the uninterrupted run's losses, results and weights, bit for bit, at the run's lrs.
-    Then a longer --max_iters, cut off again, continues at that length: the settings come from the checkpoint the
-    latest start wrote, not from an older one of another model."""
+    """Long-horizon DLinear, standard and MLR, every output written; a Ctrl-C in each model in turn, each time
+    --resume'd: the uninterrupted run's losses, results and weights. A longer --max_iters continues likewise."""
     argv = ts_argv(tmp_path / 'whole', ts_data / 'ks', *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr',
                    '--ranks', '4|2|2')
     whole_tap = LossTap(monkeypatch, 'mse_loss')
@@ -3299,8 +3268,8 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
 
 
 def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
-    """--seeds: one run per seed in out_dir/seed<k>, mean ± std and the paired MLR − standard difference (and
-    Fig. 15's relative target MAE) from the per-seed runs; a rerun reuses the finished seeds."""
+    """--seeds: one run per seed, mean ± std, the paired MLR − standard difference and Fig. 15's relative target
+    MAE from the per-seed runs; a rerun reuses the finished seeds."""
     csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
     argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1', '--horizons', '8,16'),
                    '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr',
@@ -3348,8 +3317,7 @@ BAD_INPUT = [(script, *case) for script, table in (('train_lm.py', LM_BAD), ('tr
 @pytest.mark.parametrize('script,case,extra,setup,code,words', BAD_INPUT,
                          ids=[f'{c[0][6:-3]}-{c[1]}' for c in BAD_INPUT])
 def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path, capsys, monkeypatch, request):
-    """Each case: its setup, then the script with the flags; one error line holding the words, its exit code, and
-    no tmp file left. Placeholders in the flags and words name the setup's files."""
+    """One error line holding the words, the exit code, no tmp file; placeholders name the setup's files."""
     out, fx = tmp_path / 'run', request.getfixturevalue
     paths = {'UNWRITABLE': tmp_path / 'a_file' / 'x', 'RUN': out, 'BIN': tmp_path / 'bin', 'REL': tmp_path / 'rel',
              'OLDRUN': tmp_path / 'old', 'BAD': tmp_path / 'bad.csv'}
@@ -3422,9 +3390,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last(script, tmp_
 
 @pytest.mark.parametrize('script', TRAIN_SCRIPTS)
 def test_kill_during_checkpoint_loses_nothing(script, tmp_path, monkeypatch, capsys, orphan, request):
-    """Ctrl-C in step 3 (it saves), a tmp file that a kill -9 left, then a --resume that dies halfway through
-    writing the step-4 checkpoint: the orphan is gone, no tmp file is left, the step-3 checkpoint is intact, and
-    resuming once more trains steps 4 to 6 only."""
+    """Ctrl-C in step 3, an orphaned tmp file, a --resume dying mid-write: the orphan is gone, no tmp file, the
+    step-3 checkpoint intact; resuming once more trains steps 4 to 6 only."""
     argv, loss, ckpt, _ = six_step_run(script, request, tmp_path)
     main = TRAIN_SCRIPTS[script].main
     no_drawing(monkeypatch)
@@ -3453,10 +3420,8 @@ ALLOWED_HOSTS = {'arxiv.org', 'openreview.net', 'github.com'}
 
 
 def check_readme_links(text, root):
-    """Every problem with the links of a README at `root`: a relative link to a missing file or outside the
-    repository, an in-page anchor no heading has (GitHub's anchors: link text kept, code marks and punctuation
-    dropped, spaces -> '-', repeats numbered), an external link to a host not allowed. Inside a code block there
-    are no links and no headings; inside a code span, no links."""
+    """Every bad link of a README at `root`: a missing file or one outside the repository, an anchor no heading has
+    (GitHub's rules), a host not allowed. Code blocks hold no links or headings, code spans no links."""
     text = re.sub(r'^```.*?^```[^\n]*$', '', text, flags=re.S | re.M)
     anchors, seen = set(), collections.Counter()
     for heading in re.findall(r'^#{1,6}[ \t]+(.*?)[ \t]*#*[ \t]*$', text, flags=re.M):
@@ -3499,8 +3464,8 @@ def test_readme_links_resolve_and_the_checker_catches_bad_ones(tmp_path):
 
 
 def test_train_scripts_set_the_openmp_wait_policy_before_torch_loads():
-    """OpenMP reads its wait policy once, when torch loads it: each train script sets it before any top-level
-    import that brings torch in. Unset: PASSIVE with a short libgomp spin; set by the user: left alone."""
+    """Each train script sets the OpenMP wait policy before an import brings torch in: PASSIVE with a short spin
+    when unset, the user's when set."""
     def brings_torch(node):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or '']
         return any(n.split('.')[0] in {'torch', 'attention', 'kernels', 'structured', 'runs'} for n in names)
