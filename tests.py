@@ -1512,22 +1512,14 @@ def test_smoke_lm_paper_preset(lm_corpus, tmp_path):
     assert len(r['losses']) >= 1 and all(math.isfinite(l) for _, l in r['losses'])
 
 
-def test_lm_resume_and_ctrl_c_are_exact(lm_corpus, tmp_path, monkeypatch, capsys):
-    """2 steps resumed to 6 (settings from the checkpoint), Ctrl-C'd in step 4 (it saves), resumed again: the
-    losses and history of one uninterrupted run."""
+def test_lm_resume_is_exact(lm_corpus, tmp_path):
+    """A finished 2-step run resumed to 6 steps, its settings from the checkpoint (--attn not given, a flag given
+    equal accepted): the losses and history of one uninterrupted run."""
     argv = lambda out, *x: lm_tiny_args(lm_corpus, out, '--max_iters', '6', '--eval_interval', '2', *x)
-    whole = LossTap(monkeypatch, 'cross_entropy')
     a = train_lm.main(argv(tmp_path / 'a', '--attn', 'mlr'))
-    taps = [LossTap(monkeypatch, 'cross_entropy')]
     train_lm.main(argv(tmp_path / 'b', '--attn', 'mlr', '--max_iters', '2'))
-    taps.append(LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=2))
-    code, err = run_cli(train_lm.main, argv(tmp_path / 'b', '--n_embd', '32', '--resume'), capsys)
-    assert_one_line_error(code, err, 130, ['interrupted: at step 4', 'ckpt.pt', '--resume'], 'train_lm.py')
-    assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['step'] == 4
-    taps.append(LossTap(monkeypatch, 'cross_entropy'))
-    b = train_lm.main(argv(tmp_path / 'b', '--resume'))
-    assert [s for s, _ in b['losses']] == [5, 6] and a['losses'][4:] == b['losses']
-    assert sum((t.values for t in taps), []) == whole.values
+    b = train_lm.main(argv(tmp_path / 'b', '--n_embd', '32', '--resume'))
+    assert [s for s, _ in b['losses']] == [3, 4, 5, 6] and a['losses'][2:] == b['losses']
     strip = lambda h: [{k: v for k, v in r.items() if k != 'time'} for r in h]  # wall time differs, of course
     assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
     config = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['config']
@@ -2129,23 +2121,19 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
 ] + shared_cases('train_icl.py', f'{ICL_RUN}.pt', 'train_lm.py')
 
 
-def test_icl_ctrl_c_saves_and_resume_is_exact_also_to_a_longer_run(tmp_path, monkeypatch, capsys, quiet):
-    """Ctrl-C saves; --resume gives the run never stopped, and --max_iters 6 from a finished 4-step run the 6-step
-    run; a lower --max_iters, or a cosine schedule, refused naming the first step that would differ."""
+def test_icl_resume_to_a_longer_run_is_exact(tmp_path, monkeypatch, quiet):
+    """--max_iters 6 from a finished 4-step run gives the 6-step run (constant lr after warmup, curriculum over by
+    step 4); a lower --max_iters, or a cosine schedule, refused naming the first step that would differ."""
     curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
-    whole = LossTap(monkeypatch, 'mse_loss')
     scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
-    first = LossTap(monkeypatch, 'mse_loss', ctrl_c_at=3)
-    code, err = run_cli(icl.main, icl_argv(tmp_path / 'b', *curr), capsys)
-    assert_one_line_error(code, err, 130, ['interrupted:', 'at step 3', f'{ICL_RUN}.pt', '--resume'], 'train_icl.py')
-    rest = LossTap(monkeypatch, 'mse_loss')
-    done = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    done = icl.main(icl_argv(tmp_path / 'b', *curr))
+    tap = LossTap(monkeypatch, 'mse_loss')
     again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
-    assert again['model'] == done['model'] and len(rest.values) == 1                  # finished: nothing redone
+    assert again['model'] == done['model'] and not tap.values                       # finished: nothing redone
     with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
         icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
     longer = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--max_iters', '6'))
-    assert first.values + rest.values == whole.values and len(whole.values) == 6     # steps 1-3, 4, 5-6
+    assert len(tap.values) == 2                                                      # steps 5 and 6
     no_time = lambda r: [{k: v for k, v in h.items() if k != 'time_s'} for h in r['history']]
     assert no_time(longer) == no_time(scratch) and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
     assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
@@ -2750,24 +2738,6 @@ def test_lra_caches_follow_file_content(tmp_path):
     assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
-def test_lra_ctrl_c_saves_and_resume_is_exact(lra_cache, tmp_path, monkeypatch, capsys):
-    """Batches of 8 from 48 examples: the order is redrawn after 6 steps, so 9 steps cross an epoch."""
-    argv = lambda out, *x: lra_argv(out, lra_cache, '--max_iters', '9', '--eval_interval', '4', '--log_interval', '3',
-                                    *x)
-    whole = LossTap(monkeypatch, 'cross_entropy')
-    a = lra.main(argv(tmp_path / 'a'))
-    first = LossTap(monkeypatch, 'cross_entropy', ctrl_c_at=5)
-    code, err = run_cli(lra.main, argv(tmp_path / 'b'), capsys)
-    assert_one_line_error(code, err, 130, ['interrupted: at step 5', 'ckpt.pt', '--resume'], 'train_lra.py')
-    rest = LossTap(monkeypatch, 'cross_entropy')
-    b = lra.main(argv(tmp_path / 'b', '--resume'))
-    assert first.values + rest.values == whole.values and len(whole.values) == 9
-    strip = lambda h: [{k: v for k, v in r.items() if k != 'train_seconds'} for r in h]
-    assert strip(a['history']) == strip(b['history'])
-    assert (a['final_test_acc'], a['best_val_acc'], a['best_step']) == (b['final_test_acc'], b['best_val_acc'],
-                                                                        b['best_step'])
-
-
 # 2 variants x 2 seeds x 3 steps on 8..32-token ListOps; --quick's other settings (window 4, m = 4)
 STUDY_TINY = ['--sweep', 'listops', '--quick', '--variants', 'local,brl', '--seeds', '2', '--max_iters', '3',
               '--eval_interval', '1', '--warmup_iters', '1', '--n_train', '24', '--n_val', '8', '--n_test', '8',
@@ -3344,6 +3314,26 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last(script, tmp_
                                          'PytorchStreamWriter'], script)
     monkeypatch.undo()
     assert torch.load(tmp_path / ckpt, weights_only=True)['step'] == saved[0] and not tmp_files(tmp_path)
+
+
+@pytest.mark.parametrize('script', TRAIN_SCRIPTS)
+def test_ctrl_c_saves_and_resume_is_exact(script, tmp_path, monkeypatch, capsys, request):
+    """Ctrl-C in step 5 of 9 saves; --resume gives the losses and the logged history of the run never stopped, the
+    data order included (train_lra.py draws a new one after 6 steps)."""
+    (a_argv, loss, ckpt, _), (b_argv, *_) = [six_step_run(script, request, tmp_path / n) for n in 'ab']
+    main, nine = TRAIN_SCRIPTS[script].main, ['--max_iters', '9']
+    no_drawing(monkeypatch)
+    whole = LossTap(monkeypatch, loss)
+    a = main(a_argv + nine)
+    first = LossTap(monkeypatch, loss, ctrl_c_at=5)
+    code, err = run_cli(main, b_argv + nine, capsys)
+    assert_one_line_error(code, err, 130, ['interrupted:', 'at step 5', ckpt, '--resume'], script)
+    rest = LossTap(monkeypatch, loss)
+    b = main(b_argv + nine + ['--resume'])
+    assert first.values + rest.values == whole.values and len(whole.values) == 9
+    history = lambda r: [{k: v for k, v in h.items() if not re.search(r'time|seconds|^ms_', k)}
+                         for h in (r['runs']['standard'] if script == 'train_ts.py' else r)['history']]
+    assert history(a) == history(b) and len(history(a)) >= 4
 
 
 @pytest.mark.parametrize('script', TRAIN_SCRIPTS)
