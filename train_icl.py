@@ -110,8 +110,7 @@ DEFAULTS = dict(
 
 
 def build_parser():
-    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0])  # one-line errors, defaults in --help
     bool_flag = argparse.BooleanOptionalAction
     g = p.add_argument_group('task (paper §4, seed 003 §2.1)')
     g.add_argument('--d', type=int, help='input dimension of x and w')
@@ -817,7 +816,8 @@ def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
     eval_seed, todo, states, ms = resolve(args).eval_seed, [], {}, {}
     for label, (a, name) in points.items():
         for s in range(args.seed, args.seed + args.seeds):
-            a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
+            # resolved (--n_points 0 -> 2d): a resumed run's argv must agree with its checkpoint
+            a_s, run = resolve(variant(a, seed=s, eval_seed=eval_seed)), f'{name}_s{s}'
             run_dir = os.path.join(args.out_dir, run)
             states[run], step = run_status(args, a_s, run, run_dir)
             seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
