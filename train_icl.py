@@ -108,7 +108,6 @@ DEFAULTS = dict(
 # -----------------------------------------------------------------------------
 # Command line
 
-
 def build_parser():
     p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0])  # one-line errors, defaults in --help
     bool_flag = argparse.BooleanOptionalAction
@@ -245,7 +244,6 @@ def curriculum(step, args):
 # -----------------------------------------------------------------------------
 # Baselines: each maps a prompt to predictions ŷ_i that use only (x_j, y_j), j < i, and x_i
 
-
 def least_squares_w(X, y):
     """Minimum-norm least squares ŵ = pinv(X) y, batched: X (B, n, d), y (B, n) -> (B, d)."""
     return (torch.linalg.pinv(X) @ y.unsqueeze(-1)).squeeze(-1)
@@ -287,7 +285,6 @@ BASELINES = {'least_squares': predict_least_squares, 'averaging': predict_averag
 # -----------------------------------------------------------------------------
 # The model: read-in, Transformer body, zero-init read-out at the x positions
 
-
 class ICLModel(nn.Module):
     def __init__(self, cfg, d, pos_std=0.02, read_in_std=0.02):
         super().__init__()
@@ -327,7 +324,6 @@ def model_config(args):
 # -----------------------------------------------------------------------------
 # Optimizer: AdamW with muP learning rates, warmup and schedule
 
-
 def make_optimizer(model, args):
     """AdamW, the official betas (0.9, 0.95) and eps; under --mup each weight's lr is lr x its lr_mult
     (optimizer_groups). Each group keeps its base_lr, which the schedule (lr_at) scales."""
@@ -353,7 +349,6 @@ def lr_at(step, args):
 
 # -----------------------------------------------------------------------------
 # Evaluation: normalized squared error per position on held-out prompts, bootstrap intervals, the baselines
-
 
 def eval_set(args, n, cov):
     """Held-out prompts from their own generator (seeded --eval_seed, never the training one), full d and N."""
@@ -411,7 +406,6 @@ def steps_to_90(history, key='query'):
 
 # -----------------------------------------------------------------------------
 # Training: the loop, checkpoints, --resume
-
 
 def check_resume(saved, args, given, step):
     """--resume: the checkpoint's settings win and a given flag that differs is refused (resume_settings), except a
@@ -963,7 +957,6 @@ SWEEPS = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sw
 # -----------------------------------------------------------------------------
 # main: flags checked, a sweep's recipe applied, then one run or a sweep
 
-
 def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
     if args.attn not in ATTN_NAMES:
@@ -1029,13 +1022,10 @@ def main(argv=None):
     check_args(parser, args)
     if args.sweep:
         apply_recipe(parser, args, given_flags(parser, argv))
-    try:   # bad settings: one clear line, not a stack trace from deep inside the model
-        a = resolve(args)
-        pick_device(args.device)
-        if not args.sweep:
-            Transformer(model_config(a))
-    except ValueError as e:
-        raise SystemExit(f'error: {e}')
+    a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work
+    pick_device(args.device)
+    if not args.sweep:
+        Transformer(model_config(a))
     if args.sweep:
         payload = SWEEPS[args.sweep](args)
         plots = [f"icl_{payload['sweep']}.png"] + [f'icl_position{run_tag(args)}.png'] * (args.sweep == 'bottleneck')
