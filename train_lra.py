@@ -2,15 +2,13 @@
 Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ... (seed 004
 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
 
-A bidirectional attention.Transformer reads token (or pixel) embeddings plus learned positions under a padding
-mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval encodes both documents with the same
-encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
+A bidirectional attention.Transformer under a padding mask, pooled (mean / CLS / max) into an MLP classifier;
+Retrieval classifies [u, v, u*v, u-v] of its two documents, encoded alike (LRA's dual encoder).
 
-Data. Without --data two tasks are generated here: ListOps (the LRA recipe, written as the release's TSVs) and
-Pathfinder (32x32: two dashed curves, distractors, and two markers on the ends of one curve, label 1, or of two
-curves, label 0). With --data the official release files are read: ListOps TSVs, IMDB bytes (aclImdb/), AAN pairs
-(new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders. Both are cached under --cache_dir, keyed on
-the bytes of their files (runs.content_digest): an edited file is never read stale.
+Data. Without --data, ListOps (the LRA recipe, written as the release's TSVs) and 32x32 Pathfinder (two dashed
+curves, distractors, two markers on the ends of one curve, label 1, or of two, label 0) are generated here. With
+--data the release files are read: ListOps TSVs, IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10
+python batches, Pathfinder folders. Both are cached under --cache_dir, keyed on the bytes of their files.
 
 Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
   python train_lra.py --attn standard      # ListOps, max_len 256, 2 layers x 64 wide
@@ -95,13 +93,6 @@ def write_text(path, text):
     atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
-def save_npz(path, arrays):
-    def write(tmp):
-        with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
-            np.savez_compressed(f, **arrays)
-    atomic_write(path, write)
-
-
 def cached(digest_path, paths, make):
     """make() writes `paths`, then digest_path records their content_digest. A later run uses the files while their
     bytes match it, and makes them again if not (file times are never trusted)."""
@@ -114,6 +105,22 @@ def cached(digest_path, paths, make):
     remove_orphan_tmp(os.path.dirname(digest_path))    # of an earlier write that was killed
     make()
     write_text(digest_path, content_digest(paths))
+
+
+def cached_splits(path, make_splits, what=None):
+    """{train, val, test: (x, y)} from the .npz file `path`, cached: make_splits() -> {split: (x, y)} writes it."""
+    def make():
+        arrays = {f'{s}_{k}': v for s, xy in make_splits().items() for k, v in zip('xy', xy)}
+
+        def write(tmp):
+            with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
+                np.savez_compressed(f, **arrays)
+        atomic_write(path, write)
+        if what:
+            print(f'wrote {what} to {path}')
+    cached(path[:-len('.npz')] + '.sha256', [path], make)
+    z = np.load(path)
+    return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}
 
 
 # -----------------------------------------------------------------------------
@@ -295,17 +302,12 @@ def generate_pathfinder(n, seed, cfg=PATHFINDER32):
 
 
 def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
+    """Generated once, test (seed), val (seed+1), train (seed+2), into <cache_dir>/pathfinder32_<...>.npz."""
     path = os.path.join(cache_dir, f'pathfinder32_n{n_train}-{n_val}-{n_test}_seed{seed}.npz')
-
-    def make():
-        arrays = {}
-        for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
-            arrays[f'{split}_x'], arrays[f'{split}_y'] = generate_pathfinder(n, seed + i)
-        save_npz(path, arrays)
-        print(f'wrote Pathfinder to {path}')
-    cached(path[:-len('.npz')] + '.sha256', [path], make)
-    z = np.load(path)
-    return {s: (z[f'{s}_x'].reshape(len(z[f'{s}_x']), -1), z[f'{s}_y']) for s in ('train', 'val', 'test')}
+    splits = [('test', n_test), ('val', n_val), ('train', n_train)]
+    data = cached_splits(path, lambda: {s: generate_pathfinder(n, seed + i) for i, (s, n) in enumerate(splits)},
+                         'Pathfinder')
+    return {s: (x.reshape(len(x), -1), y) for s, (x, y) in data.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -468,14 +470,8 @@ def load_task(args):
                           content_digest(files)])
     path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
                                         f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
-
-    def make():
-        data = read_release(args.task, args.data, args.max_len, meta['classes'])
-        save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
     with io_errors('--cache_dir', args.cache_dir):
-        cached(path[:-len('.npz')] + '.sha256', [path], make)
-        z = np.load(path)
-    return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
+        return cached_splits(path, lambda: read_release(args.task, args.data, args.max_len, meta['classes'])), meta
 
 
 # -----------------------------------------------------------------------------
@@ -695,27 +691,37 @@ def train(args):
 # -----------------------------------------------------------------------------
 # --bench: forward+backward time and peak memory against T on the same model (seed 004 Figs. 5-6)
 
-def bench_one(attn, T, opts):
-    """In a fresh process: one fwd+bwd step of the classifier on a random length-T batch, its peak memory above what
-    was held before (CUDA: max_memory_allocated; CPU: the high-water mark VmHWM, reset through /proc/self/clear_refs,
-    minus VmRSS before), then the median time of `reps` more steps. 'standard_unfused' is standard attention on
-    SDPA's math backend, which forms the T x T scores like a textbook implementation (seed 004 Fig. 5)."""
+def random_batch_step(a, batch, device='cpu', adamw=False, math_sdpa=False):
+    """One step of the ListOps classifier of settings `a` (seeded) on a random (batch, a.max_len) batch, as a function:
+    forward, backward, AdamW's update if adamw; math_sdpa: SDPA's math backend, which forms the T x T scores."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    unfused, dev = attn == 'standard_unfused', opts['device']
     torch.manual_seed(0)
-    torch.set_num_threads(opts['threads'])
-    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'layer_pattern': '', 'max_len': T,
-                              'pooling': 'mean', 'pixel_embed': 'token'})
-    model = build_model(a, dict(vocab=len(LISTOPS_VOCAB), classes=10, dual=False))[0].to(dev)
-    x = torch.randint(1, len(LISTOPS_VOCAB), (opts['batch'], T), device=dev)
-    y = torch.randint(0, 10, (opts['batch'],), device=dev)
+    meta = task_meta('listops')
+    model = build_model(a, meta)[0].to(device)
+    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr) if adamw else None
+    x = torch.randint(1, meta['vocab'], (batch, a.max_len), device=device)         # (B, T)
+    y = torch.randint(0, meta['classes'], (batch,), device=device)
 
     def step():
         model.zero_grad(set_to_none=True)
-        with sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext():
+        with sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
             F.cross_entropy(model(x), y).backward()
-        if dev.startswith('cuda'):
+        if opt is not None:
+            opt.step()
+        if device.startswith('cuda'):
             torch.cuda.synchronize()
+    return step
+
+
+def bench_one(attn, T, opts):
+    """In a fresh process: one fwd+bwd step of the classifier on a random length-T batch, its peak memory above what
+    was held before (CUDA: max_memory_allocated; CPU: the high-water mark VmHWM, reset through /proc/self/clear_refs,
+    minus VmRSS before), then the median time of `reps` more steps. 'standard_unfused': standard, math_sdpa (Fig. 5)."""
+    unfused, dev = attn == 'standard_unfused', opts['device']
+    torch.set_num_threads(opts['threads'])
+    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'layer_pattern': '', 'max_len': T,
+                              'pooling': 'mean', 'pixel_embed': 'token'})
+    step = random_batch_step(a, opts['batch'], dev, math_sdpa=unfused)
 
     def rss_kb(field):
         with open('/proc/self/status') as f:
@@ -726,7 +732,6 @@ def bench_one(attn, T, opts):
         step()
         peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
     else:
-        model.zero_grad(set_to_none=True)
         before = rss_kb('VmRSS')
         with open('/proc/self/clear_refs', 'w') as f:
             f.write('5')                      # resets VmHWM to the current RSS
@@ -874,19 +879,12 @@ STUDY_VARIANTS = {
 PAPER_LISTOPS = {'local': '15.82', 'full': '36.37 (LRA) / 47.90 (our-imp)', 'brl': '49.98', 'brl_no_gamma': '48.10',
                  'brl_beta0': '-'}
 # The study's setting: the defaults of --sweep listops (flags given win). Smaller than the paper's (Table 12) and
-# LRA's, for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds, keeping what makes locality a handicap:
-STUDY = dict(
-    min_len=300, max_len=1000,   # LRA 500 < tokens < 2000; at T = 1000 a step costs 0.4-0.53 s on an idle core
-    window=16, n_layer=2,        # local attention reaches 2 x 16 = 32 tokens each side: 65 of ~600 (at most 1/5)
-    n_embd=64, n_head=4,         # Table 12: 6 layers x 512 wide, 8 heads; CPU size (mean pooling as Table 12)
-    mlp_hidden=128,              # Table 12's FF size is 2x the width (1024 for 512), not the 4x default
-    n_compressed=16,             # BRL m = w, as every BRL row of Table 1 (256 there)
-    n_train=20000, n_val=500, n_test=500,   # LRA 96000 / 2000 / 2000; 500 test examples: +-2 points of noise
-    batch_size=16,               # Table 12: 64; a quarter, for 1200 steps in the budget (batch 32: ~170 min)
-    lr=1e-3, warmup_iters=100,   # Table 12: 1e-4 (with 5000+ steps at width 512); ours 1e-3 (muP, width 64)
-    max_iters=1200, eval_interval=100,      # 15 runs x 1200 steps ~ 93 min on an idle 2-core machine (--estimate);
-                                            # full attention left the 17% plateau by step 150, local did not
-    data_seed=0)                 # one data set for every run: seeds vary init and batch order, pairs share the test set
+# LRA's, for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds (README, "Settings that differ from the
+# papers", says why each value), keeping what makes locality a handicap: 2 layers x window 16 reach 65 of ~600 tokens.
+STUDY = dict(min_len=300, max_len=1000, window=16, n_layer=2, n_embd=64, n_head=4, mlp_hidden=128, n_compressed=16,
+             n_train=20000, n_val=500, n_test=500, batch_size=16, lr=1e-3, warmup_iters=100, max_iters=1200,
+             eval_interval=100,
+             data_seed=0)   # one data set for every run: seeds vary init and batch order, pairs share the test set
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
 # set per run or used by the study itself: not passed on to its runs
@@ -927,21 +925,11 @@ def study_run_state(run):
     return run_state(saved, vars(parse_args(run.argv)), free, run.out_dir, os.path.exists(results))
 
 
-def run_seconds(a, meta, repeats=2):
+def run_seconds(a, repeats=2):
     """A run's estimated 1-thread seconds: one training step (forward, backward, AdamW) of the run settings `a` on
     a random batch at max_len timed now, times the steps plus the evaluations (a forward ~1/3 of a step; the test
     set counted at every evaluation, an upper bound), plus the process start."""
-    torch.manual_seed(0)
-    model = build_model(a, meta)[0]
-    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr)
-    x = torch.randint(1, meta['vocab'], (a.batch_size, a.max_len))                 # (B, T)
-    y = torch.randint(0, meta['classes'], (a.batch_size,))
-
-    def step():
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    s = one_thread_seconds(step, repeats)
+    s = one_thread_seconds(random_batch_step(a, a.batch_size, adamw=True), repeats)
     evals = -(-a.max_iters // a.eval_interval)
     return (a.max_iters + evals * (a.n_val + a.n_test) / a.batch_size / 3) * s + STARTUP_SECONDS
 
@@ -989,10 +977,10 @@ def study(args):
     runs = [Run(f'{v}_seed{s}', v, s, study_run_argv(args, v, s), study_run_dir(args, v, s))
             for s in seeds for v in variants]
     states = {r.name: study_run_state(r) if args.reuse else 'new' for r in runs}
-    meta = load_task(parse_args(runs[0].argv))[1]
+    load_task(parse_args(runs[0].argv))
     print("study estimate: s/step timed now at T = max_len, 1 thread, one process (a busy machine reads slower; "
           "parallel runs share memory bandwidth)")
-    seconds = {v: run_seconds(parse_args(study_run_argv(args, v, args.seed)), meta) for v in variants}
+    seconds = {v: run_seconds(parse_args(study_run_argv(args, v, args.seed))) for v in variants}
     for r in runs:
         r.seconds = seconds[r.group]
     print('\n'.join(f"  {v:13s} {s / 60:6.1f} min/run" for v, s in seconds.items()))
