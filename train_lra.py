@@ -200,24 +200,22 @@ PATHFINDER32 = dict(   # LRA's 32x32 setting: contour 14 paddles, distractors 14
     antialias=2)
 
 
-def point_segment_distance(p, a, b):
-    """p (M, 2), segments a-b (N, 2) -> (M, N) distances."""
-    ab, ap = b - a, p[:, None, :] - a[None]                                        # (N, 2), (M, N, 2)
-    t = np.clip((ap * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-12), 0.0, 1.0)
-    e = ap - t[..., None] * ab
-    return np.sqrt((e * e).sum(-1))
-
-
 def clear_of(scene, pts, rad, cid, cfg):
     """scene (N, 6): the segments drawn so far, rows [a, b, half-width, curve id]. For points (M, 2) of half-width
     rad: True where every segment of another curve is >= clearance away."""
     other = scene[scene[:, 5] != cid]
-    gap = point_segment_distance(pts, other[:, 0:2], other[:, 2:4]) - other[:, 4] - rad
+    a, ab = other[:, 0:2], other[:, 2:4] - other[:, 0:2]                           # (N, 2)
+    ap = pts[:, None, :] - a[None]                                                  # (M, N, 2)
+    t = np.clip((ap * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-12), 0.0, 1.0)
+    e = ap - t[..., None] * ab                                    # from the segment's nearest point to p
+    gap = np.sqrt((e * e).sum(-1)) - other[:, 4] - rad                             # (M, N)
     return (gap >= cfg['clearance']).all(1)
 
 
 def add_segments(scene, a, b, rad, cid):
     return np.vstack([scene, np.column_stack([a, b, np.full(len(a), rad), np.full(len(a), cid)])])
+
+
 def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
     """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from the last;
     of n_cand random turns the first one that stays inside and clear of the scene and of the curve's own paddles
