@@ -861,9 +861,8 @@ def compare(args):
 
 
 # -----------------------------------------------------------------------------
-# --sweep listops: local, full and BRL attention and BRL's two ablations on generated ListOps long enough that
-# local attention's reach over all its layers is a small part of every sequence; --seeds seeds each, every run a
-# `train_lra.py` process with one thread in its own folder (runs.sweep: finished runs reused, cut-off ones resumed).
+# --sweep listops: local, full and BRL attention and BRL's two ablations x --seeds on generated ListOps long enough
+# that local attention reaches a small part of every sequence; each run a process of one thread (runs.sweep).
 
 # variant -> the flags of its runs (the paper's names, seed 004 Tables 1-2)
 STUDY_VARIANTS = {
