@@ -1089,6 +1089,7 @@ NON_NEGATIVE = ('mlp_hidden', 'min_len', 'warmup_iters', 'weight_decay', 'grad_c
                 'workers')
 LRA_RANGES = dict(weight_decay='[0, 1]', seeds='(0, 1000]')   # AdamW decays weights by lr * weight_decay per step
 
+
 def comma_list(p, args, name, kind=str, valid=None):
     """--name's comma list as a list of kind: an empty item, a duplicate, an item that is not a (positive, for
     int) kind or not in valid is parser.error (exit 2)."""
@@ -1159,6 +1160,7 @@ def check_args(p, a):
         except ValueError as e:
             p.error(str(e))
         check_memory(p, a, model)
+
 
 def parse_args(argv=None):
     p = build_parser()
