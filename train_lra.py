@@ -884,11 +884,9 @@ STUDY = dict(min_len=300, max_len=1000, window=16, n_layer=2, n_embd=64, n_head=
              data_seed=0)   # one data set for every run: seeds vary init and batch order, pairs share the test set
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
-# set per run or used by the study itself: not passed on to its runs
-STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--out_dir',
-                   '--threads')
-STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress', '--resume',
-                      '--overwrite')
+# set per run or used by the study itself: not passed on to its runs (check_args refuses --out_dir, --resume, ...)
+STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--threads')
+STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress')
 STARTUP_SECONDS = 5.0             # a run's process start: import torch, read the data (for the estimate)
 
 
