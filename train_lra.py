@@ -290,21 +290,18 @@ def render_pathfinder(curves, markers, cfg=PATHFINDER32):
     return np.round(canvas.reshape(S, aa, S, aa).mean((1, 3)) * 255).astype(np.uint8)
 
 
-def generate_pathfinder(n, seed, cfg=PATHFINDER32):
-    """n images (n, 32, 32) uint8 and labels (n,) int64, exactly balanced, shuffled."""
-    rng = np.random.default_rng(seed)
-    labels = rng.permutation(np.arange(n) % 2)
-    images = np.stack([render_pathfinder(*pathfinder_scene(rng, int(y), cfg), cfg) for y in
-                       tqdm(labels, desc=f'pathfinder seed {seed}', leave=False, disable=n < 500)])
-    return images, labels.astype(np.int64)
-
-
-def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
-    """Generated once, test (seed), val (seed+1), train (seed+2), into <cache_dir>/pathfinder32_<...>.npz."""
+def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed, cfg=PATHFINDER32):
+    """Generated once into <cache_dir>/pathfinder32_<...>.npz, test (seed), val (seed+1), train (seed+2): images
+    (n, 32 * 32) uint8 and labels (n,) int64, exactly balanced, shuffled."""
+    def generate(n, seed):
+        rng = np.random.default_rng(seed)
+        labels = rng.permutation(np.arange(n) % 2)
+        images = np.stack([render_pathfinder(*pathfinder_scene(rng, int(y), cfg), cfg) for y in
+                           tqdm(labels, desc=f'pathfinder seed {seed}', leave=False, disable=n < 500)])
+        return images, labels.astype(np.int64)
     path = os.path.join(cache_dir, f'pathfinder32_n{n_train}-{n_val}-{n_test}_seed{seed}.npz')
     splits = [('test', n_test), ('val', n_val), ('train', n_train)]
-    data = cached_splits(path, lambda: {s: generate_pathfinder(n, seed + i) for i, (s, n) in enumerate(splits)},
-                         'Pathfinder')
+    data = cached_splits(path, lambda: {s: generate(n, seed + i) for i, (s, n) in enumerate(splits)}, 'Pathfinder')
     return {s: (x.reshape(len(x), -1), y) for s, (x, y) in data.items()}
 
 
@@ -930,9 +927,8 @@ def run_seconds(a, repeats=2):
 
 
 def study_stats(results, variants):
-    """Per variant over its finished seeds ({(variant, seed): results}): test accuracy at the best validation
-    accuracy (model selection on val), best val, its step, the last step's test accuracy; per other variant:
-    the paired difference BRL - variant."""
+    """Per variant, mean ± std over its finished seeds ({(variant, seed): results}) of the test accuracy at the best
+    validation accuracy (model selection on val), best val, its step and the last step's test accuracy; BRL - each."""
     per, paired = {}, {}
     for v in variants:
         rs = {s: r for (w, s), r in results.items() if w == v}
@@ -963,9 +959,8 @@ def study_table(stats):
 
 
 def study(args):
-    """--sweep listops: the runs (variants x seeds), their states (a folder of other settings is refused before
-    any work), the data (generated once, here, before the runs read it), each run's time estimate, the runs
-    (runs.sweep), then <sweep_dir>/sweep.json, table.md and lra_study.png."""
+    """--sweep listops: the runs' states (a folder of other settings refused before any work), the data (made here,
+    once), the estimate, the runs (runs.sweep), then <sweep_dir>/sweep.json, table.md and lra_study.png."""
     variants, seeds = args.variants.split(','), [args.seed + i for i in range(args.seeds)]
     prepare_out_dir(args.sweep_dir, flag='--sweep_dir')
     prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)
