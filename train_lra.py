@@ -780,7 +780,7 @@ def bench(args):
     paths = os.path.join(args.out_dir, 'bench.json'), os.path.join(args.out_dir, 'lra_bench.png')
     with io_errors('--out_dir', args.out_dir):
         write_json(paths[0], {'options': opts, 'rows': rows})
-        fig, axes = subplots(1, 2, figsize=(10, 3.8))
+    with io_errors('--out_dir', args.out_dir), figure(paths[1], 90, 1, 2, figsize=(10, 3.8)) as (fig, axes):
         for kind in dict.fromkeys(r['attn'] for r in rows):
             ok = [r for r in rows if r['attn'] == kind and 'ms' in r]
             label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
@@ -793,7 +793,6 @@ def bench(args):
         axes[0].legend()
         fig.suptitle(f"{opts['n_layer']} layers, D={opts['n_embd']}, w={opts['window']}, m={opts['n_compressed']}, "
                      f"batch {opts['batch']}, {opts['device']}", fontsize=9)
-        save_figure(fig, paths[1], dpi=90)
     report_outputs(results=paths[0], plot=paths[1])
     return rows
 
@@ -801,15 +800,14 @@ def bench(args):
 # -----------------------------------------------------------------------------
 # plots: --show, --compare
 
-def subplots(*args, **kw):
+@contextlib.contextmanager
+def figure(path, dpi, *args, **kw):
+    """(fig, axes) of plt.subplots(*args, **kw) to draw on; after the block, saved to path and closed."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    return plt.subplots(*args, **kw)
-
-
-def save_figure(fig, path, dpi):
-    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(*args, **kw)
+    yield fig, axes
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -817,14 +815,13 @@ def save_figure(fig, path, dpi):
 
 
 def show_pathfinder(data, path, n=16):
-    fig, axes = subplots(2, n // 2, figsize=(1.6 * n // 2, 3.6))
-    for ax in axes.flat:
-        ax.axis('off')
-    x, y = data['train']
-    for ax, img, label in zip(axes.flat, x[:n], y[:n]):
-        ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
-        ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
-    save_figure(fig, path, dpi=80)
+    with figure(path, 80, 2, n // 2, figsize=(1.6 * n // 2, 3.6)) as (fig, axes):
+        for ax in axes.flat:
+            ax.axis('off')
+        x, y = data['train']
+        for ax, img, label in zip(axes.flat, x[:n], y[:n]):
+            ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
+            ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
 
 
 def read_results(run_dir, flag):
@@ -843,17 +840,15 @@ def compare(args):
     """--compare: validation accuracy against training time for several runs (their results.json)."""
     runs = [read_results(d, '--compare') for d in args._compare]
     prepare_out_dir(args.out_dir)
-    fig, ax = subplots(figsize=(6, 3.8))
-    for r in runs:
-        ax.plot([e['train_seconds'] for e in r['history']], [e['val_acc'] for e in r['history']], 'o-', ms=3,
-                label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
-    ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
-    ax.set(xlabel='training time (s)', ylabel='validation accuracy')
-    ax.grid(alpha=0.3)
-    ax.legend()
     path = os.path.join(args.out_dir, 'lra_compare.png')
-    with io_errors('--out_dir', args.out_dir):
-        save_figure(fig, path, dpi=90)
+    with io_errors('--out_dir', args.out_dir), figure(path, 90, figsize=(6, 3.8)) as (fig, ax):
+        for r in runs:
+            ax.plot([e['train_seconds'] for e in r['history']], [e['val_acc'] for e in r['history']], 'o-', ms=3,
+                    label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
+        ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
+        ax.set(xlabel='training time (s)', ylabel='validation accuracy')
+        ax.grid(alpha=0.3)
+        ax.legend()
     report_outputs(plot=path)
 
 
