@@ -70,10 +70,8 @@ SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']
 
 # -----------------------------------------------------------------------------
-# Defaults: the official ICL runs' settings, each with its source ("official" = the paper's public code:
-# scripts/icl_regression/submit_icl_regression.sh over train_ICL.py, src/model.py, src/muP.py), except the
-# problem and run size, which are CPU scale. MODEL_DEFAULTS feeds the model group every train script shares
-# (runs.add_model_args), DEFAULTS this script's flags.
+# Defaults: the official ICL runs' settings with their sources ("official": the paper's public code,
+# scripts/icl_regression/submit_icl_regression.sh over train_ICL.py, src/model.py, src/muP.py), at CPU scale.
 
 MODEL_DEFAULTS = dict(      # the model group's defaults where they differ from attention.ModelConfig's
     n_embd=32,               # CPU scale (official: D = 16 ... 1024)
@@ -110,10 +108,8 @@ DEFAULTS = dict(
 # -----------------------------------------------------------------------------
 # Command line
 
-
 def build_parser():
-    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0],  # one-line errors, defaults in --help
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgParser(prog=SCRIPT, description=__doc__.split('\n\n')[0])  # one-line errors, defaults in --help
     bool_flag = argparse.BooleanOptionalAction
     g = p.add_argument_group('task (paper §4, seed 003 §2.1)')
     g.add_argument('--d', type=int, help='input dimension of x and w')
@@ -248,7 +244,6 @@ def curriculum(step, args):
 # -----------------------------------------------------------------------------
 # Baselines: each maps a prompt to predictions ŷ_i that use only (x_j, y_j), j < i, and x_i
 
-
 def least_squares_w(X, y):
     """Minimum-norm least squares ŵ = pinv(X) y, batched: X (B, n, d), y (B, n) -> (B, d)."""
     return (torch.linalg.pinv(X) @ y.unsqueeze(-1)).squeeze(-1)
@@ -290,7 +285,6 @@ BASELINES = {'least_squares': predict_least_squares, 'averaging': predict_averag
 # -----------------------------------------------------------------------------
 # The model: read-in, Transformer body, zero-init read-out at the x positions
 
-
 class ICLModel(nn.Module):
     def __init__(self, cfg, d, pos_std=0.02, read_in_std=0.02):
         super().__init__()
@@ -330,7 +324,6 @@ def model_config(args):
 # -----------------------------------------------------------------------------
 # Optimizer: AdamW with muP learning rates, warmup and schedule
 
-
 def make_optimizer(model, args):
     """AdamW, the official betas (0.9, 0.95) and eps; under --mup each weight's lr is lr x its lr_mult
     (optimizer_groups). Each group keeps its base_lr, which the schedule (lr_at) scales."""
@@ -356,7 +349,6 @@ def lr_at(step, args):
 
 # -----------------------------------------------------------------------------
 # Evaluation: normalized squared error per position on held-out prompts, bootstrap intervals, the baselines
-
 
 def eval_set(args, n, cov):
     """Held-out prompts from their own generator (seeded --eval_seed, never the training one), full d and N."""
@@ -388,26 +380,16 @@ def bootstrap(errs, n_boot, seed=0):
     return errs.mean(0).tolist(), lo.tolist(), hi.tolist()
 
 
-def summarize(errs, args):
-    """Per-position curve with CI, plus the paper's error at N = 2d (predicting y_{2d} from 2d - 1 pairs)."""
-    mean, lo, hi = bootstrap(errs, args.n_boot)
-    i2d = min(2 * args.d, errs.shape[1]) - 1
-    return {'mean': mean, 'lo': lo, 'hi': hi, 'at_2d': mean[i2d], 'at_2d_ci': [lo[i2d], hi[i2d]],
-            'query': mean[-1], 'query_ci': [lo[-1], hi[-1]]}
-
-
 def evaluate(model, xs, ys, args, device):
-    """The model's and the baselines' summaries on these prompts."""
+    """The model's and the baselines' summaries on these prompts: the per-position curve with CI, and the paper's
+    error at N = 2d (predicting y_{2d} from 2d - 1 pairs)."""
+    def summary(errs):
+        mean, lo, hi = bootstrap(errs, args.n_boot)
+        i2d = min(2 * args.d, errs.shape[1]) - 1
+        return {'mean': mean, 'lo': lo, 'hi': hi, 'at_2d': mean[i2d], 'at_2d_ci': [lo[i2d], hi[i2d]],
+                'query': mean[-1], 'query_ci': [lo[-1], hi[-1]]}
     errs = model_errors(model, xs, ys, args.d, device)
-    return summarize(errs, args), {k: summarize((f(xs, ys) - ys) ** 2 / args.d, args) for k, f in BASELINES.items()}
-
-
-def curve_point(st, model, ex, ey, args, device, step):
-    """A point of the training curve in st['history']: the held-out error at N = 2d, at the query and overall."""
-    mean = model_errors(model, ex, ey, args.d, device).mean(0)
-    i2d = min(2 * args.d, mean.numel()) - 1
-    st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'], 'at_2d': mean[i2d].item(),
-                          'query': mean[-1].item(), 'mean': mean.mean().item(), 'time_s': st['time_s']})
+    return summary(errs), {k: summary((f(xs, ys) - ys) ** 2 / args.d) for k, f in BASELINES.items()}
 
 
 def evaluated(st, step):
@@ -424,18 +406,6 @@ def steps_to_90(history, key='query'):
 
 # -----------------------------------------------------------------------------
 # Training: the loop, checkpoints, --resume
-
-
-def save_run(path, args, model, opt, st, gen):
-    """The checkpoint <run>.pt (with --save): weights, optimizer, config, run state and RNGs -> its path, or None."""
-    if not args.save:
-        return None
-    with io_errors('--out_dir', path):
-        save_checkpoint(path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                               'config': dict(vars(args)), 'step': st['step'], 'state': st,
-                               'data_rng': gen.get_state(), 'rng': rng_state()})
-    return path
-
 
 def check_resume(saved, args, given, step):
     """--resume: the checkpoint's settings win and a given flag that differs is refused (resume_settings), except a
@@ -485,16 +455,29 @@ def train(args, run_name='run'):
         set_rng_state(ck['rng'])
         st = ck['state']
         print(f'[{run_name}] resumed from {ckpt_path} at step {st["step"]}')
-    save = functools.partial(save_run, ckpt_path, args, model, opt, st, gen)
-    curve = functools.partial(curve_point, st, model, ex[:args.n_eval_during], ey[:args.n_eval_during], args, device)
+
+    def save():   # the checkpoint <run>.pt (with --save): weights, optimizer, config, run state, RNGs -> its path
+        if not args.save:
+            return None
+        with io_errors('--out_dir', ckpt_path):
+            save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
+                                        'config': dict(vars(args)), 'step': st['step'], 'state': st,
+                                        'data_rng': gen.get_state(), 'rng': rng_state()})
+        return ckpt_path
+
+    def curve(step):   # a point of the training curve: the held-out error at N = 2d, at the query and overall
+        mean = model_errors(model, ex[:args.n_eval_during], ey[:args.n_eval_during], args.d, device).mean(0)
+        i2d = min(2 * args.d, mean.numel()) - 1
+        st['history'].append({'step': step, 'flops': st['flops'], 'train_loss': st['loss_ema'],
+                              'at_2d': mean[i2d].item(), 'query': mean[-1].item(), 'mean': mean.mean().item(),
+                              'time_s': st['time_s']})
     body_params = sum(p.numel() for p in model.body.parameters())
     print(f'[{run_name}] attn={args.attn} L={args.n_layer} H={args.n_head} D={args.n_embd} '
           f'head_width={args.n_embd // args.n_head} d={args.d} N={args.n_points} '
           f'body_params={body_params} device={device} threads: {torch.get_num_threads()}')
-    # the loop. Every eval_interval steps: evaluate, then save. A NaN or inf loss stops the run at that step, before
-    # the update (Diverged); Ctrl-C ends the step, saves and raises Interrupted. A step's batch is drawn after the
-    # save, so a resumed run draws it from the saved generator
-    flops_per_T = {}                                        # T -> body.forward_flops(T)
+    # the loop. Every eval_interval steps: evaluate, then save; then the step's batch, so that a resumed run draws
+    # it from the saved generator. Ctrl-C ends the step, saves and raises Interrupted
+    forward_flops = functools.cache(model.body.forward_flops)       # T -> the body's forward FLOPs
     time0, cpu0, t0, c0 = st['time_s'], st['cpu_s'], time.time(), time.process_time()
     x_scale = covariance_scale(args.train_cov, args.d)
     bar = tqdm(total=args.max_iters, initial=st['step'], disable=not args.progress, leave=False, desc=run_name,
@@ -517,14 +500,12 @@ def train(args, run_name='run'):
             for g in opt.param_groups:
                 g['lr'] = g['base_lr'] * lr_at(step, args)
             loss = F.mse_loss(model(xs, ys), ys)                 # MSE over all positions
-            # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
+            # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update (Diverged)
             lossf = guarded_update(loss, step + 1, model, opt, args.grad_clip, args.lr, args.warmup_iters)
             ms = (time.time() - t) * 1e3
             st['step_ms'] = 0.9 * st['step_ms'] + 0.1 * ms if step else ms
             T = 2 * n_points
-            if T not in flops_per_T:
-                flops_per_T[T] = model.body.forward_flops(T)
-            st['flops'] += 3 * flops_per_T[T] * args.batch_size       # training ≈ 3× forward, non-embedding
+            st['flops'] += 3 * forward_flops(T) * args.batch_size       # training ≈ 3× forward, non-embedding
             st['loss_ema'] = lossf if st['loss_ema'] is None else 0.95 * st['loss_ema'] + 0.05 * lossf
             st['step'] = step + 1
             bar.update(1)
@@ -645,30 +626,24 @@ def plot_bottleneck(path, sweep, args):
 # -----------------------------------------------------------------------------
 # Sweeps: the papers' figures at CPU scale, every model with the same steps and batch. A sweep is a list of points
 # {label: (settings, run name)}, trained with --seeds seeds each through runs.sweep, then a table and a plot.
-# Its CPU recipe departs from DEFAULTS where a CPU budget forces it, for the reasons (and trials) in docs/icl.md,
-# "The CPU recipe"; applied to every flag not given, then --quick's QUICK the same way.
+# Its CPU recipe (why each setting: docs/icl.md, "The CPU recipe") sets every flag not given, then QUICK's.
 
 CPU_RECIPE = dict(
     max_iters=7000,          # official 500 001; at 5000 bilinear MLR 1|1|1 (D = 24) ended just above 0.1
     lr=5e-5,                 # at the official 1e-4 a 1-head run could stay on the "predict 0" plateau
-    # Garg's curriculum stretched (the official one ends after ~300 steps here): dims from 2, points from 4, +1 dim
-    # and +2 points every 500 steps, the full task (d = 5, N = 10) from step 1500 on
+    # Garg's curriculum stretched (the official one ends after ~300 steps here): the full task from step 1500 on
     curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
     n_eval_during=128, eval_interval=250)    # fewer, smaller evals during training: CPU time
 SWEEP_RECIPE = {
-    # 8 heads of width 3 (fails at d = 5) and 4 (learns); the full-rank models at D = 24 only: 15 runs, 31.7 min
-    # wall on the 2-core VM. Bilinear MLR 1|1|1 at head width 3 (score rank 7 >= d), 1|1|2 at 4 (rank 11), with
-    # one LayerNorm per head (bilinear_mlr_ln 'head', a departure: see bottleneck_mlr_ranks)
+    # 8 heads of width 3 (fails at d = 5) and 4 (learns), the full-rank models at D = 24 only: 15 runs. Bilinear
+    # MLR 1|1|1 at head width 3, 1|1|2 at 4, one LayerNorm per head (a departure: see bottleneck_mlr_ranks)
     'bottleneck': dict(CPU_RECIPE, bilinear_mlr_ln='head', widths='24,32', full_rank_widths='24',
                        bottleneck_ranks='3:1|1|1,4:1|1|2,8:4|2|1|1'),
-    # the bottleneck sweep's D = 24 (its runs are reused)
-    'compute': dict(CPU_RECIPE, bilinear_mlr_ln='head', compute_width=24, compute_ranks='1|1|1'),
-    # seed 003 trained 7500 - 30 000 steps; one length for all here, lr and batch per architecture (SEED003_OPTIMIZER)
-    'linear': dict(CPU_RECIPE, max_iters=12000),
+    'compute': dict(CPU_RECIPE, bilinear_mlr_ln='head', compute_width=24, compute_ranks='1|1|1'),   # reuses D = 24
+    'linear': dict(CPU_RECIPE, max_iters=12000),   # one length for all; lr and batch: SEED003_OPTIMIZER
 }
-# `--sweep bottleneck --d 8`: on top of SWEEP_RECIPE['bottleneck'], what the threshold needs at d = 8: 8 heads of
-# width 4 (< d) and 8 (= d), the full-rank models at width 4; 8000 steps (the curriculum reaches d = 8 at 3000);
-# at D = 64 lr 1e-4, so that under muP (hidden lr x 768 / D) both widths get 1.2e-3 (docs/icl.md, "A larger d: 8")
+# `--sweep bottleneck --d 8`, on top of SWEEP_RECIPE['bottleneck']: 8 heads of width 4 (< d) and 8 (= d); at D = 64
+# lr 1e-4, so that under muP both widths get the hidden lr 1.2e-3 (docs/icl.md, "A larger d: 8")
 LARGER_D_RECIPE = {8: dict(widths='32,64', full_rank_widths='32', max_iters=8000, width_lrs='64:1e-4',
                            bottleneck_ranks='4:1|1|2')}
 PER_WIDTH = {'full_rank_widths', 'width_lrs'}   # they name the recipe's widths: not applied with --widths given
@@ -678,8 +653,7 @@ QUICK = {
     'compute': dict(max_iters=4000, seeds=1, n_eval=500, n_boot=200),   # the bottleneck's runs + bilinear MLR
     'linear': dict(depths='3', max_iters=3000, seeds=1, n_eval=500, n_boot=200),
 }
-# seed 003 §2.2.1-2.2.2: each architecture's tuned lr and batch with plain Adam (no muP); ours keeps AdamW's
-# official betas, eps and warmup (seed 003 does not give them)
+# seed 003 §2.2.1-2.2.2: each architecture's tuned lr and batch, no muP (AdamW's betas, eps, warmup: the official)
 SEED003_OPTIMIZER = {'standard': dict(lr=1e-4, batch_size=32, mup=False),
                      'linear': dict(lr=3e-4, batch_size=64, mup=False)}
 BOTTLENECK_MODELS = {'standard, 8 heads': ('standard', 8), 'standard, 1 head': ('standard', 1),
@@ -836,7 +810,8 @@ def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
     eval_seed, todo, states, ms = resolve(args).eval_seed, [], {}, {}
     for label, (a, name) in points.items():
         for s in range(args.seed, args.seed + args.seeds):
-            a_s, run = variant(a, seed=s, eval_seed=eval_seed), f'{name}_s{s}'
+            # resolved (--n_points 0 -> 2d): a resumed run's argv must agree with its checkpoint
+            a_s, run = resolve(variant(a, seed=s, eval_seed=eval_seed)), f'{name}_s{s}'
             run_dir = os.path.join(args.out_dir, run)
             states[run], step = run_status(args, a_s, run, run_dir)
             seconds = 0.0 if states[run] == 'done' else run_seconds(a_s, step, ms)
@@ -982,7 +957,6 @@ SWEEPS = {'bottleneck': sweep_bottleneck, 'compute': sweep_compute, 'linear': sw
 # -----------------------------------------------------------------------------
 # main: flags checked, a sweep's recipe applied, then one run or a sweep
 
-
 def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
     if args.attn not in ATTN_NAMES:
@@ -1048,13 +1022,10 @@ def main(argv=None):
     check_args(parser, args)
     if args.sweep:
         apply_recipe(parser, args, given_flags(parser, argv))
-    try:   # bad settings: one clear line, not a stack trace from deep inside the model
-        a = resolve(args)
-        pick_device(args.device)
-        if not args.sweep:
-            Transformer(model_config(a))
-    except ValueError as e:
-        raise SystemExit(f'error: {e}')
+    a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work
+    pick_device(args.device)
+    if not args.sweep:
+        Transformer(model_config(a))
     if args.sweep:
         payload = SWEEPS[args.sweep](args)
         plots = [f"icl_{payload['sweep']}.png"] + [f'icl_position{run_tag(args)}.png'] * (args.sweep == 'bottleneck')

@@ -2,15 +2,13 @@
 Long Range Arena with the project's attention variants: full, local (SWA), BRL, MLR, linear, ... (seed 004
 §3.1-3.2: Tables 1-2 accuracies, Figs. 5-6 time and memory against sequence length; App. F, Table 12).
 
-A bidirectional attention.Transformer reads token (or pixel) embeddings plus learned positions under a padding
-mask; a mean / CLS / max pooled vector goes to an MLP classifier. Retrieval encodes both documents with the same
-encoder and classifies [u, v, u*v, u-v] (LRA's dual encoder).
+A bidirectional attention.Transformer under a padding mask, pooled (mean / CLS / max) into an MLP classifier;
+Retrieval classifies [u, v, u*v, u-v] of its two documents, encoded alike (LRA's dual encoder).
 
-Data. Without --data two tasks are generated here: ListOps (the LRA recipe, written as the release's TSVs) and
-Pathfinder (32x32: two dashed curves, distractors, and two markers on the ends of one curve, label 1, or of two
-curves, label 0). With --data the official release files are read: ListOps TSVs, IMDB bytes (aclImdb/), AAN pairs
-(new_aan_pairs.*.tsv), CIFAR-10 python batches, Pathfinder folders. Both are cached under --cache_dir, keyed on
-the bytes of their files (runs.content_digest): an edited file is never read stale.
+Data. Without --data, ListOps (the LRA recipe, written as the release's TSVs) and 32x32 Pathfinder (two dashed
+curves, distractors, two markers on the ends of one curve, label 1, or of two, label 0) are generated here. With
+--data the release files are read: ListOps TSVs, IMDB bytes (aclImdb/), AAN pairs (new_aan_pairs.*.tsv), CIFAR-10
+python batches, Pathfinder folders. Both are cached under --cache_dir, keyed on the bytes of their files.
 
 Run (CPU, from this directory; 6-12 minutes per ListOps model on a busy shared 2-core machine):
   python train_lra.py --attn standard      # ListOps, max_len 256, 2 layers x 64 wide
@@ -95,13 +93,6 @@ def write_text(path, text):
     atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
-def save_npz(path, arrays):
-    def write(tmp):
-        with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
-            np.savez_compressed(f, **arrays)
-    atomic_write(path, write)
-
-
 def cached(digest_path, paths, make):
     """make() writes `paths`, then digest_path records their content_digest. A later run uses the files while their
     bytes match it, and makes them again if not (file times are never trusted)."""
@@ -114,6 +105,22 @@ def cached(digest_path, paths, make):
     remove_orphan_tmp(os.path.dirname(digest_path))    # of an earlier write that was killed
     make()
     write_text(digest_path, content_digest(paths))
+
+
+def cached_splits(path, make_splits, what=None):
+    """{train, val, test: (x, y)} from the .npz file `path`, cached: make_splits() -> {split: (x, y)} writes it."""
+    def make():
+        arrays = {f'{s}_{k}': v for s, xy in make_splits().items() for k, v in zip('xy', xy)}
+
+        def write(tmp):
+            with open(tmp, 'wb') as f:   # a file object: numpy would append .npz to a name
+                np.savez_compressed(f, **arrays)
+        atomic_write(path, write)
+        if what:
+            print(f'wrote {what} to {path}')
+    cached(path[:-len('.npz')] + '.sha256', [path], make)
+    z = np.load(path)
+    return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}
 
 
 # -----------------------------------------------------------------------------
@@ -193,24 +200,22 @@ PATHFINDER32 = dict(   # LRA's 32x32 setting: contour 14 paddles, distractors 14
     antialias=2)
 
 
-def point_segment_distance(p, a, b):
-    """p (M, 2), segments a-b (N, 2) -> (M, N) distances."""
-    ab, ap = b - a, p[:, None, :] - a[None]                                        # (N, 2), (M, N, 2)
-    t = np.clip((ap * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-12), 0.0, 1.0)
-    e = ap - t[..., None] * ab
-    return np.sqrt((e * e).sum(-1))
-
-
 def clear_of(scene, pts, rad, cid, cfg):
     """scene (N, 6): the segments drawn so far, rows [a, b, half-width, curve id]. For points (M, 2) of half-width
     rad: True where every segment of another curve is >= clearance away."""
     other = scene[scene[:, 5] != cid]
-    gap = point_segment_distance(pts, other[:, 0:2], other[:, 2:4]) - other[:, 4] - rad
+    a, ab = other[:, 0:2], other[:, 2:4] - other[:, 0:2]                           # (N, 2)
+    ap = pts[:, None, :] - a[None]                                                  # (M, N, 2)
+    t = np.clip((ap * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-12), 0.0, 1.0)
+    e = ap - t[..., None] * ab                                    # from the segment's nearest point to p
+    gap = np.sqrt((e * e).sum(-1)) - other[:, 4] - rad                             # (M, N)
     return (gap >= cfg['clearance']).all(1)
 
 
 def add_segments(scene, a, b, rad, cid):
     return np.vstack([scene, np.column_stack([a, b, np.full(len(a), rad), np.full(len(a), cid)])])
+
+
 def grow_curve(rng, n_paddles, scene, cid, cfg, tries=10, n_cand=16):
     """A dashed curve: n_paddles straight paddles with a gap between, each turning at most max_turn from the last;
     of n_cand random turns the first one that stays inside and clear of the scene and of the curve's own paddles
@@ -285,27 +290,19 @@ def render_pathfinder(curves, markers, cfg=PATHFINDER32):
     return np.round(canvas.reshape(S, aa, S, aa).mean((1, 3)) * 255).astype(np.uint8)
 
 
-def generate_pathfinder(n, seed, cfg=PATHFINDER32):
-    """n images (n, 32, 32) uint8 and labels (n,) int64, exactly balanced, shuffled."""
-    rng = np.random.default_rng(seed)
-    labels = rng.permutation(np.arange(n) % 2)
-    images = np.stack([render_pathfinder(*pathfinder_scene(rng, int(y), cfg), cfg) for y in
-                       tqdm(labels, desc=f'pathfinder seed {seed}', leave=False, disable=n < 500)])
-    return images, labels.astype(np.int64)
-
-
-def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed):
+def pathfinder_dataset(cache_dir, n_train, n_val, n_test, seed, cfg=PATHFINDER32):
+    """Generated once into <cache_dir>/pathfinder32_<...>.npz, test (seed), val (seed+1), train (seed+2): images
+    (n, 32 * 32) uint8 and labels (n,) int64, exactly balanced, shuffled."""
+    def generate(n, seed):
+        rng = np.random.default_rng(seed)
+        labels = rng.permutation(np.arange(n) % 2)
+        images = np.stack([render_pathfinder(*pathfinder_scene(rng, int(y), cfg), cfg) for y in
+                           tqdm(labels, desc=f'pathfinder seed {seed}', leave=False, disable=n < 500)])
+        return images, labels.astype(np.int64)
     path = os.path.join(cache_dir, f'pathfinder32_n{n_train}-{n_val}-{n_test}_seed{seed}.npz')
-
-    def make():
-        arrays = {}
-        for i, (split, n) in enumerate([('test', n_test), ('val', n_val), ('train', n_train)]):
-            arrays[f'{split}_x'], arrays[f'{split}_y'] = generate_pathfinder(n, seed + i)
-        save_npz(path, arrays)
-        print(f'wrote Pathfinder to {path}')
-    cached(path[:-len('.npz')] + '.sha256', [path], make)
-    z = np.load(path)
-    return {s: (z[f'{s}_x'].reshape(len(z[f'{s}_x']), -1), z[f'{s}_y']) for s in ('train', 'val', 'test')}
+    splits = [('test', n_test), ('val', n_val), ('train', n_train)]
+    data = cached_splits(path, lambda: {s: generate(n, seed + i) for i, (s, n) in enumerate(splits)}, 'Pathfinder')
+    return {s: (x.reshape(len(x), -1), y) for s, (x, y) in data.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -468,14 +465,8 @@ def load_task(args):
                           content_digest(files)])
     path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
                                         f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
-
-    def make():
-        data = read_release(args.task, args.data, args.max_len, meta['classes'])
-        save_npz(path, {f'{s}_{k}': v for s, xy in data.items() for k, v in zip('xy', xy)})
     with io_errors('--cache_dir', args.cache_dir):
-        cached(path[:-len('.npz')] + '.sha256', [path], make)
-        z = np.load(path)
-    return {s: (z[f'{s}_x'], z[f'{s}_y']) for s in ('train', 'val', 'test')}, meta
+        return cached_splits(path, lambda: read_release(args.task, args.data, args.max_len, meta['classes'])), meta
 
 
 # -----------------------------------------------------------------------------
@@ -695,27 +686,37 @@ def train(args):
 # -----------------------------------------------------------------------------
 # --bench: forward+backward time and peak memory against T on the same model (seed 004 Figs. 5-6)
 
-def bench_one(attn, T, opts):
-    """In a fresh process: one fwd+bwd step of the classifier on a random length-T batch, its peak memory above what
-    was held before (CUDA: max_memory_allocated; CPU: the high-water mark VmHWM, reset through /proc/self/clear_refs,
-    minus VmRSS before), then the median time of `reps` more steps. 'standard_unfused' is standard attention on
-    SDPA's math backend, which forms the T x T scores like a textbook implementation (seed 004 Fig. 5)."""
+def random_batch_step(a, batch, device='cpu', adamw=False, math_sdpa=False):
+    """One step of the ListOps classifier of settings `a` (seeded) on a random (batch, a.max_len) batch, as a function:
+    forward, backward, AdamW's update if adamw; math_sdpa: SDPA's math backend, which forms the T x T scores."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    unfused, dev = attn == 'standard_unfused', opts['device']
     torch.manual_seed(0)
-    torch.set_num_threads(opts['threads'])
-    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'layer_pattern': '', 'max_len': T,
-                              'pooling': 'mean', 'pixel_embed': 'token'})
-    model = build_model(a, dict(vocab=len(LISTOPS_VOCAB), classes=10, dual=False))[0].to(dev)
-    x = torch.randint(1, len(LISTOPS_VOCAB), (opts['batch'], T), device=dev)
-    y = torch.randint(0, 10, (opts['batch'],), device=dev)
+    meta = task_meta('listops')
+    model = build_model(a, meta)[0].to(device)
+    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr) if adamw else None
+    x = torch.randint(1, meta['vocab'], (batch, a.max_len), device=device)         # (B, T)
+    y = torch.randint(0, meta['classes'], (batch,), device=device)
 
     def step():
         model.zero_grad(set_to_none=True)
-        with sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext():
+        with sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
             F.cross_entropy(model(x), y).backward()
-        if dev.startswith('cuda'):
+        if opt is not None:
+            opt.step()
+        if device.startswith('cuda'):
             torch.cuda.synchronize()
+    return step
+
+
+def bench_one(attn, T, opts):
+    """In a fresh process: one fwd+bwd step of the classifier on a random length-T batch, its peak memory above what
+    was held before (CUDA: max_memory_allocated; CPU: the high-water mark VmHWM, reset through /proc/self/clear_refs,
+    minus VmRSS before), then the median time of `reps` more steps. 'standard_unfused': standard, math_sdpa (Fig. 5)."""
+    unfused, dev = attn == 'standard_unfused', opts['device']
+    torch.set_num_threads(opts['threads'])
+    a = argparse.Namespace(**{**opts, 'attn': 'standard' if unfused else attn, 'layer_pattern': '', 'max_len': T,
+                              'pooling': 'mean', 'pixel_embed': 'token'})
+    step = random_batch_step(a, opts['batch'], dev, math_sdpa=unfused)
 
     def rss_kb(field):
         with open('/proc/self/status') as f:
@@ -726,7 +727,6 @@ def bench_one(attn, T, opts):
         step()
         peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
     else:
-        model.zero_grad(set_to_none=True)
         before = rss_kb('VmRSS')
         with open('/proc/self/clear_refs', 'w') as f:
             f.write('5')                      # resets VmHWM to the current RSS
@@ -780,7 +780,7 @@ def bench(args):
     paths = os.path.join(args.out_dir, 'bench.json'), os.path.join(args.out_dir, 'lra_bench.png')
     with io_errors('--out_dir', args.out_dir):
         write_json(paths[0], {'options': opts, 'rows': rows})
-        fig, axes = subplots(1, 2, figsize=(10, 3.8))
+    with io_errors('--out_dir', args.out_dir), figure(paths[1], 90, 1, 2, figsize=(10, 3.8)) as (fig, axes):
         for kind in dict.fromkeys(r['attn'] for r in rows):
             ok = [r for r in rows if r['attn'] == kind and 'ms' in r]
             label = {'standard': 'standard (fused SDPA)', 'standard_unfused': 'standard, unfused T x T'}.get(kind, kind)
@@ -793,7 +793,6 @@ def bench(args):
         axes[0].legend()
         fig.suptitle(f"{opts['n_layer']} layers, D={opts['n_embd']}, w={opts['window']}, m={opts['n_compressed']}, "
                      f"batch {opts['batch']}, {opts['device']}", fontsize=9)
-        save_figure(fig, paths[1], dpi=90)
     report_outputs(results=paths[0], plot=paths[1])
     return rows
 
@@ -801,15 +800,14 @@ def bench(args):
 # -----------------------------------------------------------------------------
 # plots: --show, --compare
 
-def subplots(*args, **kw):
+@contextlib.contextmanager
+def figure(path, dpi, *args, **kw):
+    """(fig, axes) of plt.subplots(*args, **kw) to draw on; after the block, saved to path and closed."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    return plt.subplots(*args, **kw)
-
-
-def save_figure(fig, path, dpi):
-    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(*args, **kw)
+    yield fig, axes
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -817,14 +815,13 @@ def save_figure(fig, path, dpi):
 
 
 def show_pathfinder(data, path, n=16):
-    fig, axes = subplots(2, n // 2, figsize=(1.6 * n // 2, 3.6))
-    for ax in axes.flat:
-        ax.axis('off')
-    x, y = data['train']
-    for ax, img, label in zip(axes.flat, x[:n], y[:n]):
-        ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
-        ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
-    save_figure(fig, path, dpi=80)
+    with figure(path, 80, 2, n // 2, figsize=(1.6 * n // 2, 3.6)) as (fig, axes):
+        for ax in axes.flat:
+            ax.axis('off')
+        x, y = data['train']
+        for ax, img, label in zip(axes.flat, x[:n], y[:n]):
+            ax.imshow(img.reshape(32, 32), cmap='gray', vmin=0, vmax=255)
+            ax.set_title('connected (1)' if label else 'not (0)', fontsize=8)
 
 
 def read_results(run_dir, flag):
@@ -843,24 +840,21 @@ def compare(args):
     """--compare: validation accuracy against training time for several runs (their results.json)."""
     runs = [read_results(d, '--compare') for d in args._compare]
     prepare_out_dir(args.out_dir)
-    fig, ax = subplots(figsize=(6, 3.8))
-    for r in runs:
-        ax.plot([e['train_seconds'] for e in r['history']], [e['val_acc'] for e in r['history']], 'o-', ms=3,
-                label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
-    ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
-    ax.set(xlabel='training time (s)', ylabel='validation accuracy')
-    ax.grid(alpha=0.3)
-    ax.legend()
     path = os.path.join(args.out_dir, 'lra_compare.png')
-    with io_errors('--out_dir', args.out_dir):
-        save_figure(fig, path, dpi=90)
+    with io_errors('--out_dir', args.out_dir), figure(path, 90, figsize=(6, 3.8)) as (fig, ax):
+        for r in runs:
+            ax.plot([e['train_seconds'] for e in r['history']], [e['val_acc'] for e in r['history']], 'o-', ms=3,
+                    label=f"{r['attn']}: test {r['test_acc_at_best_val']:.3f}")
+        ax.axhline(runs[-1]['majority_test_acc'], color='gray', ls=':', label='commonest class')
+        ax.set(xlabel='training time (s)', ylabel='validation accuracy')
+        ax.grid(alpha=0.3)
+        ax.legend()
     report_outputs(plot=path)
 
 
 # -----------------------------------------------------------------------------
-# --sweep listops: local, full and BRL attention and BRL's two ablations on generated ListOps long enough that
-# local attention's reach over all its layers is a small part of every sequence; --seeds seeds each, every run a
-# `train_lra.py` process with one thread in its own folder (runs.sweep: finished runs reused, cut-off ones resumed).
+# --sweep listops: local, full and BRL attention and BRL's two ablations x --seeds on generated ListOps long enough
+# that local attention reaches a small part of every sequence; each run a process of one thread (runs.sweep).
 
 # variant -> the flags of its runs (the paper's names, seed 004 Tables 1-2)
 STUDY_VARIANTS = {
@@ -874,26 +868,17 @@ STUDY_VARIANTS = {
 PAPER_LISTOPS = {'local': '15.82', 'full': '36.37 (LRA) / 47.90 (our-imp)', 'brl': '49.98', 'brl_no_gamma': '48.10',
                  'brl_beta0': '-'}
 # The study's setting: the defaults of --sweep listops (flags given win). Smaller than the paper's (Table 12) and
-# LRA's, for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds, keeping what makes locality a handicap:
-STUDY = dict(
-    min_len=300, max_len=1000,   # LRA 500 < tokens < 2000; at T = 1000 a step costs 0.4-0.53 s on an idle core
-    window=16, n_layer=2,        # local attention reaches 2 x 16 = 32 tokens each side: 65 of ~600 (at most 1/5)
-    n_embd=64, n_head=4,         # Table 12: 6 layers x 512 wide, 8 heads; CPU size (mean pooling as Table 12)
-    mlp_hidden=128,              # Table 12's FF size is 2x the width (1024 for 512), not the 4x default
-    n_compressed=16,             # BRL m = w, as every BRL row of Table 1 (256 there)
-    n_train=20000, n_val=500, n_test=500,   # LRA 96000 / 2000 / 2000; 500 test examples: +-2 points of noise
-    batch_size=16,               # Table 12: 64; a quarter, for 1200 steps in the budget (batch 32: ~170 min)
-    lr=1e-3, warmup_iters=100,   # Table 12: 1e-4 (with 5000+ steps at width 512); ours 1e-3 (muP, width 64)
-    max_iters=1200, eval_interval=100,      # 15 runs x 1200 steps ~ 93 min on an idle 2-core machine (--estimate);
-                                            # full attention left the 17% plateau by step 150, local did not
-    data_seed=0)                 # one data set for every run: seeds vary init and batch order, pairs share the test set
+# LRA's, for a 2-core CPU budget of <= 120 min for 5 variants x 3 seeds (README, "Settings that differ from the
+# papers", says why each value), keeping what makes locality a handicap: 2 layers x window 16 reach 65 of ~600 tokens.
+STUDY = dict(min_len=300, max_len=1000, window=16, n_layer=2, n_embd=64, n_head=4, mlp_hidden=128, n_compressed=16,
+             n_train=20000, n_val=500, n_test=500, batch_size=16, lr=1e-3, warmup_iters=100, max_iters=1200,
+             eval_interval=100,
+             data_seed=0)   # one data set for every run: seeds vary init and batch order, pairs share the test set
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
-# set per run or used by the study itself: not passed on to its runs
-STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--out_dir',
-                   '--threads')
-STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress', '--resume',
-                      '--overwrite')
+# set per run or used by the study itself: not passed on to its runs (check_args refuses --out_dir, --resume, ...)
+STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--threads')
+STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress')
 STARTUP_SECONDS = 5.0             # a run's process start: import torch, read the data (for the estimate)
 
 
@@ -927,29 +912,18 @@ def study_run_state(run):
     return run_state(saved, vars(parse_args(run.argv)), free, run.out_dir, os.path.exists(results))
 
 
-def run_seconds(a, meta, repeats=2):
+def run_seconds(a, repeats=2):
     """A run's estimated 1-thread seconds: one training step (forward, backward, AdamW) of the run settings `a` on
     a random batch at max_len timed now, times the steps plus the evaluations (a forward ~1/3 of a step; the test
     set counted at every evaluation, an upper bound), plus the process start."""
-    torch.manual_seed(0)
-    model = build_model(a, meta)[0]
-    opt = torch.optim.AdamW(optimizer_groups(model, a.lr, a.weight_decay), lr=a.lr)
-    x = torch.randint(1, meta['vocab'], (a.batch_size, a.max_len))                 # (B, T)
-    y = torch.randint(0, meta['classes'], (a.batch_size,))
-
-    def step():
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    s = one_thread_seconds(step, repeats)
+    s = one_thread_seconds(random_batch_step(a, a.batch_size, adamw=True), repeats)
     evals = -(-a.max_iters // a.eval_interval)
     return (a.max_iters + evals * (a.n_val + a.n_test) / a.batch_size / 3) * s + STARTUP_SECONDS
 
 
 def study_stats(results, variants):
-    """Per variant over its finished seeds ({(variant, seed): results}): test accuracy at the best validation
-    accuracy (model selection on val), best val, its step, the last step's test accuracy; per other variant:
-    the paired difference BRL - variant."""
+    """Per variant, mean ± std over its finished seeds ({(variant, seed): results}) of the test accuracy at the best
+    validation accuracy (model selection on val), best val, its step and the last step's test accuracy; BRL - each."""
     per, paired = {}, {}
     for v in variants:
         rs = {s: r for (w, s), r in results.items() if w == v}
@@ -980,19 +954,18 @@ def study_table(stats):
 
 
 def study(args):
-    """--sweep listops: the runs (variants x seeds), their states (a folder of other settings is refused before
-    any work), the data (generated once, here, before the runs read it), each run's time estimate, the runs
-    (runs.sweep), then <sweep_dir>/sweep.json, table.md and lra_study.png."""
+    """--sweep listops: the runs' states (a folder of other settings refused before any work), the data (made here,
+    once), the estimate, the runs (runs.sweep), then <sweep_dir>/sweep.json, table.md and lra_study.png."""
     variants, seeds = args.variants.split(','), [args.seed + i for i in range(args.seeds)]
     prepare_out_dir(args.sweep_dir, flag='--sweep_dir')
     prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)
     runs = [Run(f'{v}_seed{s}', v, s, study_run_argv(args, v, s), study_run_dir(args, v, s))
             for s in seeds for v in variants]
     states = {r.name: study_run_state(r) if args.reuse else 'new' for r in runs}
-    meta = load_task(parse_args(runs[0].argv))[1]
+    load_task(parse_args(runs[0].argv))
     print("study estimate: s/step timed now at T = max_len, 1 thread, one process (a busy machine reads slower; "
           "parallel runs share memory bandwidth)")
-    seconds = {v: run_seconds(parse_args(study_run_argv(args, v, args.seed)), meta) for v in variants}
+    seconds = {v: run_seconds(parse_args(study_run_argv(args, v, args.seed))) for v in variants}
     for r in runs:
         r.seconds = seconds[r.group]
     print('\n'.join(f"  {v:13s} {s / 60:6.1f} min/run" for v, s in seconds.items()))
@@ -1104,6 +1077,7 @@ NON_NEGATIVE = ('mlp_hidden', 'min_len', 'warmup_iters', 'weight_decay', 'grad_c
                 'workers')
 LRA_RANGES = dict(weight_decay='[0, 1]', seeds='(0, 1000]')   # AdamW decays weights by lr * weight_decay per step
 
+
 def comma_list(p, args, name, kind=str, valid=None):
     """--name's comma list as a list of kind: an empty item, a duplicate, an item that is not a (positive, for
     int) kind or not in valid is parser.error (exit 2)."""
@@ -1174,6 +1148,7 @@ def check_args(p, a):
         except ValueError as e:
             p.error(str(e))
         check_memory(p, a, model)
+
 
 def parse_args(argv=None):
     p = build_parser()
