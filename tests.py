@@ -3261,10 +3261,11 @@ def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path
 
 
 def six_step_run(script, request, out):
-    """A tiny run of 6 steps with a checkpoint every 2: (argv, the training loss, the checkpoint, the results file)."""
+    """A tiny run of 6 steps with a checkpoint every 2: (argv, the training loss, the checkpoint, the results file
+    if the script writes one at the end)."""
     fx = request.getfixturevalue
     return {'train_lm.py': lambda: (lm_tiny_args(fx('lm_corpus'), out, '--max_iters', '6', '--eval_interval', '2'),
-                                    'cross_entropy', 'ckpt.pt', 'no results file'),
+                                    'cross_entropy', 'ckpt.pt', None),
             'train_icl.py': lambda: (icl_argv(out, '--max_iters', '6'), 'mse_loss', f'{ICL_RUN}.pt', f'{ICL_RUN}.json'),
             'train_lra.py': lambda: (lra_argv(out, fx('lra_cache'), '--max_iters', '6', '--eval_interval', '2'),
                                      'cross_entropy', 'ckpt.pt', 'results.json'),
@@ -3281,7 +3282,7 @@ def test_nan_stops_at_that_step_without_nan_checkpoint(script, tmp_path, monkeyp
     saved = torch.load(tmp_path / ckpt, weights_only=True)
     assert saved['step'] == 2 and not tmp_files(tmp_path)
     assert all(v.isfinite().all() for v in saved['model'].values() if v.is_floating_point())
-    assert not os.path.exists(tmp_path / results)                     # no results of a diverged run
+    assert results is None or not os.path.exists(tmp_path / results)   # no results of a diverged run
 
 
 @pytest.mark.parametrize('script', TRAIN_SCRIPTS)
