@@ -1443,7 +1443,7 @@ def shared_cases(script, first_file, other_script):
 
 # -----------------------------------------------------------------------------
 # train_lm.py: every --attn trains, exact resume, DDP, the batches and the val split, cached sampling, data
-# caches, plots, bench, the model flags and presets, the sweep, bad input
+# caches, plots, bench, the model flags and presets, the sweep, bad input, --overwrite
 
 LM_VARIANTS = list(A.ATTENTION) + ['global_swa']
 
@@ -1896,7 +1896,7 @@ def test_lm_overwrite_replaces_the_run(lm_corpus, lm_finished, tmp_path):
 
 # -----------------------------------------------------------------------------
 # train_icl.py: the task, baselines and held-out evaluation, causality, the official defaults, smoke runs,
-# exact resume; the sweeps: their points and recipes, seeds, reuse, resume, --quick, the estimate, the figures
+# resume to a longer run; the sweeps: their points and recipes, seeds, reuse, resume, --quick, the estimate, figures
 
 ICL_RANKS = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1']}
 
@@ -2355,7 +2355,7 @@ def test_committed_sweep_jsons_replot(tmp_path, monkeypatch):
 
 # -----------------------------------------------------------------------------
 # train_lra.py: ListOps labels, Pathfinder connectivity, the release loaders, padding; smoke runs, the flags
-# reach the model and the benchmark; I/O failures, caches, exact resume; --sweep listops
+# reach the model and the benchmark; I/O failures, caches; --sweep listops
 
 def listops_reference(source):
     """(value, operator nesting depth, argument counts) of a release-format Source string, by a stack that knows
@@ -2811,7 +2811,7 @@ def test_study_bad_input_is_one_line(extra, named, capsys):
 
 # -----------------------------------------------------------------------------
 # train_ts.py: the Chronos tokenizer and score, KernelSynth, leak-free windows and the train-only scaler, the
-# ETT reader, metrics, cached forecasts; smoke runs, the model flags, bad input, exact resume; --seeds
+# ETT reader, metrics, cached forecasts; smoke runs, the model flags, bad input, long-horizon resume; --seeds
 
 @pytest.mark.parametrize('vocab,low,high', [(4096, -15.0, 15.0), (40, -2.0, 3.0)])
 def test_chronos_tokenizer_is_the_published_formula(vocab, low, high):
@@ -3224,8 +3224,8 @@ def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, quiet):
 
 
 # -----------------------------------------------------------------------------
-# the four train scripts alike: bad input is one line with the right exit code, a NaN loss stops the run
-# with no NaN checkpoint, a kill in the middle of a checkpoint write loses nothing
+# the four train scripts alike: bad input is one line with the right exit code; a NaN loss stops the run with
+# no NaN checkpoint; a full disk keeps the last checkpoint; Ctrl-C and --resume, and a kill mid-write, lose nothing
 
 BAD_INPUT = [(script, *case) for script, table in (('train_lm.py', LM_BAD), ('train_icl.py', ICL_BAD),
                                                    ('train_lra.py', LRA_BAD), ('train_ts.py', TS_BAD))
