@@ -1288,19 +1288,6 @@ def test_check_ranges_and_one_line_parser_error(capsys):
         assert_one_line_error(e.value.code, capsys.readouterr().err, 2, [f'--n {n}: must be', words], 'x.py')
 
 
-@pytest.mark.parametrize('script', ['train_lm.py', 'train_icl.py', 'train_lra.py', 'train_ts.py'])
-def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
-    """A Ctrl-C while torch loads (once numpy's libraries are mapped: after the script's handler is set)."""
-    p = subprocess.Popen([sys.executable, script, '--out_dir', str(tmp_path / 'out')], cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    maps, t0 = f'/proc/{p.pid}/maps', time.time()
-    while p.poll() is None and 'numpy' not in open(maps).read() and time.time() - t0 < 60:
-        time.sleep(0.005)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and 'interrupted' in err, err[-800:]
-
-
 def library_cli(script, argv, monkeypatch, capsys):
     """What `python <script> ARGV` does for attention.py, structured.py and kernels.py, in this process (structured's
     __main__ by runpy): -> (exit code, stdout, stderr)."""
@@ -3226,6 +3213,19 @@ def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, quiet):
 # -----------------------------------------------------------------------------
 # the four train scripts alike: bad input is one line with the right exit code; a NaN loss stops the run with
 # no NaN checkpoint; a full disk keeps the last checkpoint; Ctrl-C and --resume, and a kill mid-write, lose nothing
+
+@pytest.mark.parametrize('script', TRAIN_SCRIPTS)
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
+    """A Ctrl-C while torch loads (once numpy's libraries are mapped: after the script's handler is set)."""
+    p = subprocess.Popen([sys.executable, script, '--out_dir', str(tmp_path / 'out')], cwd=HERE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps, t0 = f'/proc/{p.pid}/maps', time.time()
+    while p.poll() is None and 'numpy' not in open(maps).read() and time.time() - t0 < 60:
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and 'interrupted' in err, err[-800:]
+
 
 BAD_INPUT = [(script, *case) for script, table in (('train_lm.py', LM_BAD), ('train_icl.py', ICL_BAD),
                                                    ('train_lra.py', LRA_BAD), ('train_ts.py', TS_BAD))
