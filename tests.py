@@ -3275,6 +3275,7 @@ def six_step_run(script, request, out):
 
 @pytest.mark.parametrize('script', TRAIN_SCRIPTS)
 def test_nan_stops_at_that_step_without_nan_checkpoint(script, tmp_path, monkeypatch, capsys, request):
+    """A NaN loss in step 3: one line, exit 1; the step-2 checkpoint finite, no tmp file, no results."""
     argv, loss, ckpt, results = six_step_run(script, request, tmp_path)
     LossTap(monkeypatch, loss, nan_at=3)
     code, err = run_cli(TRAIN_SCRIPTS[script].main, argv, capsys)
