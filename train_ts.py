@@ -870,10 +870,10 @@ def run_longhorizon(args, device):
                 return get_windows(dev_data, np.random.default_rng([args.seed, H, step]).choice(tr, B), L, H)
             config = dict(dataclasses.asdict(model.body.cfg) if tag != 'dlinear' else {}, model=tag,
                           n_channels=data.shape[1], seq_len=L, horizon=H, patch=P)
+            ckpt = os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt')
             hist, best, n = train(model, config, batch_fn, lambda m, xb, yb: F.mse_loss(m(xb), yb),
                                   lambda: evaluate_windows(model, dev_data, va, L, H)['mse'], 3 * fwd * B, args,
-                                  f'{tag}-H{H}', os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), steps,
-                                  lr, True)
+                                  f'{tag}-H{H}', ckpt, steps, lr, keep_best=True)
             res[tag] = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n,
                             forward_flops=fwd, train_flops_per_step=3 * fwd * B, history=hist,
                             params=sum(p.numel() for p in model.parameters()))
