@@ -557,9 +557,8 @@ def quantile_loss(y, qpred):
     return float(np.mean(2 * rho.sum(-1))), float(np.abs(y).sum())
 
 # -----------------------------------------------------------------------------
-# the training loop, shared by both tasks, and its checkpoints. Every checkpoint holds the flags of its run (never a
-# model's own steps or lr), and `resumes`, how often that run was continued when it was written: --resume takes
-# the run's latest.
+# the training loop of both tasks. A checkpoint holds its run's flags (not its model's own steps or lr) and
+# `resumes`, how often the run was continued when it was written: --resume takes the latest one's flags.
 
 CKPT_KEYS = ('model', 'optimizer', 'config', 'args', 'resumes', 'step', 'history', 'best_val', 'best_state',
              'losses', 'rng')
@@ -611,7 +610,9 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
                          and not (history and history[-1]['step'] == step))   # a resumed run has it already
             if evaluated:
                 ms = 1000 * (time.time() - t0) / max(len(losses), 1)     # per training step since the last eval
-                val = eval_fn()
+                model.eval()
+                with torch.no_grad():
+                    val = eval_fn()
                 if not math.isfinite(val):
                     raise Diverged(f"[{tag}] validation loss is {val} at step {step}: stopped; the last checkpoint "
                                    f"on disk is untouched. Try a lower --lr than {lr:g}")
@@ -639,7 +640,7 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
             loss = loss_fn(model, *batch_fn(step))
             # backward, clip, AdamW step; a NaN or inf loss stops the run here, before the update
             run['losses'].append(guarded_update(loss, step + 1, model, opt, args.grad_clip, lr, args.warmup_iters))
-    if run['best_state'] is not None and keep_best:
+    if keep_best:
         model.load_state_dict(run['best_state'])
     model.eval()
     return run['history'], run['best_val'], steps
@@ -759,9 +760,11 @@ def run_chronos(args, device):
         val_series = kernelsynth(args.val_series, args.series_len, args.data_seed + 10_000, args.max_kernels,
                                  args.cache_dir, 'KernelSynth val')
     vx, vy = chronos_batch(val_series, tokzr, C, T, args.val_windows, np.random.default_rng(12345))
-    # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases
+    # held-out synthetic cases (history up to the last H steps, m = 1: plain naive) and zero-shot real cases; as
+    # Chronos aggregates, the KernelSynth series form one dataset, each real series one
     synth_cases = [(s[:-args.horizon], s[-args.horizon:], 1) for s in val_series[:args.forecast_series]]
     real_cases, real_names = zero_shot_cases(args) if args.zero_shot else ([], [])
+    splits = dict(synthetic=(synth_cases, ['KernelSynth'] * len(synth_cases)), zero_shot=(real_cases, real_names))
     results = dict(format=FORMAT, task='chronos', T=T, args=run_config(args), runs={})
     drawn = {}                                                              # attn -> split -> samples
     for attn in args.attn:
@@ -778,9 +781,7 @@ def run_chronos(args, device):
             x, y = chronos_batch(train_series, tokzr, C, T, args.batch_size, np.random.default_rng([args.seed, step]))
             return x.to(device), y.to(device)
 
-        @torch.no_grad()
         def eval_fn():
-            model.eval()
             return float(np.mean([chronos_loss(model, vx[i:i + 64].to(device), vy[i:i + 64].to(device)).item()
                                   for i in range(0, len(vx), 64)]))
         config = dict(dataclasses.asdict(model.body.cfg), vocab=args.vocab, low=args.low, high=args.high)
@@ -788,7 +789,7 @@ def run_chronos(args, device):
                                os.path.join(args.out_dir, f'ckpt_chronos_{attn}.pt'), args.max_iters, args.lr)
         run = results['runs'][attn] = dict(params=params, forward_flops=fwd, train_flops_per_step=step_flops,
                                            steps=steps, final_val_loss=hist[-1]['val_loss'], history=hist)
-        for split, cases in (('synthetic', synth_cases), ('zero_shot', real_cases)):
+        for split, (cases, names) in splits.items():
             if not cases:
                 continue
             t0, samples = time.time(), [None] * len(cases)
@@ -799,11 +800,9 @@ def run_chronos(args, device):
                                                         args.num_samples, args.decode == 'argmax')):
                     samples[i] = smp
             scores = forecast_scores(samples, cases)
-            # datasets, as Chronos aggregates: the held-out KernelSynth series form one, each real series one
-            datasets = ['KernelSynth'] * len(cases) if split == 'synthetic' else [n.split('@')[0] for n in real_names]
-            run[split] = summarize(scores, datasets)
+            run[split] = summarize(scores, [n.split('@')[0] for n in names])
             if split == 'zero_shot':
-                run['zero_shot_per_series'] = dict(zip(real_names, scores))
+                run['zero_shot_per_series'] = dict(zip(names, scores))
             drawn.setdefault(attn, {})[split] = samples
             print(f"[{attn}] {split}: MASE {run[split]['mase']:.3f} (naive {run[split]['naive_mase']:.3f}) | "
                   f"WQL {run[split]['wql']:.3f} (naive {run[split]['naive_wql']:.3f}) | relative MASE "
@@ -869,15 +868,12 @@ def run_longhorizon(args, device):
 
             def batch_fn(step):
                 return get_windows(dev_data, np.random.default_rng([args.seed, H, step]).choice(tr, B), L, H)
-
-            def eval_fn():
-                model.eval()
-                return evaluate_windows(model, dev_data, va, L, H)['mse']
             config = dict(dataclasses.asdict(model.body.cfg) if tag != 'dlinear' else {}, model=tag,
                           n_channels=data.shape[1], seq_len=L, horizon=H, patch=P)
-            hist, best, n = train(model, config, batch_fn, lambda m, xb, yb: F.mse_loss(m(xb), yb), eval_fn,
-                                  3 * fwd * B, args, f'{tag}-H{H}',
-                                  os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt'), steps, lr, True)
+            ckpt = os.path.join(args.out_dir, f'ckpt_longhorizon_{tag}_H{H}.pt')
+            hist, best, n = train(model, config, batch_fn, lambda m, xb, yb: F.mse_loss(m(xb), yb),
+                                  lambda: evaluate_windows(model, dev_data, va, L, H)['mse'], 3 * fwd * B, args,
+                                  f'{tag}-H{H}', ckpt, steps, lr, keep_best=True)
             res[tag] = dict(evaluate_windows(model, dev_data, te, L, H), best_val_mse=best, steps=n,
                             forward_flops=fwd, train_flops_per_step=3 * fwd * B, history=hist,
                             params=sum(p.numel() for p in model.parameters()))
@@ -943,8 +939,7 @@ def main(argv=None):
 
 # -----------------------------------------------------------------------------
 # seeds: the same run with several training seeds (runs.sweep: each in <out_dir>/seed<k>, finished ones reused,
-# cut-off ones resumed), then mean ± std and the paired MLR − standard difference. The spread of a difference is
-# the std over seeds of the per-seed differences; it "exceeds the spread" when a paired t-test rejects 0 at 5 %.
+# cut-off ones resumed), then mean ± std and the paired MLR − standard differences (runs.paired_difference).
 
 SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'workers', 'threads', 'device', 'progress', 'cache_dir'}
 
@@ -974,7 +969,7 @@ def saved_run(out_dir, task):
 
 
 def run_seeds(args, argv):
-    """One ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON, table and plot."""
+    """One ordinary run per seed in <out_dir>/seed<k> (runs.sweep), then the aggregate JSON and plot."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     prepare_out_dir(args.out_dir)
     runs, states = [], {}
@@ -1001,11 +996,10 @@ def run_seeds(args, argv):
         print(f"  {k:40s} {v['mean']:+.4f} ± {v['std']:.4f} {'*' if v.get('exceeds_spread') else ' '}")
     path = os.path.join(args.out_dir, f'results_{args.task}_seeds.json')
     write_json(path, summary, default=float)
+    plot = os.path.join(args.out_dir, 'ts_chronos_seeds.png' if args.task == 'chronos' else 'ts_longhorizon_fig15.png')
     if args.task == 'chronos':
-        plot = os.path.join(args.out_dir, 'ts_chronos_seeds.png')
         plot_chronos_seeds(results, plot)
     elif any(k.endswith('rel_mae_target') for k in summary['paired']):
-        plot = os.path.join(args.out_dir, 'ts_longhorizon_fig15.png')
         plot_fig15(summary, plot)
     else:
         plot = None
@@ -1111,12 +1105,9 @@ def plot_chronos_seeds(runs, path):
     histories = {}
     for results in runs:
         for attn, r in results['runs'].items():
-            t, last, hist = 0.0, 0, []
-            for h in r['history']:
-                t += h['ms_per_step'] * (h['step'] - last) / 1000
-                last = h['step']
-                hist.append(dict(h, train_s=t))
-            histories.setdefault(attn, []).append(hist)
+            steps = [0] + [h['step'] for h in r['history']]
+            seconds = np.cumsum([h['ms_per_step'] * (b - a) / 1000 for h, a, b in zip(r['history'], steps, steps[1:])])
+            histories.setdefault(attn, []).append([dict(h, train_s=t) for h, t in zip(r['history'], seconds)])
     plot_seed_bands(path, histories, ('flops', 'train_s'), ('training FLOPs (3 x forward)', 'training seconds'),
                     'val_loss', 'val cross-entropy (nats / token)', 'Chronos on KernelSynth, equal FLOP budget')
 
