@@ -854,25 +854,30 @@ def reached(history, budget):
 
 
 def saved_run(run_dir):
-    """(run config, val history) of the run in run_dir; (None, []) if it holds none to resume."""
-    if not all(os.path.exists(os.path.join(run_dir, f)) for f in ('ckpt.pt', 'log.json')):
-        return None, []
+    """(run config, val history, has ckpt.pt) of the run in run_dir from its log.json alone, so that a finished
+    run kept without its checkpoint is reused; (None, [], False) without log.json."""
+    if not os.path.exists(os.path.join(run_dir, 'log.json')):
+        return None, [], False
     with io_errors('--sweep_dir', run_dir), open(os.path.join(run_dir, 'log.json')) as f:
         saved = json.load(f)
-    return saved.get('config', {}), saved.get('history', [])
+    return saved.get('config', {}), saved.get('history', []), os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
 
 
 def train_points(args, points, per, tag, log):
     """runs.sweep over the points: finished runs reused, cut-off ones resumed, a folder of other settings
-    refused; each run's state ('new', 'partial', 'done') and exit code go into log. -> one result per point."""
+    refused; a cut-off one without ckpt.pt is trained again. Each run's state ('new', 'partial', 'done') and exit
+    code go into log. -> one result per point."""
     runs = [Run(pt.name, pt.variant, pt.seed, run_argv(args, pt), os.path.join(args.sweep_dir, pt.name),
                 seconds=60 * minutes(pt, per)) for pt in points]
     states = {}
     for r, pt in zip(runs, points):
-        saved, history = saved_run(r.out_dir)
+        saved, history, has_ckpt = saved_run(r.out_dir)
         want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
         free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
         states[r.name] = run_state(saved, want, free, r.out_dir, reached(history, pt.budget)) if args.reuse else 'new'
+        if states[r.name] == 'partial' and not has_ckpt:
+            print(f"{tag}: {r.name} is short of the budget and has no ckpt.pt to resume: trained again from scratch")
+            states[r.name] = 'new'
     log['codes'].update(sweep(runs, states, __file__, main, args.workers, tag))
     log['states'].update(states)
     results = []
