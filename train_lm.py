@@ -145,19 +145,16 @@ def build_parser():
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
     g = add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
                        'seeded sweep (--sweep compare): every variant at equal training FLOPs',
-                       'train --variants x --positions x --seeds to the FLOPs of the standard run of --max_iters '
-                       'steps (default preset: compare), then tables and plots in --sweep_dir')
+                       'train --variants x --positions x --seeds to the FLOPs of --max_iters standard steps')
     g.add_argument('--positions', default='learned,rope', help='--sweep: comma list of --pos values')
-    g.add_argument('--lrs', default='', help='--sweep: lr grid (e.g. 1e-3,3e-3,1e-2) at a third of the budget, '
-                   'then --seeds at the best lr')
+    g.add_argument('--lrs', default='', help='--sweep: lr grid (e.g. 1e-3,3e-2) at 1/3 budget, then seeds at the best')
 
     g = p.add_argument_group('data')
     g.add_argument('--data', default='', help='text file or directory (default: the Python stdlib source)')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
 
     g = p.add_argument_group('LM model (besides the shared model group below)')
-    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default values: cpu (~4 min for mlr), '
-                   'paper (the official run), compare (--sweep compare)')
+    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default values (PRESETS)')
     g.add_argument('--block_size', type=positive_int, help='context length T')
     g.add_argument('--emb_std', type=float, help='init std of the token and position embeddings')
     add_model_args(p, **LM_MODEL_DEFAULTS)
@@ -189,8 +186,7 @@ def build_parser():
 
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
-    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto',
-                   help='autocast dtype (auto: bf16 on GPU)')
+    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='auto: bf16 on GPU')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
@@ -224,9 +220,9 @@ def parse_args(argv=None):
     return args
 
 
-# train_lm.py's own intervals for its numeric flags (runs.RANGES holds lr, seed, threads, ...); every other
-# numeric flag must still be a finite number (runs.check_numbers).
-RANGES = {**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
+# the intervals of train_lm.py's numeric flags (runs.RANGES: lr, seed, ...; any other must be finite)
+RANGES = {
+**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
           'window': '(0, inf)', 'mlp_hidden': '[0, inf)', 'mup_alpha': '(0, 1000]', 'brl_beta': '[0, 1]',
           'emb_std': '[0, 100]', 'beta2': '[0, 1)', 'adam_eps': '(0, 1]', 'grad_clip': '[0, inf)',
           'warmup_iters': '[0, inf)', 'max_flops': '[0, inf)', 'temperature': '[0, inf)', 'top_k': '[0, inf)'}
@@ -1001,54 +997,46 @@ def compare_sweep(args):
 # -----------------------------------------------------------------------------
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
 
-class NanoBlock(nn.Module):
-    """nanoGPT's Block with bias=False, dropout=0 (MLP width `hidden`: nanoGPT's 4 D unless --mlp_hidden)."""
-
-    def __init__(self, D, H, hidden):
-        super().__init__()
-        self.D, self.H = D, H
-        self.ln_1, self.ln_2 = nn.LayerNorm(D, bias=False), nn.LayerNorm(D, bias=False)
-        self.c_attn, self.c_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
-        self.c_fc, self.mlp_proj = nn.Linear(D, hidden, bias=False), nn.Linear(hidden, D, bias=False)
-
-    def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
-        q, k, v = (t.view(B, T, self.H, D // self.H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                        # (B, H, T, d)
-        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
 class NanoGPT(nn.Module):
-    """nanoGPT's GPT (learned positions, final LayerNorm, untied head) at the given sizes."""
+    """nanoGPT's GPT with bias=False, dropout=0, in its names: learned positions, blocks of causal
+    scaled_dot_product_attention and a GELU MLP of width `hidden` (4 D unless --mlp_hidden), final LayerNorm,
+    untied head."""
 
     def __init__(self, V, T, D, L, H, hidden):
         super().__init__()
+        self.H = H
         self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
-        self.h = nn.ModuleList(NanoBlock(D, H, hidden) for _ in range(L))
+        self.h = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(D, bias=False), c_attn=nn.Linear(D, 3 * D, bias=False),
+            c_proj=nn.Linear(D, D, bias=False), ln_2=nn.LayerNorm(D, bias=False),
+            c_fc=nn.Linear(D, hidden, bias=False), mlp_proj=nn.Linear(hidden, D, bias=False))) for _ in range(L))
+
         self.ln_f, self.lm_head = nn.LayerNorm(D, bias=False), nn.Linear(D, V, bias=False)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))                                         # (B, T, V)
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))                  # (B, T, D)
+        for b in self.h:                                                                    # nanoGPT's Block
+            q, k, v = b.c_attn(b.ln_1(x)).split(x.shape[2], dim=2)
+            q, k, v = (t.view(B, T, self.H, -1).transpose(1, 2) for t in (q, k, v))        # (B, H, T, d)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                     # (B, H, T, d)
+            x = x + b.c_proj(y.transpose(1, 2).reshape(B, T, -1))                           # (B, T, D)
+            x = x + b.mlp_proj(F.gelu(b.c_fc(b.ln_2(x))))
+        logits = self.lm_head(self.ln_f(x))                                                 # (B, T, V)
         return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
 def bench(args):
-    """Training throughput (forward + backward + AdamW step, random tokens) of a compact nanoGPT model
-    (scaled_dot_product_attention, same width, depth, MLP width, T and batch) and of GPT with standard, MLR and
-    SWA attention. After two warm-up steps each, the models take turns, repeat after repeat, in rotating order,
-    so load from other processes hits all alike; each one's best repeat counts."""
+    """Training throughput (forward + backward + AdamW step, random tokens) of NanoGPT and of GPT with standard,
+    MLR and SWA attention at the same width, depth, MLP width, T and batch. After two warm-up steps each, the
+    models take turns, repeat after repeat, in rotating order, so load from other processes hits all alike; each
+    one's best repeat counts."""
     device = pick_device(args.device)
     D, L, H, T, B, V = args.n_embd, args.n_layer, args.n_head, args.block_size, args.batch_size, 96
     cfg = {k: v for k, v in vars(args).items() if not k.startswith('_')}
     torch.manual_seed(args.seed)
-    models = {'nanoGPT (sdpa)': NanoGPT(V, T, D, L, H, args.mlp_hidden or 4 * D)}
-    for attn in ('standard', 'mlr', 'swa'):
-        models[attn] = GPT(build_config({**cfg, 'attn': attn}), V)
+    models = {'nanoGPT (sdpa)': NanoGPT(V, T, D, L, H, args.mlp_hidden or 4 * D),
+              **{attn: GPT(build_config({**cfg, 'attn': attn}), V) for attn in ('standard', 'mlr', 'swa')}}
     x, y = torch.randint(V, (B, T), device=device), torch.randint(V, (B, T), device=device)
     opts = {name: torch.optim.AdamW(m.to(device).parameters(), lr=1e-4) for name, m in models.items()}
 
@@ -1072,12 +1060,12 @@ def bench(args):
     print(f"training throughput: D={D} L={L} H={H} T={T} B={B} on {device} with {torch.get_num_threads()} "
           f"threads (best of {args.bench_reps} x {args.bench_steps} steps; CPU time counts every thread, and is "
           f"the fairer measure on a loaded machine)")
-    base, rows = best['nanoGPT (sdpa)'], {}
+    (base, base_cpu), rows = best['nanoGPT (sdpa)'], {}
     for name, (wall, cpu) in best.items():
         rows[name] = dict(ms_per_step=1000 * wall, tokens_per_s=B * T / wall, tokens_per_cpu_s=B * T / cpu,
-                          vs_nanogpt=base[0] / wall, vs_nanogpt_cpu=base[1] / cpu)
-        print(f"{name:16s} {1000 * wall:8.1f} ms/step | {B * T / wall:8.0f} tok/s | {base[0] / wall:5.2f}x nanoGPT"
-              f" | {B * T / cpu:8.0f} tok/CPU-s | {base[1] / cpu:5.2f}x nanoGPT")
+                          vs_nanogpt=base / wall, vs_nanogpt_cpu=base_cpu / cpu)
+        print(f"{name:16s} {1000 * wall:8.1f} ms/step | {B * T / wall:8.0f} tok/s | {base / wall:5.2f}x nanoGPT"
+              f" | {B * T / cpu:8.0f} tok/CPU-s | {base_cpu / cpu:5.2f}x nanoGPT")
     return rows
 
 
