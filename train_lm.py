@@ -817,22 +817,17 @@ def run_model(args, variant, vocab_size, pos='learned'):
 
 
 def seconds_per_step(args, variants, vocab_size):
-    """Per variant: s/step timed here on 1 thread (learned positions; RoPE adds little), FLOPs per step per
-    position encoding, and the evaluations' share of a run (a forward ~1/3 of a step)."""
+    """Per variant: s/step of train_step on random tokens, timed here on 1 thread (learned positions; RoPE adds
+    little), FLOPs per step per position encoding, and the evaluations' share of a run (a forward ~1/3 of a step)."""
     print("sweep estimate: s/step timed now, 1 thread, one process (a busy machine reads slower; parallel runs "
           "share memory bandwidth)")
-    per = {}
+    per, proc = {}, argparse.Namespace(ddp=False, rank=0, world=1, device='cpu')
     for v in variants:
-        a, model, step_flops = run_model(args, v, vocab_size)
+        a, model, _ = run_model(args, v, vocab_size)
         opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
-        x = torch.randint(vocab_size, (a.batch_size, a.block_size))                 # (B, T)
+        data, gen = torch.randint(vocab_size, (2 * a.block_size,)).numpy(), torch.Generator()
+        s = one_thread_seconds(lambda: train_step(model, opt, data, gen, a, proc, nullcontext(), a.lr, 0))
 
-        def step():
-            for _ in range(a.grad_accum):
-                model(x, x)[1].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        s = one_thread_seconds(step)
         flops = {pos: run_model(args, v, vocab_size, pos)[2] for pos in args._positions}
         per[v] = dict(seconds=s, flops=flops, eval_share=a.eval_iters / 3 / a.eval_interval)
         print(f"  {v:12s} {flops['learned' if 'learned' in flops else args._positions[0]] / 1e9:8.3f} GFLOP/step | "
@@ -963,12 +958,10 @@ def compare_sweep(args):
     table = sweep_table(stats['shared'], budget, f'shared lr {args.lr:g}')
     if grid:
         grid_results = train_points(args, grid, per, 'lr grid', log)
-        best = {}                                  # (variant, pos) -> its finished grid run of the lowest val loss
-        for r in grid_results:
-            key = r['variant'], r['pos']
-            if r['done'] and (key not in best or r['val_loss'] < best[key]['val_loss']):
-                best[key] = r
-        tuned = [Point(v, pos, best[v, pos]['lr'], s, budget) for s in seeds for pos in positions for v in variants
+        best = {}                                  # (variant, pos) -> the lr of its finished grid run of lowest loss
+        for r in sorted((r for r in grid_results if r['done']), key=lambda r: r['val_loss']):
+            best.setdefault((r['variant'], r['pos']), r['lr'])
+        tuned = [Point(v, pos, best[v, pos], s, budget) for s in seeds for pos in positions for v in variants
                  if (v, pos) in best]
         tuned_results = train_points(args, tuned, per, 'tuned lr', log)
         stats['tuned'] = stats_by_pos(tuned_results, variants, positions)
@@ -981,9 +974,10 @@ def compare_sweep(args):
                                        positions=positions, lrs=args._lrs, seeds=seeds, command=args._argv,
                                        per_variant=per, runs=results, stats=stats))
         atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
-        for pos in stats['shared']:                          # step 0 is ln(vocab) for all: left out
-            histories = {v: hs for v in variants if (hs := [r['history'][1:] for r in results if r['done'] and
-                         (r['variant'], r['pos'], r['lr']) == (v, pos, args.lr) and r['name'][:5] != 'grid_'])}
+        for pos in stats['shared']:          # the shared-lr runs; step 0 is ln(vocab) for all: left out
+            histories = {v: hs for v in variants if (hs := [r['history'][1:] for r in results[:len(shared)]
+                                                            if r['done'] and (r['variant'], r['pos']) == (v, pos)])}
+
             paths[f'plot_{pos}'] = os.path.join(args.sweep_dir, f'sweep_{pos}.png')
             plot_seed_bands(paths[f'plot_{pos}'], histories, ('flops', 'time'),
                             ('training FLOPs', 'training wall time (s), 1 thread per run'), 'val_loss',
