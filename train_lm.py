@@ -409,9 +409,8 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
         x = self.body(x) if cache is None else self.body(x, cache=cache)         # (B, T, D)
         logits = self.lm_head(x)                                                  # (B, T, V)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.reshape(-1))
+        loss = None if targets is None else F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
 
     def forward_flops(self, T):
         """Forward FLOPs of one sequence of length T: the body's count + the LM head (embeddings are lookups)."""
@@ -544,8 +543,7 @@ def train_step(model, optimizer, data, gen, args, proc, autocast, lr, step):
 def train(args):
     """Train (or --resume) one GPT. -> its train losses of this invocation and val history (for tests)."""
     proc = setup_processes(args.device)
-    # the run folder (writable, no earlier run lost; DDP: rank 0 owns it for all ranks) and on --resume the
-    # checkpoint, whose settings win: a conflicting flag is refused, run length and logging may change
+    # the run folder (DDP: rank 0 owns it for all ranks); --resume: the checkpoint's settings win (resume_settings)
     ckpt_path, ckpt = os.path.join(args.out_dir, 'ckpt.pt'), None
     prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite, lock=int(os.environ.get('RANK', 0)) == 0)
     if args.resume:
@@ -614,6 +612,8 @@ def train(args):
     losses = []  # (step, train loss) of every step of this invocation, for tests
     bar = tqdm(total=max_iters, initial=step, disable=not (proc.master and args.progress), leave=False,
                dynamic_ncols=True)
+
+
     steps_since_log, time_since_log = 0, 0.0
     # Ctrl-C ends the step, saves and stops; not under DDP, where ranks could stop at different steps
     with nullcontext(argparse.Namespace(stop=False)) if proc.ddp else ctrl_c_finishes_step() as ctrl_c:
@@ -670,11 +670,11 @@ def train(args):
 
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_cache=True, generator=None):
-    """Continue prompt_ids (list of ints). The model sees at most block_size tokens; when the context is full
-    it restarts from its last block_size // 2 tokens. Both paths follow this rule, so with the same generator
-    they sample the same text: the cached one feeds one token at a time, the other reruns the whole context
-    (padded on the right to block_size, which a causal model cannot see). Returns (new ids, cache, number of
-    tokens in the cache)."""
+    """Continue prompt_ids (list of ints). The model sees at most block_size tokens; when the context is full it
+    restarts from its last block_size // 2 tokens. With the same generator both paths sample the same text: the
+    cached one feeds one token at a time, the other reruns the whole context (padded on the right to block_size,
+    which a causal model cannot see). -> (new ids, cache, number of tokens in the cache)."""
+
     T, device = model.config.block_size, model.lm_head.weight.device
     tokens, start, cache, n_cached = list(prompt_ids), 0, None, 0
     for _ in range(max_new_tokens):
