@@ -221,8 +221,7 @@ def parse_args(argv=None):
 
 
 # the intervals of train_lm.py's numeric flags (runs.RANGES: lr, seed, ...; any other must be finite)
-RANGES = {
-**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
+RANGES = {**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
           'window': '(0, inf)', 'mlp_hidden': '[0, inf)', 'mup_alpha': '(0, 1000]', 'brl_beta': '[0, 1]',
           'emb_std': '[0, 100]', 'beta2': '[0, 1)', 'adam_eps': '(0, 1]', 'grad_clip': '[0, inf)',
           'warmup_iters': '[0, inf)', 'max_flops': '[0, inf)', 'temperature': '[0, inf)', 'top_k': '[0, inf)'}
@@ -612,8 +611,6 @@ def train(args):
     losses = []  # (step, train loss) of every step of this invocation, for tests
     bar = tqdm(total=max_iters, initial=step, disable=not (proc.master and args.progress), leave=False,
                dynamic_ncols=True)
-
-
     steps_since_log, time_since_log = 0, 0.0
     # Ctrl-C ends the step, saves and stops; not under DDP, where ranks could stop at different steps
     with nullcontext(argparse.Namespace(stop=False)) if proc.ddp else ctrl_c_finishes_step() as ctrl_c:
@@ -674,7 +671,6 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
     restarts from its last block_size // 2 tokens. With the same generator both paths sample the same text: the
     cached one feeds one token at a time, the other reruns the whole context (padded on the right to block_size,
     which a causal model cannot see). -> (new ids, cache, number of tokens in the cache)."""
-
     T, device = model.config.block_size, model.lm_head.weight.device
     tokens, start, cache, n_cached = list(prompt_ids), 0, None, 0
     for _ in range(max_new_tokens):
@@ -827,7 +823,6 @@ def seconds_per_step(args, variants, vocab_size):
         opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
         data, gen = torch.randint(vocab_size, (2 * a.block_size,)).numpy(), torch.Generator()
         s = one_thread_seconds(lambda: train_step(model, opt, data, gen, a, proc, nullcontext(), a.lr, 0))
-
         flops = {pos: run_model(args, v, vocab_size, pos)[2] for pos in args._positions}
         per[v] = dict(seconds=s, flops=flops, eval_share=a.eval_iters / 3 / a.eval_interval)
         print(f"  {v:12s} {flops['learned' if 'learned' in flops else args._positions[0]] / 1e9:8.3f} GFLOP/step | "
@@ -977,7 +972,6 @@ def compare_sweep(args):
         for pos in stats['shared']:          # the shared-lr runs; step 0 is ln(vocab) for all: left out
             histories = {v: hs for v in variants if (hs := [r['history'][1:] for r in results[:len(shared)]
                                                             if r['done'] and (r['variant'], r['pos']) == (v, pos)])}
-
             paths[f'plot_{pos}'] = os.path.join(args.sweep_dir, f'sweep_{pos}.png')
             plot_seed_bands(paths[f'plot_{pos}'], histories, ('flops', 'time'),
                             ('training FLOPs', 'training wall time (s), 1 thread per run'), 'val_loss',
@@ -1004,7 +998,6 @@ class NanoGPT(nn.Module):
             ln_1=nn.LayerNorm(D, bias=False), c_attn=nn.Linear(D, 3 * D, bias=False),
             c_proj=nn.Linear(D, D, bias=False), ln_2=nn.LayerNorm(D, bias=False),
             c_fc=nn.Linear(D, hidden, bias=False), mlp_proj=nn.Linear(hidden, D, bias=False))) for _ in range(L))
-
         self.ln_f, self.lm_head = nn.LayerNorm(D, bias=False), nn.Linear(D, V, bias=False)
 
     def forward(self, idx, targets):
