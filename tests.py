@@ -1737,7 +1737,7 @@ def lm_sweep_argv(lm_corpus, tmp_path, *extra):
                         '--lr', '1e-2', '--positions', 'learned', *extra)
 
 
-def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
+def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path, capsys):
     argv = lm_sweep_argv(lm_corpus, tmp_path, '--workers', '2', '--progress', '--seeds', '1')
     run = train_lm.run_argv(train_lm.parse_args(argv), train_lm.Point('mlr', 'rope', 0.01, 1338, 1e9))  # a run's own
     assert '--sweep' not in run and '--workers' not in run and run[-1] == '--no-progress'   # command line: not the
@@ -1769,19 +1769,27 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path):
     assert f"| mlr − standard | {diffs[0]:+.4f}, {diffs[1]:+.4f} |" in res['table']
     assert os.path.getsize(res['paths']['plot_learned']) > 1000 and open(res['paths']['table']).read() == res['table']
 
+    kept = tmp_path / 'sweep' / 'mlr_learned_lr0.01_seed1338'         # a finished run kept as its log.json alone
+    os.remove(kept / 'ckpt.pt')
+    log_bytes = (kept / 'log.json').read_bytes()
     again = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0'))   # a rerun trains nothing
     assert set(again['states'].values()) == {'done'} and again['codes'] == {} and again['table'] == res['table']
+    assert (kept / 'log.json').read_bytes() == log_bytes and not (kept / 'ckpt.pt').exists()
 
     gone = 'standard_learned_lr0.01_seed1338'
     os.rename(tmp_path / 'sweep' / gone, tmp_path / 'gone')                  # a missing run is trained again...
+    capsys.readouterr()
     more = train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4'))  # ...and a larger
-    assert more['states'] == {n: 'new' if n == gone else 'partial' for n in names}  # budget resumes the others
-    for r in more['runs']:                                                                         # the others
+    assert more['states'] == {n: 'new' if n in (gone, kept.name) else 'partial' for n in names}  # budget resumes the
+    assert f"{kept.name} is short of the budget and has no ckpt.pt to resume" in capsys.readouterr().out   # others,
+    assert set(more['codes'].values()) == {0} and (kept / 'ckpt.pt').exists()   # but trains the one without ckpt.pt
+    for r in more['runs']:                                                      # again
         old = runs[r['variant'], r['seed']]['history']
-        if r['variant'] == 'mlr' or r['seed'] == 1337:                 # resumed: the old history goes on
+        if r['seed'] == 1337:                                          # resumed: the old history goes on
             assert r['history'][:len(old)] == old and r['history'][-1]['flops'] >= more['budget'] > budget
-        else:
-            assert r['history'][-1]['step'] == 4                      # trained from scratch to the new budget
+        else:                                                          # trained from scratch to the new budget
+            assert r['history'][-1]['flops'] >= more['budget'] and r['history'][-1]['step'] >= 4
+            assert r['variant'] == 'mlr' or r['history'][-1]['step'] == 4
 
     with pytest.raises(ValueError, match="holds a run with --weight_decay 0.0, this sweep asks 0.5"):
         train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--weight_decay', '0.5'))

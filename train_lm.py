@@ -145,19 +145,16 @@ def build_parser():
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
     g = add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
                        'seeded sweep (--sweep compare): every variant at equal training FLOPs',
-                       'train --variants x --positions x --seeds to the FLOPs of the standard run of --max_iters '
-                       'steps (default preset: compare), then tables and plots in --sweep_dir')
+                       'train --variants x --positions x --seeds to the FLOPs of --max_iters standard steps')
     g.add_argument('--positions', default='learned,rope', help='--sweep: comma list of --pos values')
-    g.add_argument('--lrs', default='', help='--sweep: lr grid (e.g. 1e-3,3e-3,1e-2) at a third of the budget, '
-                   'then --seeds at the best lr')
+    g.add_argument('--lrs', default='', help='--sweep: lr grid (e.g. 1e-3,3e-2) at 1/3 budget, then seeds at the best')
 
     g = p.add_argument_group('data')
     g.add_argument('--data', default='', help='text file or directory (default: the Python stdlib source)')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'lm'), help='where encoded corpora are cached')
 
     g = p.add_argument_group('LM model (besides the shared model group below)')
-    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default values: cpu (~4 min for mlr), '
-                   'paper (the official run), compare (--sweep compare)')
+    g.add_argument('--preset', choices=sorted(PRESETS), default='cpu', help='default values (PRESETS)')
     g.add_argument('--block_size', type=positive_int, help='context length T')
     g.add_argument('--emb_std', type=float, help='init std of the token and position embeddings')
     add_model_args(p, **LM_MODEL_DEFAULTS)
@@ -189,8 +186,7 @@ def build_parser():
 
     g = p.add_argument_group('system')
     g.add_argument('--device', default='auto', help='auto (cuda if available), cpu, cuda, cuda:N')
-    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto',
-                   help='autocast dtype (auto: bf16 on GPU)')
+    g.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16'], default='auto', help='auto: bf16 on GPU')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default, one per core)')
     g.add_argument('--seed', type=int, default=1337, help='model init and data order')
@@ -224,8 +220,7 @@ def parse_args(argv=None):
     return args
 
 
-# train_lm.py's own intervals for its numeric flags (runs.RANGES holds lr, seed, threads, ...); every other
-# numeric flag must still be a finite number (runs.check_numbers).
+# the intervals of train_lm.py's numeric flags (runs.RANGES: lr, seed, ...; any other must be finite)
 RANGES = {**{name: '(0, inf)' for name in POSITIVE_FIELDS}, **{name: '[0, inf)' for name in NON_NEGATIVE_FIELDS},
           'window': '(0, inf)', 'mlp_hidden': '[0, inf)', 'mup_alpha': '(0, 1000]', 'brl_beta': '[0, 1]',
           'emb_std': '[0, 100]', 'beta2': '[0, 1)', 'adam_eps': '(0, 1]', 'grad_clip': '[0, inf)',
@@ -413,9 +408,8 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
         x = self.body(x) if cache is None else self.body(x, cache=cache)         # (B, T, D)
         logits = self.lm_head(x)                                                  # (B, T, V)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.reshape(-1))
+        loss = None if targets is None else F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
 
     def forward_flops(self, T):
         """Forward FLOPs of one sequence of length T: the body's count + the LM head (embeddings are lookups)."""
@@ -548,8 +542,7 @@ def train_step(model, optimizer, data, gen, args, proc, autocast, lr, step):
 def train(args):
     """Train (or --resume) one GPT. -> its train losses of this invocation and val history (for tests)."""
     proc = setup_processes(args.device)
-    # the run folder (writable, no earlier run lost; DDP: rank 0 owns it for all ranks) and on --resume the
-    # checkpoint, whose settings win: a conflicting flag is refused, run length and logging may change
+    # the run folder (DDP: rank 0 owns it for all ranks); --resume: the checkpoint's settings win (resume_settings)
     ckpt_path, ckpt = os.path.join(args.out_dir, 'ckpt.pt'), None
     prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite, lock=int(os.environ.get('RANK', 0)) == 0)
     if args.resume:
@@ -674,11 +667,10 @@ def train(args):
 
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_cache=True, generator=None):
-    """Continue prompt_ids (list of ints). The model sees at most block_size tokens; when the context is full
-    it restarts from its last block_size // 2 tokens. Both paths follow this rule, so with the same generator
-    they sample the same text: the cached one feeds one token at a time, the other reruns the whole context
-    (padded on the right to block_size, which a causal model cannot see). Returns (new ids, cache, number of
-    tokens in the cache)."""
+    """Continue prompt_ids (list of ints). The model sees at most block_size tokens; when the context is full it
+    restarts from its last block_size // 2 tokens. With the same generator both paths sample the same text: the
+    cached one feeds one token at a time, the other reruns the whole context (padded on the right to block_size,
+    which a causal model cannot see). -> (new ids, cache, number of tokens in the cache)."""
     T, device = model.config.block_size, model.lm_head.weight.device
     tokens, start, cache, n_cached = list(prompt_ids), 0, None, 0
     for _ in range(max_new_tokens):
@@ -821,22 +813,16 @@ def run_model(args, variant, vocab_size, pos='learned'):
 
 
 def seconds_per_step(args, variants, vocab_size):
-    """Per variant: s/step timed here on 1 thread (learned positions; RoPE adds little), FLOPs per step per
-    position encoding, and the evaluations' share of a run (a forward ~1/3 of a step)."""
+    """Per variant: s/step of train_step on random tokens, timed here on 1 thread (learned positions; RoPE adds
+    little), FLOPs per step per position encoding, and the evaluations' share of a run (a forward ~1/3 of a step)."""
     print("sweep estimate: s/step timed now, 1 thread, one process (a busy machine reads slower; parallel runs "
           "share memory bandwidth)")
-    per = {}
+    per, proc = {}, argparse.Namespace(ddp=False, rank=0, world=1, device='cpu')
     for v in variants:
-        a, model, step_flops = run_model(args, v, vocab_size)
+        a, model, _ = run_model(args, v, vocab_size)
         opt = torch.optim.AdamW(optimizer_groups(model, a.lr, 0.0), lr=a.lr, betas=(0.9, a.beta2), eps=a.adam_eps)
-        x = torch.randint(vocab_size, (a.batch_size, a.block_size))                 # (B, T)
-
-        def step():
-            for _ in range(a.grad_accum):
-                model(x, x)[1].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        s = one_thread_seconds(step)
+        data, gen = torch.randint(vocab_size, (2 * a.block_size,)).numpy(), torch.Generator()
+        s = one_thread_seconds(lambda: train_step(model, opt, data, gen, a, proc, nullcontext(), a.lr, 0))
         flops = {pos: run_model(args, v, vocab_size, pos)[2] for pos in args._positions}
         per[v] = dict(seconds=s, flops=flops, eval_share=a.eval_iters / 3 / a.eval_interval)
         print(f"  {v:12s} {flops['learned' if 'learned' in flops else args._positions[0]] / 1e9:8.3f} GFLOP/step | "
@@ -854,25 +840,30 @@ def reached(history, budget):
 
 
 def saved_run(run_dir):
-    """(run config, val history) of the run in run_dir; (None, []) if it holds none to resume."""
-    if not all(os.path.exists(os.path.join(run_dir, f)) for f in ('ckpt.pt', 'log.json')):
-        return None, []
+    """(run config, val history, has ckpt.pt) of the run in run_dir from its log.json alone, so that a finished
+    run kept without its checkpoint is reused; (None, [], False) without log.json."""
+    if not os.path.exists(os.path.join(run_dir, 'log.json')):
+        return None, [], False
     with io_errors('--sweep_dir', run_dir), open(os.path.join(run_dir, 'log.json')) as f:
         saved = json.load(f)
-    return saved.get('config', {}), saved.get('history', [])
+    return saved.get('config', {}), saved.get('history', []), os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
 
 
 def train_points(args, points, per, tag, log):
     """runs.sweep over the points: finished runs reused, cut-off ones resumed, a folder of other settings
-    refused; each run's state ('new', 'partial', 'done') and exit code go into log. -> one result per point."""
+    refused; a cut-off one without ckpt.pt is trained again. Each run's state ('new', 'partial', 'done') and exit
+    code go into log. -> one result per point."""
     runs = [Run(pt.name, pt.variant, pt.seed, run_argv(args, pt), os.path.join(args.sweep_dir, pt.name),
                 seconds=60 * minutes(pt, per)) for pt in points]
     states = {}
     for r, pt in zip(runs, points):
-        saved, history = saved_run(r.out_dir)
+        saved, history, has_ckpt = saved_run(r.out_dir)
         want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
         free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
         states[r.name] = run_state(saved, want, free, r.out_dir, reached(history, pt.budget)) if args.reuse else 'new'
+        if states[r.name] == 'partial' and not has_ckpt:
+            print(f"{tag}: {r.name} is short of the budget and has no ckpt.pt to resume: trained again from scratch")
+            states[r.name] = 'new'
     log['codes'].update(sweep(runs, states, __file__, main, args.workers, tag))
     log['states'].update(states)
     results = []
@@ -962,12 +953,10 @@ def compare_sweep(args):
     table = sweep_table(stats['shared'], budget, f'shared lr {args.lr:g}')
     if grid:
         grid_results = train_points(args, grid, per, 'lr grid', log)
-        best = {}                                  # (variant, pos) -> its finished grid run of the lowest val loss
-        for r in grid_results:
-            key = r['variant'], r['pos']
-            if r['done'] and (key not in best or r['val_loss'] < best[key]['val_loss']):
-                best[key] = r
-        tuned = [Point(v, pos, best[v, pos]['lr'], s, budget) for s in seeds for pos in positions for v in variants
+        best = {}                                  # (variant, pos) -> the lr of its finished grid run of lowest loss
+        for r in sorted((r for r in grid_results if r['done']), key=lambda r: r['val_loss']):
+            best.setdefault((r['variant'], r['pos']), r['lr'])
+        tuned = [Point(v, pos, best[v, pos], s, budget) for s in seeds for pos in positions for v in variants
                  if (v, pos) in best]
         tuned_results = train_points(args, tuned, per, 'tuned lr', log)
         stats['tuned'] = stats_by_pos(tuned_results, variants, positions)
@@ -980,9 +969,9 @@ def compare_sweep(args):
                                        positions=positions, lrs=args._lrs, seeds=seeds, command=args._argv,
                                        per_variant=per, runs=results, stats=stats))
         atomic_write(paths['table'], lambda tmp: open(tmp, 'w').write(table))
-        for pos in stats['shared']:                          # step 0 is ln(vocab) for all: left out
-            histories = {v: hs for v in variants if (hs := [r['history'][1:] for r in results if r['done'] and
-                         (r['variant'], r['pos'], r['lr']) == (v, pos, args.lr) and r['name'][:5] != 'grid_'])}
+        for pos in stats['shared']:          # the shared-lr runs; step 0 is ln(vocab) for all: left out
+            histories = {v: hs for v in variants if (hs := [r['history'][1:] for r in results[:len(shared)]
+                                                            if r['done'] and (r['variant'], r['pos']) == (v, pos)])}
             paths[f'plot_{pos}'] = os.path.join(args.sweep_dir, f'sweep_{pos}.png')
             plot_seed_bands(paths[f'plot_{pos}'], histories, ('flops', 'time'),
                             ('training FLOPs', 'training wall time (s), 1 thread per run'), 'val_loss',
@@ -996,54 +985,45 @@ def compare_sweep(args):
 # -----------------------------------------------------------------------------
 # benchmark: our attention variants vs a nanoGPT-equivalent model, same process, same shapes
 
-class NanoBlock(nn.Module):
-    """nanoGPT's Block with bias=False, dropout=0 (MLP width `hidden`: nanoGPT's 4 D unless --mlp_hidden)."""
-
-    def __init__(self, D, H, hidden):
-        super().__init__()
-        self.D, self.H = D, H
-        self.ln_1, self.ln_2 = nn.LayerNorm(D, bias=False), nn.LayerNorm(D, bias=False)
-        self.c_attn, self.c_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
-        self.c_fc, self.mlp_proj = nn.Linear(D, hidden, bias=False), nn.Linear(hidden, D, bias=False)
-
-    def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
-        q, k, v = (t.view(B, T, self.H, D // self.H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                        # (B, H, T, d)
-        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
 class NanoGPT(nn.Module):
-    """nanoGPT's GPT (learned positions, final LayerNorm, untied head) at the given sizes."""
+    """nanoGPT's GPT with bias=False, dropout=0, in its names: learned positions, blocks of causal
+    scaled_dot_product_attention and a GELU MLP of width `hidden` (4 D unless --mlp_hidden), final LayerNorm,
+    untied head."""
 
     def __init__(self, V, T, D, L, H, hidden):
         super().__init__()
+        self.H = H
         self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
-        self.h = nn.ModuleList(NanoBlock(D, H, hidden) for _ in range(L))
+        self.h = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(D, bias=False), c_attn=nn.Linear(D, 3 * D, bias=False),
+            c_proj=nn.Linear(D, D, bias=False), ln_2=nn.LayerNorm(D, bias=False),
+            c_fc=nn.Linear(D, hidden, bias=False), mlp_proj=nn.Linear(hidden, D, bias=False))) for _ in range(L))
         self.ln_f, self.lm_head = nn.LayerNorm(D, bias=False), nn.Linear(D, V, bias=False)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))                                         # (B, T, V)
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))                  # (B, T, D)
+        for b in self.h:                                                                    # nanoGPT's Block
+            q, k, v = b.c_attn(b.ln_1(x)).split(x.shape[2], dim=2)
+            q, k, v = (t.view(B, T, self.H, -1).transpose(1, 2) for t in (q, k, v))        # (B, H, T, d)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                     # (B, H, T, d)
+            x = x + b.c_proj(y.transpose(1, 2).reshape(B, T, -1))                           # (B, T, D)
+            x = x + b.mlp_proj(F.gelu(b.c_fc(b.ln_2(x))))
+        logits = self.lm_head(self.ln_f(x))                                                 # (B, T, V)
         return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
 def bench(args):
-    """Training throughput (forward + backward + AdamW step, random tokens) of a compact nanoGPT model
-    (scaled_dot_product_attention, same width, depth, MLP width, T and batch) and of GPT with standard, MLR and
-    SWA attention. After two warm-up steps each, the models take turns, repeat after repeat, in rotating order,
-    so load from other processes hits all alike; each one's best repeat counts."""
+    """Training throughput (forward + backward + AdamW step, random tokens) of NanoGPT and of GPT with standard,
+    MLR and SWA attention at the same width, depth, MLP width, T and batch. After two warm-up steps each, the
+    models take turns, repeat after repeat, in rotating order, so load from other processes hits all alike; each
+    one's best repeat counts."""
     device = pick_device(args.device)
     D, L, H, T, B, V = args.n_embd, args.n_layer, args.n_head, args.block_size, args.batch_size, 96
     cfg = {k: v for k, v in vars(args).items() if not k.startswith('_')}
     torch.manual_seed(args.seed)
-    models = {'nanoGPT (sdpa)': NanoGPT(V, T, D, L, H, args.mlp_hidden or 4 * D)}
-    for attn in ('standard', 'mlr', 'swa'):
-        models[attn] = GPT(build_config({**cfg, 'attn': attn}), V)
+    models = {'nanoGPT (sdpa)': NanoGPT(V, T, D, L, H, args.mlp_hidden or 4 * D),
+              **{attn: GPT(build_config({**cfg, 'attn': attn}), V) for attn in ('standard', 'mlr', 'swa')}}
     x, y = torch.randint(V, (B, T), device=device), torch.randint(V, (B, T), device=device)
     opts = {name: torch.optim.AdamW(m.to(device).parameters(), lr=1e-4) for name, m in models.items()}
 
@@ -1067,12 +1047,12 @@ def bench(args):
     print(f"training throughput: D={D} L={L} H={H} T={T} B={B} on {device} with {torch.get_num_threads()} "
           f"threads (best of {args.bench_reps} x {args.bench_steps} steps; CPU time counts every thread, and is "
           f"the fairer measure on a loaded machine)")
-    base, rows = best['nanoGPT (sdpa)'], {}
+    (base, base_cpu), rows = best['nanoGPT (sdpa)'], {}
     for name, (wall, cpu) in best.items():
         rows[name] = dict(ms_per_step=1000 * wall, tokens_per_s=B * T / wall, tokens_per_cpu_s=B * T / cpu,
-                          vs_nanogpt=base[0] / wall, vs_nanogpt_cpu=base[1] / cpu)
-        print(f"{name:16s} {1000 * wall:8.1f} ms/step | {B * T / wall:8.0f} tok/s | {base[0] / wall:5.2f}x nanoGPT"
-              f" | {B * T / cpu:8.0f} tok/CPU-s | {base[1] / cpu:5.2f}x nanoGPT")
+                          vs_nanogpt=base / wall, vs_nanogpt_cpu=base_cpu / cpu)
+        print(f"{name:16s} {1000 * wall:8.1f} ms/step | {B * T / wall:8.0f} tok/s | {base / wall:5.2f}x nanoGPT"
+              f" | {B * T / cpu:8.0f} tok/CPU-s | {base_cpu / cpu:5.2f}x nanoGPT")
     return rows
 
 
