@@ -1438,17 +1438,14 @@ LM_VARIANTS = list(A.ATTENTION) + ['global_swa']
 @pytest.fixture(scope='module')
 def lm_corpus(tmp_path_factory):
     """A tiny deterministic 'source code' text file and a cache dir, shared by the tests of this module."""
-    root = tmp_path_factory.mktemp('lm')
-    g = torch.Generator().manual_seed(0)
+    root, g = tmp_path_factory.mktemp('lm'), torch.Generator().manual_seed(0)
     words = ['def', 'return', 'self', 'x', 'y', 'if', 'else:', 'for', 'in', 'range(n)', '=', '+', '1', '0']
-    lines = []
-    for _ in range(1500):
-        n = int(torch.randint(3, 9, (1,), generator=g))
-        lines.append('    ' * int(torch.randint(0, 3, (1,), generator=g)) +
-                     ' '.join(words[int(i)] for i in torch.randint(len(words), (n,), generator=g)))
-    path = root / 'tiny.txt'
-    path.write_text('\n'.join(lines) + '\n')
-    return dict(data=str(path), cache=str(root / 'cache'), root=root)
+    draw = lambda lo, hi, n=1: torch.randint(lo, hi, (n,), generator=g).tolist()
+
+    def line(n):                                  # n words after an indent of 0 to 2 levels
+        return '    ' * draw(0, 3)[0] + ' '.join(words[i] for i in draw(0, len(words), n))
+    (root / 'tiny.txt').write_text('\n'.join(line(draw(3, 9)[0]) for _ in range(1500)) + '\n')
+    return dict(data=str(root / 'tiny.txt'), cache=str(root / 'cache'))
 
 
 def lm_tiny_args(lm_corpus, out_dir, *extra):
