@@ -657,16 +657,18 @@ class BilinearBTTAttention(BilinearAttention):
 # -----------------------------------------------------------------------------
 # BRL attention (seed 004: §2.3-2.5, App. B.2, Algorithm 1)
 #
-# One layer, with x the layer-normed tokens (n x D), c the compressed tokens entering the layer (m x D), H heads
-# of width D/H, and h the history the compressed tokens read:
-#   F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),  S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
-#   U(c; h)      = (1 - beta) LN(F_comp(c; h)) + beta f_M(c),     U(c) = (1 - beta) LN(c) + beta f_M(c) (no history)
-#   F_prop(x; ct) = lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv                       (Eq. 9)
-#   F_BRL(x)     = F_gen(x) + ReLU(LN(F_prop(x; ct)))             (F_gen: sliding-window attention)
-# The layer returns ct; the block adds it to c (Algorithm 1's BRL_BLOCK), so c evolves layer by layer.
-# Eq. 7 wraps U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
+# One layer: x the layer-normed tokens (n x D), c the compressed tokens entering it (m x D), H heads of width D/H,
+# h the history the compressed tokens read. F_BRL in Algorithm 1's steps, each a method of BRLAttention:
+#   differential_compression  F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),                          line 5
+#                               S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
+#   compressed_token_update   ct = U(c; h) = (1 - beta) LN(F_comp(c; h)) + beta f_M(c)  (no h: LN(c))    line 7
+#   local                     F_gen(x), sliding-window attention                                        line 2
+#   readout                   ReLU(LN(F_prop(x; ct))),                                                  line 8
+#                               F_prop(x; ct) = lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv (Eq. 9)
+#   F_BRL(x) = F_gen(x) + readout; the block adds ct to c (BRL_BLOCK), so c evolves layer by layer. Eq. 7 wraps
+#   U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
 #
-# Which tokens ct reads (the history h):
+# Which tokens ct reads (the history h), chosen by compressed_tokens():
 #   bidirectional: one chunk, ct = U(c; x): the compressed tokens read the whole sequence.
 #   causal: chunks of nc tokens (brl_block, default the window), chunk b has its own c_b and ct_b, and
 #     'global' (default): ct_0 = U(c_0),  ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   a recurrence over chunks
@@ -692,13 +694,8 @@ def relative_buckets(dist, n_buckets, span):
 
 
 class BRLAttention(nn.Module):
-    """F_BRL of Algorithm 1 in named steps (the formulas above):
-        local attention (F_gen)       self.local, sliding-window attention            Alg. 1 line 2
-        differential_compression      F_comp(c; h)                                    line 5
-        compressed_token_update       U(c; h)                                         line 7
-        readout                       ReLU(LN(F_prop(x; ct)))                         line 8
-    compressed_tokens() picks each chunk's history h. forward() takes the tokens x (B, T, D) and one set of
-    compressed tokens per chunk c (B, N, m, D) and returns F_BRL (B, T, D) and the ct (B, N, m, D) it read."""
+    """F_BRL of Algorithm 1 in the steps above: the tokens x (B, T, D) and one set of compressed tokens per chunk
+    c (B, N, m, D) -> (F_BRL (B, T, D), the ct (B, N, m, D) it read)."""
 
     def __init__(self, cfg):
         super().__init__()
