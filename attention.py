@@ -344,34 +344,33 @@ class SelfAttention(AttentionHeads):
 class StandardAttention(SelfAttention):
     """Softmax attention (SDPA); the scoring matrix W_Q W_K^T of each head has rank d (paper §2.2)."""
 
+    def look_back(self, T):                              # how far back a query sees among T positions: all of them
+        return T - 1
+
     def attend(self, q, k, v, key_mask, pos=None):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.cfg.causal and mask is None,
                                               scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def decode(self, q, k, v, cache, pos=None):
-        cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
+        n = self.look_back(cache.t + 1) + 1                                    # the keys a query sees
+        cache.k, cache.v = _append(cache.k, k, n), _append(cache.v, v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def core_flops(self, T):
-        return 2 * self.H * scored_pairs(T, T, self.cfg.causal) * 2 * self.d
+        return 2 * self.H * scored_pairs(T, self.look_back(T), self.cfg.causal) * 2 * self.d
 
 
-class SWAAttention(SelfAttention):
+class SWAAttention(StandardAttention):
     """Sliding-window attention at O(T w) cost (paper §2.3): query i sees the w + 1 keys i-w..i (bidirectional:
     |i - j| <= w), w the official sliding_block_size."""
     kind = 'swa'
 
+    def look_back(self, T):
+        return self.cfg.window
+
     def attend(self, q, k, v, key_mask, pos=None):
         return kernels.sliding_window_attention(q, k, v, self.cfg.window, self.cfg.causal, self.scale(), key_mask)
-
-    def decode(self, q, k, v, cache, pos=None):
-        n = self.cfg.window + 1                                                # the keys a query sees
-        cache.k, cache.v = _append(cache.k, k, n), _append(cache.v, v, n)
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
-
-    def core_flops(self, T):
-        return 2 * self.H * scored_pairs(T, self.cfg.window, self.cfg.causal) * 2 * self.d
 
 
 class GlobalSWASplitAttention(SWAAttention):
