@@ -17,7 +17,7 @@ x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (paper §3.5, App. E).
 
     python attention.py            # one full layer of every variant: fwd+bwd time, memory, FLOPs, x its floor
     python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
-    python attention.py --brl --causal --Ts 256,2048   # causal layers (BRL's recurrence over blocks)
+    python attention.py --brl --causal --Ts 256,2048   # causal layers (BRL's recurrence over chunks)
     (the attention cores alone: python kernels.py --bench)
 """
 
@@ -558,8 +558,8 @@ def rms_cap(weights, d_in, d_out):
 
 
 class BilinearMLRAttention(BilinearAttention):
-    """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l chunks,
-    chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l) with R = p_l r_l, a LayerNorm
+    """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l parts,
+    part k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l) with R = p_l r_l, a LayerNorm
     per level. bilinear_mlr_ln 'head' (not in the official code) LayerNorms each head's q and k over all levels
     at once: a per-level LayerNorm over 1 feature outputs 0 and over 2 features +-g, so such levels never learn
     (the official heads of width 32 never meet this; small heads do)."""
@@ -571,14 +571,14 @@ class BilinearMLRAttention(BilinearAttention):
         self.ranks = parse_ints(cfg.ranks or str(self.d), 'ranks')
         if any(r <= 0 for r in self.ranks):
             raise ValueError(f"bilinear MLR ranks must be positive, got {cfg.ranks!r}")
-        self.blocks = [2 ** l for l in range(len(self.ranks))]
-        if D % self.blocks[-1]:
+        self.n_blocks = [2 ** l for l in range(len(self.ranks))]
+        if D % self.n_blocks[-1]:
             raise ValueError(f"bilinear MLR with {len(self.ranks)} levels cuts n_embd = {D} into "
-                             f"{self.blocks[-1]} chunks; use fewer levels or a width divisible by it")
+                             f"{self.n_blocks[-1]} parts; use fewer levels or a width divisible by it")
         w = cfg.mup_base_width
         self.q_maps, self.k_maps = (nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
-                                                  for p, r in zip(self.blocks, self.ranks)) for _ in 'qk')
-        self.level_widths = [p * r for p, r in zip(self.blocks, self.ranks)]
+                                                  for p, r in zip(self.n_blocks, self.ranks)) for _ in 'qk')
+        self.level_widths = [p * r for p, r in zip(self.n_blocks, self.ranks)]
         self.rope_widths = self.level_widths
         self.feature_width = sum(self.level_widths)
         ln_widths = self.level_widths if cfg.bilinear_mlr_ln == 'level' else [self.feature_width]
@@ -595,8 +595,8 @@ class BilinearMLRAttention(BilinearAttention):
     def features(self, x):
         B, T, _ = x.shape
         qs, ks = [], []
-        for l, (p, r) in enumerate(zip(self.blocks, self.ranks)):
-            # block-diagonal output is laid out (chunk, head, r); each head wants (chunk, r)
+        for l, (p, r) in enumerate(zip(self.n_blocks, self.ranks)):
+            # block-diagonal output is laid out (block, head, r); each head wants (block, r)
             heads = lambda y: y.view(B, T, p, self.H, r).transpose(2, 3).reshape(B, T, self.H, p * r)
             qs.append(heads(self.level_map(self.q_maps[l], x)))                 # (B, T, H, p_l r_l)
             ks.append(heads(self.level_map(self.k_maps[l], x)))
@@ -994,7 +994,7 @@ def benchmark_main(argv=None):
     p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
     p.add_argument('--Ts', type=_lengths, default=None, help="comma list of sequence lengths (default 256,512,1024; "
                    "with --brl 1024 ... 16384)")
-    p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the block recurrence)')
+    p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the recurrence over chunks)')
     args = p.parse_args(argv)
     if not args.brl:
         return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
