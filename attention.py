@@ -738,6 +738,9 @@ class BRLAttention(nn.Module):
         """Tokens per chunk: the whole sequence when bidirectional, brl_block (0 = the window) when causal."""
         return (self.cfg.brl_block or self.cfg.window) if self.cfg.causal else T
 
+    def n_chunks(self, T):
+        return -(-T // self.chunk_len(T))
+
     def differential_compression(self, c, hist, dist=None, hist_mask=None):
         """F_comp(c; hist): c (B, N, m, D) reads hist (B, N, n, D) -> (B, N, m, D). dist (n,): the history's
         distances for b_rel (default 0 .. n-1, the bidirectional ones); hist_mask (B, N, n) bool, False = padding."""
@@ -796,8 +799,7 @@ class BRLAttention(nn.Module):
         """x (B, T, D) (already layer-normed), c (B, N, m, D) -> (F_BRL (B, T, D), ct (B, N, m, D))."""
         B, T, D = x.shape
         y = self.local(x, key_mask)                                           # F_gen
-        nc = self.chunk_len(T)
-        N = -(-T // nc)
+        nc, N = self.chunk_len(T), self.n_chunks(T)
         xc = F.pad(x, (0, 0, 0, N * nc - T)).view(B, N, nc, D)              # (B, N, nc, D)
         ct = self.compressed_tokens(c, xc, key_mask)
         y = y + self.readout(xc, ct, torch.arange(nc, device=x.device)).view(B, N * nc, D)[:, :T]
@@ -830,8 +832,7 @@ class BRLAttention(nn.Module):
         return self.local.cache_numel(cache.local) + cache.ct[0].numel() + cache.chunk[0].numel()
 
     def flops(self, T):
-        D, m = self.cfg.n_embd, self.m
-        N = -(-T // self.chunk_len(T))
+        D, m, N = self.cfg.n_embd, self.m, self.n_chunks(T)
         n_hist = T + (N - 1) * m if self.cfg.causal and self.cfg.brl_history == 'global' else T  # keys F_comp reads
         comp = 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D   # K1, K2, V of the history; two score maps + AV
         upd = 2 * N * m * D * D * 4                                  # f_q, f_m, f_pk, f_pv per chunk
@@ -848,10 +849,11 @@ ATTENTION = {'standard': StandardAttention, 'mlr': MLRAttention, 'swa': SWAAtten
 # the backbone
 
 class MLP(nn.Module):
-    def __init__(self, D, hidden, base_width):
+    def __init__(self, cfg):
         super().__init__()
-        self.up = MupLinear(D, hidden, base_width)
-        self.down = MupLinear(hidden, D, base_width, zero_init=True)
+        D, hidden = cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd
+        self.up = MupLinear(D, hidden, cfg.mup_base_width)
+        self.down = MupLinear(hidden, D, cfg.mup_base_width, zero_init=True)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
@@ -864,7 +866,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd, bias=False), nn.LayerNorm(cfg.n_embd, bias=False)
         self.attn = ATTENTION[kind](cfg)
-        self.mlp = MLP(cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd, cfg.mup_base_width)
+        self.mlp = MLP(cfg)
 
     def forward(self, x, x_ct, key_mask=None, cache=None):
         x = x + self.attn(self.ln1(x), key_mask, cache)
@@ -880,7 +882,7 @@ class BRLBlock(Block):
     def __init__(self, cfg, kind):
         super().__init__(cfg, kind)
         self.ln_ct1, self.ln_ct2 = nn.LayerNorm(cfg.n_embd, bias=False), nn.LayerNorm(cfg.n_embd, bias=False)
-        self.mlp_ct = MLP(cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd, cfg.mup_base_width)
+        self.mlp_ct = MLP(cfg)
 
     def forward(self, x, x_ct, key_mask=None, cache=None):
         if cache is None:
@@ -891,8 +893,7 @@ class BRLBlock(Block):
         return x + self.mlp(self.ln2(x)), x_ct + self.mlp_ct(self.ln_ct2(x_ct))
 
     def flops(self, T):
-        N = -(-T // self.attn.chunk_len(T))
-        return super().flops(T) + 2 * N * self.attn.m * self.mlp_ct.up.weight.numel() * 2
+        return super().flops(T) + 2 * self.attn.n_chunks(T) * self.attn.m * self.mlp_ct.up.weight.numel() * 2
 
 
 class Transformer(nn.Module):
@@ -918,7 +919,7 @@ class Transformer(nn.Module):
                              f"got {tuple(key_mask.shape)} with causal = {self.cfg.causal}")
         x_ct = None
         if self.compressed_tokens is not None:
-            N = 1 if (cache is not None or not self.cfg.causal) else -(-T // self.blocks[0].attn.chunk_len(T))
+            N = 1 if cache is not None else self.blocks[0].attn.n_chunks(T)
             x_ct = self.compressed_tokens.expand(B, N, -1, -1)                # (B, N, m, D)
         for i, block in enumerate(self.blocks):
             x, x_ct = block(x, x_ct, key_mask, None if cache is None else cache[i])
@@ -959,8 +960,7 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
             layer = ATTENTION[kind](cfg).to(dev)
             x = torch.randn(1, T, D, device=dev, requires_grad=True)
             if kind == 'brl':
-                N = -(-T // layer.chunk_len(T))
-                ct = torch.randn(1, N, n_compressed, D, device=dev, requires_grad=True)
+                ct = torch.randn(1, layer.n_chunks(T), n_compressed, D, device=dev, requires_grad=True)
                 step = lambda: sum(t.sum() for t in layer(x, ct)).backward()
             else:
                 step = lambda: layer(x).sum().backward()
