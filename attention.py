@@ -271,8 +271,9 @@ def _append(old, new, keep=None):
 # attention variants on per-head q, k, v
 
 class AttentionHeads(nn.Module):
-    """H heads of width d, the settings checks and the value and output maps; how a head scores pairs is the
-    subclass's (SelfAttention's q, k or BilinearAttention's feature maps). `kind` is the registry name."""
+    """H heads of width d, the settings checks, the value and output maps and the forward pass: qkv(), RoPE, then
+    attend() (whole sequence) or decode() (one token with a cache). How a head scores pairs is the subclass's
+    (SelfAttention's q, k or BilinearAttention's feature maps). `kind` is the registry name."""
     kind = 'standard'
     rope_widths = None                                   # feature groups RoPE rotates each on its own (None: all)
 
@@ -296,24 +297,9 @@ class AttentionHeads(nn.Module):
         D, d, w = self.cfg.n_embd, self.d, self.cfg.mup_base_width
         return MupLinear(D, self.n_kv * d, w), MupLinear(self.H * d, D, w, zero_init=True)
 
-
-class SelfAttention(AttentionHeads):
-    """q, k, v projections (B, T, D) -> (B, H, T, d), rotated by RoPE when pos = 'rope'; a variant defines
-    attend() (whole sequence) and decode() (one token with a cache)."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        D, H, d, w = cfg.n_embd, self.H, self.d, cfg.mup_base_width
-        self.q_proj = MupLinear(D, H * d, w)
-        self.k_proj = MupLinear(D, self.n_kv * d, w)
-        self.v_proj, self.o_proj = self.value_output_maps()     # RNG draws in creation order: q, k, v, o
-        self.q_ln, self.k_ln = (nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity() for _ in 'qk')
-
     def forward(self, x, key_mask=None, cache=None):
         B, T, _ = x.shape
-        q = self.q_ln(self.q_proj(x).view(B, T, self.H, self.d)).transpose(1, 2)      # (B, H, T, d)
-        k = self.k_ln(self.k_proj(x).view(B, T, self.n_kv, self.d)).transpose(1, 2)   # (B, Hkv, T, d)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.d).transpose(1, 2)
+        q, k, v = self.qkv(x)                                # (B, H, T, e), (B, H or Hkv, T, e), v: e = d
         t0 = 0 if cache is None else cache.t
         pos = torch.arange(t0, t0 + T, device=x.device) if self.cfg.pos == 'rope' else None
         if pos is not None:
@@ -326,6 +312,25 @@ class SelfAttention(AttentionHeads):
             y = self.decode(q, k, v, cache, pos)
             cache.t += 1
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
+
+
+class SelfAttention(AttentionHeads):
+    """q, k, v projections (B, T, D) -> (B, H, T, d), rotated by RoPE when pos = 'rope'."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        D, H, d, w = cfg.n_embd, self.H, self.d, cfg.mup_base_width
+        self.q_proj = MupLinear(D, H * d, w)
+        self.k_proj = MupLinear(D, self.n_kv * d, w)
+        self.v_proj, self.o_proj = self.value_output_maps()     # RNG draws in creation order: q, k, v, o
+        self.q_ln, self.k_ln = (nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity() for _ in 'qk')
+
+    def qkv(self, x):
+        B, T, _ = x.shape
+        q = self.q_ln(self.q_proj(x).view(B, T, self.H, self.d)).transpose(1, 2)      # (B, H, T, d)
+        k = self.k_ln(self.k_proj(x).view(B, T, self.n_kv, self.d)).transpose(1, 2)   # (B, Hkv, T, d)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.d).transpose(1, 2)
+        return q, k, v
 
     def scale(self):                                     # c of a whole-head dot product (R = d)
         return logit_scales(self.cfg, self.kind, [self.d])[0]
@@ -529,18 +534,18 @@ class BilinearAttention(AttentionHeads):
         super().__init__(cfg)
         self.v_proj, self.o_proj = self.value_output_maps()
 
-    def forward(self, x, key_mask=None, cache=None):
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} has no decoding cache; run the full forward")
+    def qkv(self, x):
         B, T, _ = x.shape
         qf, kf = self.features(x)                                            # (B, H, T, e)
-        if self.cfg.pos == 'rope':
-            qf, kf = self.rotate(qf, kf, torch.arange(T, device=x.device))
-        v = self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)        # (B, H, T, d)
+        return qf, kf, self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)   # v (B, H, T, d)
+
+    def attend(self, q, k, v, key_mask, pos=None):
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        y = F.scaled_dot_product_attention(qf, kf, v, attn_mask=mask, scale=1.0,
-                                           is_causal=self.cfg.causal and mask is None)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
+                                              is_causal=self.cfg.causal and mask is None)
+
+    def decode(self, q, k, v, cache, pos=None):
+        raise ValueError(f"{type(self).__name__} has no decoding cache; run the full forward")
 
     def flops(self, T):
         D, e = self.cfg.n_embd, self.feature_width
