@@ -299,7 +299,7 @@ class AttentionHeads(nn.Module):
 
     def forward(self, x, key_mask=None, cache=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)                                # (B, H, T, e), (B, H or Hkv, T, e), v: e = d
+        q, k, v = self.qkv(x)                      # q, k (B, H, T, e), v (B, H, T, d); GQA: k, v have Hkv heads
         t0 = 0 if cache is None else cache.t
         pos = torch.arange(t0, t0 + T, device=x.device) if self.cfg.pos == 'rope' else None
         if pos is not None:
@@ -315,7 +315,7 @@ class AttentionHeads(nn.Module):
 
 
 class SelfAttention(AttentionHeads):
-    """q, k, v projections (B, T, D) -> (B, H, T, d), rotated by RoPE when pos = 'rope'."""
+    """q, k, v projections (B, T, D) -> (B, H, T, d), the q, k LayerNormed per head when qk_ln is on."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
