@@ -251,8 +251,8 @@ def scored_pairs(T, w, causal):
     return T + one_side * (1 if causal else 2)
 
 
-def block_pairs(T, b, causal):
-    """Pairs inside the same block of b consecutive positions (b >= T: one block of T)."""
+def level_block_pairs(T, b, causal):
+    """Pairs inside the same MLR level block of b consecutive positions (b >= T: one block of T)."""
     b = min(b, T)
     return (T // b) * scored_pairs(b, b - 1, causal)
 
@@ -490,7 +490,7 @@ class MLRAttention(SelfAttention):
     def core_flops(self, T):
         """Level l scores the pairs inside its blocks with r_l features; A V runs over the top level's pairs."""
         Tp, causal = self.valid_length(T), self.cfg.causal   # attend() pads a short causal sequence to Tp
-        pairs = [block_pairs(Tp, b, causal) for b in self.level_sizes]
+        pairs = [level_block_pairs(Tp, b, causal) for b in self.level_sizes]
         return 2 * self.H * (sum(r * p for r, p in zip(self.ranks, pairs)) + self.d * pairs[0])
 
 
