@@ -662,7 +662,7 @@ class BilinearBTTAttention(BilinearAttention):
 # BRL attention (seed 004: §2.3-2.5, App. B.2, Algorithm 1)
 #
 # One layer: x the layer-normed tokens (n x D), c the compressed tokens entering it (m x D), H heads of width D/H,
-# h the history the compressed tokens read. F_BRL in Algorithm 1's steps, each a method of BRLAttention:
+# h the history the compressed tokens read. F_BRL in Algorithm 1's steps, each a part of BRLAttention:
 #   differential_compression  F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),                          line 5
 #                               S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
 #   compressed_token_update   ct = U(c; h) = (1 - beta) LN(F_comp(c; h)) + beta f_M(c)  (no h: LN(c))    line 7
