@@ -17,7 +17,7 @@ x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (paper §3.5, App. E).
 
     python attention.py            # one full layer of every variant: fwd+bwd time, memory, FLOPs, x its floor
     python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
-    python attention.py --brl --causal --Ts 256,2048   # causal layers (BRL's recurrence over blocks)
+    python attention.py --brl --causal --Ts 256,2048   # causal layers (BRL's recurrence over chunks)
     (the attention cores alone: python kernels.py --bench)
 """
 
@@ -251,8 +251,8 @@ def scored_pairs(T, w, causal):
     return T + one_side * (1 if causal else 2)
 
 
-def block_pairs(T, b, causal):
-    """Pairs inside the same block of b consecutive positions (b >= T: one block of T)."""
+def level_block_pairs(T, b, causal):
+    """Pairs inside the same MLR level block of b consecutive positions (b >= T: one block of T)."""
     b = min(b, T)
     return (T // b) * scored_pairs(b, b - 1, causal)
 
@@ -271,8 +271,9 @@ def _append(old, new, keep=None):
 # attention variants on per-head q, k, v
 
 class AttentionHeads(nn.Module):
-    """H heads of width d, the settings checks and the value and output maps; how a head scores pairs is the
-    subclass's (SelfAttention's q, k or BilinearAttention's feature maps). `kind` is the registry name."""
+    """H heads of width d, the settings checks, the value and output maps and the forward pass: qkv(), RoPE, then
+    attend() (whole sequence) or decode() (one token with a cache). How a head scores pairs is the subclass's
+    (SelfAttention's q, k or BilinearAttention's feature maps). `kind` is the registry name."""
     kind = 'standard'
     rope_widths = None                                   # feature groups RoPE rotates each on its own (None: all)
 
@@ -296,24 +297,9 @@ class AttentionHeads(nn.Module):
         D, d, w = self.cfg.n_embd, self.d, self.cfg.mup_base_width
         return MupLinear(D, self.n_kv * d, w), MupLinear(self.H * d, D, w, zero_init=True)
 
-
-class SelfAttention(AttentionHeads):
-    """q, k, v projections (B, T, D) -> (B, H, T, d), rotated by RoPE when pos = 'rope'; a variant defines
-    attend() (whole sequence) and decode() (one token with a cache)."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        D, H, d, w = cfg.n_embd, self.H, self.d, cfg.mup_base_width
-        self.q_proj = MupLinear(D, H * d, w)
-        self.k_proj = MupLinear(D, self.n_kv * d, w)
-        self.v_proj, self.o_proj = self.value_output_maps()     # RNG draws in creation order: q, k, v, o
-        self.q_ln, self.k_ln = (nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity() for _ in 'qk')
-
     def forward(self, x, key_mask=None, cache=None):
         B, T, _ = x.shape
-        q = self.q_ln(self.q_proj(x).view(B, T, self.H, self.d)).transpose(1, 2)      # (B, H, T, d)
-        k = self.k_ln(self.k_proj(x).view(B, T, self.n_kv, self.d)).transpose(1, 2)   # (B, Hkv, T, d)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.d).transpose(1, 2)
+        q, k, v = self.qkv(x)                      # q, k (B, H, T, e), v (B, H, T, d); GQA: k, v have Hkv heads
         t0 = 0 if cache is None else cache.t
         pos = torch.arange(t0, t0 + T, device=x.device) if self.cfg.pos == 'rope' else None
         if pos is not None:
@@ -326,6 +312,25 @@ class SelfAttention(AttentionHeads):
             y = self.decode(q, k, v, cache, pos)
             cache.t += 1
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
+
+
+class SelfAttention(AttentionHeads):
+    """q, k, v projections (B, T, D) -> (B, H, T, d), the q, k LayerNormed per head when qk_ln is on."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        D, H, d, w = cfg.n_embd, self.H, self.d, cfg.mup_base_width
+        self.q_proj = MupLinear(D, H * d, w)
+        self.k_proj = MupLinear(D, self.n_kv * d, w)
+        self.v_proj, self.o_proj = self.value_output_maps()     # RNG draws in creation order: q, k, v, o
+        self.q_ln, self.k_ln = (nn.LayerNorm(d, bias=False) if cfg.qk_ln else nn.Identity() for _ in 'qk')
+
+    def qkv(self, x):
+        B, T, _ = x.shape
+        q = self.q_ln(self.q_proj(x).view(B, T, self.H, self.d)).transpose(1, 2)      # (B, H, T, d)
+        k = self.k_ln(self.k_proj(x).view(B, T, self.n_kv, self.d)).transpose(1, 2)   # (B, Hkv, T, d)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.d).transpose(1, 2)
+        return q, k, v
 
     def scale(self):                                     # c of a whole-head dot product (R = d)
         return logit_scales(self.cfg, self.kind, [self.d])[0]
@@ -344,34 +349,33 @@ class SelfAttention(AttentionHeads):
 class StandardAttention(SelfAttention):
     """Softmax attention (SDPA); the scoring matrix W_Q W_K^T of each head has rank d (paper §2.2)."""
 
+    def look_back(self, T):                              # how far back a query sees among T positions: all of them
+        return T - 1
+
     def attend(self, q, k, v, key_mask, pos=None):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.cfg.causal and mask is None,
                                               scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def decode(self, q, k, v, cache, pos=None):
-        cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
+        n = self.look_back(cache.t + 1) + 1                                    # the keys a query sees
+        cache.k, cache.v = _append(cache.k, k, n), _append(cache.v, v, n)
         return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale(), enable_gqa=self.n_kv != self.H)
 
     def core_flops(self, T):
-        return 2 * self.H * scored_pairs(T, T, self.cfg.causal) * 2 * self.d
+        return 2 * self.H * scored_pairs(T, self.look_back(T), self.cfg.causal) * 2 * self.d
 
 
-class SWAAttention(SelfAttention):
+class SWAAttention(StandardAttention):
     """Sliding-window attention at O(T w) cost (paper §2.3): query i sees the w + 1 keys i-w..i (bidirectional:
     |i - j| <= w), w the official sliding_block_size."""
     kind = 'swa'
 
+    def look_back(self, T):
+        return self.cfg.window
+
     def attend(self, q, k, v, key_mask, pos=None):
         return kernels.sliding_window_attention(q, k, v, self.cfg.window, self.cfg.causal, self.scale(), key_mask)
-
-    def decode(self, q, k, v, cache, pos=None):
-        n = self.cfg.window + 1                                                # the keys a query sees
-        cache.k, cache.v = _append(cache.k, k, n), _append(cache.v, v, n)
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, scale=self.scale())
-
-    def core_flops(self, T):
-        return 2 * self.H * scored_pairs(T, self.cfg.window, self.cfg.causal) * 2 * self.d
 
 
 class GlobalSWASplitAttention(SWAAttention):
@@ -486,7 +490,7 @@ class MLRAttention(SelfAttention):
     def core_flops(self, T):
         """Level l scores the pairs inside its blocks with r_l features; A V runs over the top level's pairs."""
         Tp, causal = self.valid_length(T), self.cfg.causal   # attend() pads a short causal sequence to Tp
-        pairs = [block_pairs(Tp, b, causal) for b in self.level_sizes]
+        pairs = [level_block_pairs(Tp, b, causal) for b in self.level_sizes]
         return 2 * self.H * (sum(r * p for r, p in zip(self.ranks, pairs)) + self.d * pairs[0])
 
 
@@ -530,18 +534,18 @@ class BilinearAttention(AttentionHeads):
         super().__init__(cfg)
         self.v_proj, self.o_proj = self.value_output_maps()
 
-    def forward(self, x, key_mask=None, cache=None):
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} has no decoding cache; run the full forward")
+    def qkv(self, x):
         B, T, _ = x.shape
         qf, kf = self.features(x)                                            # (B, H, T, e)
-        if self.cfg.pos == 'rope':
-            qf, kf = self.rotate(qf, kf, torch.arange(T, device=x.device))
-        v = self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)        # (B, H, T, d)
+        return qf, kf, self.v_proj(x).view(B, T, self.H, self.d).transpose(1, 2)   # v (B, H, T, d)
+
+    def attend(self, q, k, v, key_mask, pos=None):
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        y = F.scaled_dot_product_attention(qf, kf, v, attn_mask=mask, scale=1.0,
-                                           is_causal=self.cfg.causal and mask is None)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.d))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
+                                              is_causal=self.cfg.causal and mask is None)
+
+    def decode(self, q, k, v, cache, pos=None):
+        raise ValueError(f"{type(self).__name__} has no decoding cache; run the full forward")
 
     def flops(self, T):
         D, e = self.cfg.n_embd, self.feature_width
@@ -559,8 +563,8 @@ def rms_cap(weights, d_in, d_out):
 
 
 class BilinearMLRAttention(BilinearAttention):
-    """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l chunks,
-    chunk k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l) with R = p_l r_l, a LayerNorm
+    """W_h = sum_l blockdiag_{p_l}(L_{l,k} R_{l,k}^T): the level-l query of x is x cut into p_l = 2^l parts,
+    part k mapped by L_{l,k} (D/p_l -> r_l); score = sum_l c_l LN(q_l).LN(k_l) with R = p_l r_l, a LayerNorm
     per level. bilinear_mlr_ln 'head' (not in the official code) LayerNorms each head's q and k over all levels
     at once: a per-level LayerNorm over 1 feature outputs 0 and over 2 features +-g, so such levels never learn
     (the official heads of width 32 never meet this; small heads do)."""
@@ -572,14 +576,14 @@ class BilinearMLRAttention(BilinearAttention):
         self.ranks = parse_ints(cfg.ranks or str(self.d), 'ranks')
         if any(r <= 0 for r in self.ranks):
             raise ValueError(f"bilinear MLR ranks must be positive, got {cfg.ranks!r}")
-        self.blocks = [2 ** l for l in range(len(self.ranks))]
-        if D % self.blocks[-1]:
+        self.n_blocks = [2 ** l for l in range(len(self.ranks))]
+        if D % self.n_blocks[-1]:
             raise ValueError(f"bilinear MLR with {len(self.ranks)} levels cuts n_embd = {D} into "
-                             f"{self.blocks[-1]} chunks; use fewer levels or a width divisible by it")
+                             f"{self.n_blocks[-1]} parts; use fewer levels or a width divisible by it")
         w = cfg.mup_base_width
         self.q_maps, self.k_maps = (nn.ModuleList(structured.BlockDiagonal(D, p * H * r, p, base_width=w)
-                                                  for p, r in zip(self.blocks, self.ranks)) for _ in 'qk')
-        self.level_widths = [p * r for p, r in zip(self.blocks, self.ranks)]
+                                                  for p, r in zip(self.n_blocks, self.ranks)) for _ in 'qk')
+        self.level_widths = [p * r for p, r in zip(self.n_blocks, self.ranks)]
         self.rope_widths = self.level_widths
         self.feature_width = sum(self.level_widths)
         ln_widths = self.level_widths if cfg.bilinear_mlr_ln == 'level' else [self.feature_width]
@@ -596,8 +600,8 @@ class BilinearMLRAttention(BilinearAttention):
     def features(self, x):
         B, T, _ = x.shape
         qs, ks = [], []
-        for l, (p, r) in enumerate(zip(self.blocks, self.ranks)):
-            # block-diagonal output is laid out (chunk, head, r); each head wants (chunk, r)
+        for l, (p, r) in enumerate(zip(self.n_blocks, self.ranks)):
+            # block-diagonal output is laid out (block, head, r); each head wants (block, r)
             heads = lambda y: y.view(B, T, p, self.H, r).transpose(2, 3).reshape(B, T, self.H, p * r)
             qs.append(heads(self.level_map(self.q_maps[l], x)))                 # (B, T, H, p_l r_l)
             ks.append(heads(self.level_map(self.k_maps[l], x)))
@@ -657,16 +661,18 @@ class BilinearBTTAttention(BilinearAttention):
 # -----------------------------------------------------------------------------
 # BRL attention (seed 004: §2.3-2.5, App. B.2, Algorithm 1)
 #
-# One layer, with x the layer-normed tokens (n x D), c the compressed tokens entering the layer (m x D), H heads
-# of width D/H, and h the history the compressed tokens read:
-#   F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),  S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
-#   U(c; h)      = (1 - beta) LN(F_comp(c; h)) + beta f_M(c),     U(c) = (1 - beta) LN(c) + beta f_M(c) (no history)
-#   F_prop(x; ct) = lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv                       (Eq. 9)
-#   F_BRL(x)     = F_gen(x) + ReLU(LN(F_prop(x; ct)))             (F_gen: sliding-window attention)
-# The layer returns ct; the block adds it to c (Algorithm 1's BRL_BLOCK), so c evolves layer by layer.
-# Eq. 7 wraps U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
+# One layer: x the layer-normed tokens (n x D), c the compressed tokens entering it (m x D), H heads of width D/H,
+# h the history the compressed tokens read. F_BRL in Algorithm 1's steps, each a part of BRLAttention:
+#   differential_compression  F_comp(c; h) = GroupNorm_h((S1 - gamma_h S2) V),                          line 5
+#                               S1|S2 = softmax(c Wq (h Wk1|Wk2)^T / (m sqrt(D)) + b_comp)
+#   compressed_token_update   ct = U(c; h) = (1 - beta) LN(F_comp(c; h)) + beta f_M(c)  (no h: LN(c))    line 7
+#   local                     F_gen(x), sliding-window attention                                        line 2
+#   readout                   ReLU(LN(F_prop(x; ct))),                                                  line 8
+#                               F_prop(x; ct) = lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv (Eq. 9)
+#   F_BRL(x) = F_gen(x) + readout; the block adds ct to c (BRL_BLOCK), so c evolves layer by layer. Eq. 7 wraps
+#   U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
 #
-# Which tokens ct reads (the history h):
+# Which tokens ct reads (the history h), chosen by compressed_tokens():
 #   bidirectional: one chunk, ct = U(c; x): the compressed tokens read the whole sequence.
 #   causal: chunks of nc tokens (brl_block, default the window), chunk b has its own c_b and ct_b, and
 #     'global' (default): ct_0 = U(c_0),  ct_b = U(c_b; [ct_{b-1}; x_{b-1}])   a recurrence over chunks
@@ -692,13 +698,8 @@ def relative_buckets(dist, n_buckets, span):
 
 
 class BRLAttention(nn.Module):
-    """F_BRL of Algorithm 1 in named steps (the formulas above):
-        local attention (F_gen)       self.local, sliding-window attention            Alg. 1 line 2
-        differential_compression      F_comp(c; h)                                    line 5
-        compressed_token_update       U(c; h)                                         line 7
-        readout                       ReLU(LN(F_prop(x; ct)))                         line 8
-    compressed_tokens() picks each chunk's history h. forward() takes the tokens x (B, T, D) and one set of
-    compressed tokens per chunk c (B, N, m, D) and returns F_BRL (B, T, D) and the ct (B, N, m, D) it read."""
+    """F_BRL of Algorithm 1 in the steps above: the tokens x (B, T, D) and one set of compressed tokens per chunk
+    c (B, N, m, D) -> (F_BRL (B, T, D), the ct (B, N, m, D) it read)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -741,6 +742,9 @@ class BRLAttention(nn.Module):
     def chunk_len(self, T):
         """Tokens per chunk: the whole sequence when bidirectional, brl_block (0 = the window) when causal."""
         return (self.cfg.brl_block or self.cfg.window) if self.cfg.causal else T
+
+    def n_chunks(self, T):
+        return -(-T // self.chunk_len(T))
 
     def differential_compression(self, c, hist, dist=None, hist_mask=None):
         """F_comp(c; hist): c (B, N, m, D) reads hist (B, N, n, D) -> (B, N, m, D). dist (n,): the history's
@@ -800,8 +804,7 @@ class BRLAttention(nn.Module):
         """x (B, T, D) (already layer-normed), c (B, N, m, D) -> (F_BRL (B, T, D), ct (B, N, m, D))."""
         B, T, D = x.shape
         y = self.local(x, key_mask)                                           # F_gen
-        nc = self.chunk_len(T)
-        N = -(-T // nc)
+        nc, N = self.chunk_len(T), self.n_chunks(T)
         xc = F.pad(x, (0, 0, 0, N * nc - T)).view(B, N, nc, D)              # (B, N, nc, D)
         ct = self.compressed_tokens(c, xc, key_mask)
         y = y + self.readout(xc, ct, torch.arange(nc, device=x.device)).view(B, N * nc, D)[:, :T]
@@ -834,8 +837,7 @@ class BRLAttention(nn.Module):
         return self.local.cache_numel(cache.local) + cache.ct[0].numel() + cache.chunk[0].numel()
 
     def flops(self, T):
-        D, m = self.cfg.n_embd, self.m
-        N = -(-T // self.chunk_len(T))
+        D, m, N = self.cfg.n_embd, self.m, self.n_chunks(T)
         n_hist = T + (N - 1) * m if self.cfg.causal and self.cfg.brl_history == 'global' else T  # keys F_comp reads
         comp = 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D   # K1, K2, V of the history; two score maps + AV
         upd = 2 * N * m * D * D * 4                                  # f_q, f_m, f_pk, f_pv per chunk
@@ -852,10 +854,11 @@ ATTENTION = {'standard': StandardAttention, 'mlr': MLRAttention, 'swa': SWAAtten
 # the backbone
 
 class MLP(nn.Module):
-    def __init__(self, D, hidden, base_width):
+    def __init__(self, cfg):
         super().__init__()
-        self.up = MupLinear(D, hidden, base_width)
-        self.down = MupLinear(hidden, D, base_width, zero_init=True)
+        D, hidden = cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd
+        self.up = MupLinear(D, hidden, cfg.mup_base_width)
+        self.down = MupLinear(hidden, D, cfg.mup_base_width, zero_init=True)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
@@ -868,7 +871,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd, bias=False), nn.LayerNorm(cfg.n_embd, bias=False)
         self.attn = ATTENTION[kind](cfg)
-        self.mlp = MLP(cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd, cfg.mup_base_width)
+        self.mlp = MLP(cfg)
 
     def forward(self, x, x_ct, key_mask=None, cache=None):
         x = x + self.attn(self.ln1(x), key_mask, cache)
@@ -884,7 +887,7 @@ class BRLBlock(Block):
     def __init__(self, cfg, kind):
         super().__init__(cfg, kind)
         self.ln_ct1, self.ln_ct2 = nn.LayerNorm(cfg.n_embd, bias=False), nn.LayerNorm(cfg.n_embd, bias=False)
-        self.mlp_ct = MLP(cfg.n_embd, cfg.mlp_hidden or 4 * cfg.n_embd, cfg.mup_base_width)
+        self.mlp_ct = MLP(cfg)
 
     def forward(self, x, x_ct, key_mask=None, cache=None):
         if cache is None:
@@ -895,8 +898,7 @@ class BRLBlock(Block):
         return x + self.mlp(self.ln2(x)), x_ct + self.mlp_ct(self.ln_ct2(x_ct))
 
     def flops(self, T):
-        N = -(-T // self.attn.chunk_len(T))
-        return super().flops(T) + 2 * N * self.attn.m * self.mlp_ct.up.weight.numel() * 2
+        return super().flops(T) + 2 * self.attn.n_chunks(T) * self.attn.m * self.mlp_ct.up.weight.numel() * 2
 
 
 class Transformer(nn.Module):
@@ -922,7 +924,7 @@ class Transformer(nn.Module):
                              f"got {tuple(key_mask.shape)} with causal = {self.cfg.causal}")
         x_ct = None
         if self.compressed_tokens is not None:
-            N = 1 if (cache is not None or not self.cfg.causal) else -(-T // self.blocks[0].attn.chunk_len(T))
+            N = 1 if cache is not None else self.blocks[0].attn.n_chunks(T)
             x_ct = self.compressed_tokens.expand(B, N, -1, -1)                # (B, N, m, D)
         for i, block in enumerate(self.blocks):
             x, x_ct = block(x, x_ct, key_mask, None if cache is None else cache[i])
@@ -963,8 +965,7 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
             layer = ATTENTION[kind](cfg).to(dev)
             x = torch.randn(1, T, D, device=dev, requires_grad=True)
             if kind == 'brl':
-                N = -(-T // layer.chunk_len(T))
-                ct = torch.randn(1, N, n_compressed, D, device=dev, requires_grad=True)
+                ct = torch.randn(1, layer.n_chunks(T), n_compressed, D, device=dev, requires_grad=True)
                 step = lambda: sum(t.sum() for t in layer(x, ct)).backward()
             else:
                 step = lambda: layer(x).sum().backward()
@@ -998,7 +999,7 @@ def benchmark_main(argv=None):
     p.add_argument('--brl', action='store_true', help='BRL vs full and local attention layers, n = 1k ... 16k')
     p.add_argument('--Ts', type=_lengths, default=None, help="comma list of sequence lengths (default 256,512,1024; "
                    "with --brl 1024 ... 16384)")
-    p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the block recurrence)')
+    p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the recurrence over chunks)')
     args = p.parse_args(argv)
     if not args.brl:
         return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],

@@ -18,7 +18,6 @@ contracts), and every Parameter carries p.lr_mult = base_width / fan_in (base_wi
     python structured.py --d 128 --d_out_rect 384 --out_dir out/structured   # other sizes, + JSON
 """
 import argparse
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -39,11 +38,13 @@ def _positive_int(name, v):
     return v
 
 
-def _check_blocks(n_blocks, d_in, d_out):
+def _blocks(n_blocks, d_in, d_out):
+    """(p, d_in / p, d_out / p) of a block-diagonal map with p = n_blocks blocks."""
     _positive_int('n_blocks', n_blocks)
     if d_in % n_blocks or d_out % n_blocks:
         raise ValueError(f"n_blocks={n_blocks} must divide both d_in={d_in} and d_out={d_out}; "
                          f"valid block counts: {divisors(math.gcd(d_in, d_out))}")
+    return n_blocks, d_in // n_blocks, d_out // n_blocks
 
 
 def sqrt_factors(n):
@@ -157,8 +158,7 @@ class BlockDiagonal(StructuredLinear):
 
     def __init__(self, d_in, d_out, n_blocks, base_width=None):
         super().__init__(d_in, d_out, base_width)
-        _check_blocks(n_blocks, d_in, d_out)
-        self.p, self.bi, self.bo = n_blocks, d_in // n_blocks, d_out // n_blocks
+        self.p, self.bi, self.bo = _blocks(n_blocks, d_in, d_out)
         self.weight = self.core((self.p, self.bo, self.bi), fan_in=self.bi)
         self.flops, self.rank = self.p * self.bo * self.bi, self.p * min(self.bo, self.bi)
 
@@ -178,9 +178,8 @@ class LowRankBlockDiagonal(StructuredLinear):
 
     def __init__(self, d_in, d_out, n_blocks, rank, base_width=None):
         super().__init__(d_in, d_out, base_width)
-        _check_blocks(n_blocks, d_in, d_out)
+        self.p, self.bi, self.bo = _blocks(n_blocks, d_in, d_out)
         self.r = _positive_int('rank', rank)
-        self.p, self.bi, self.bo = n_blocks, d_in // n_blocks, d_out // n_blocks
         self.R = self.core((self.p, self.bi, rank), fan_in=self.bi)
         self.L = self.core((self.p, self.bo, rank), fan_in=rank)
         self.flops, self.rank = self.p * rank * (self.bi + self.bo), self.p * min(rank, self.bi, self.bo)
@@ -411,17 +410,6 @@ class MLBTC(StructuredLinear):
 # -----------------------------------------------------------------------------
 # Table 1, measured: python structured.py
 
-def measured_flops(module, batch_shape=(1,)):
-    """Multiply-adds that FlopCounterMode sees in one forward (it counts 2 per multiply-add). It only
-    counts matmul-like ops: an einsum contracting a size-1 index (r = 1 in a block-coupled level) runs
-    as an elementwise product and is not counted, so use ranks >= 2 when comparing."""
-    from torch.utils.flop_counter import FlopCounterMode
-    x = torch.randn(*batch_shape, module.d_in, dtype=next(module.parameters()).dtype)
-    with FlopCounterMode(display=False) as counter:
-        module(x)
-    return counter.get_total_flops() // 2
-
-
 def table_rows(d_in, d_out, r=16, p=4, mlr_ranks=(8, 4, 2, 2)):
     """(name, module, params by the paper's formula, rank by the paper's formula) for one shape.
     Formulas are the paper's Table 1 written for rectangular shapes (App. A)."""
@@ -452,6 +440,7 @@ def table_rows(d_in, d_out, r=16, p=4, mlr_ranks=(8, 4, 2, 2)):
 
 
 if __name__ == '__main__':
+    from torch.utils.flop_counter import FlopCounterMode
     parser = argparse.ArgumentParser(description='Table 1 of Kuang et al. 2025, measured on this machine.',
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # shapes
@@ -492,9 +481,11 @@ if __name__ == '__main__':
         for name, m, params_formula, rank_formula in table:
             m = m.double()
             with torch.no_grad():
-                W = m.to_dense()
-                macs = measured_flops(m)
-                rank = int(torch.linalg.matrix_rank(W))
+                # FlopCounterMode counts 2 per multiply-add, and only matmul-like ops: an einsum contracting a
+                # size-1 index (r = 1 in a block-coupled level) runs as an elementwise product and is not counted
+                with FlopCounterMode(display=False) as counter:
+                    m(torch.randn(1, d_in, dtype=torch.float64))
+                macs, rank = counter.get_total_flops() // 2, int(torch.linalg.matrix_rank(m.to_dense()))
             print(f"{name:<34}{m.num_params:>8}{params_formula:>9}{m.flops:>8}{macs:>9}{m.rank:>6}"
                   f"{rank_formula:>8}{rank:>9}")
             results.append(dict(d_in=d_in, d_out=d_out, family=name, params=m.num_params,
@@ -503,8 +494,7 @@ if __name__ == '__main__':
     print("\nKronecker: 'params' counts what the BTT stores (A repeated per i, B per k); 'formula' "
           "counts the free numbers of A and B.")
     if args.out_dir:
+        from runs import write_json
         path = os.path.join(args.out_dir, 'table.json')
-        with open(path + '.tmp', 'w') as f:
-            json.dump(results, f, indent=1)
-        os.replace(path + '.tmp', path)
+        write_json(path, results)
         print(f"wrote {path}")

@@ -611,7 +611,7 @@ def written_forward_flops(model, T):
             attn = qkvo + rope + H * (2 * T * (c * 2 * d + 2 * d * d) if causal else 2 * T * d * (2 * d + 1))
             attn += H * 2 * T * c * d if causal and rope else 0          # RoFormer: the numerator's own scores
         elif kind == 'BilinearMLRAttention':       # q and k maps: level l maps D -> p_l H r_l in p_l blocks
-            e = sum(p * r for p, r in zip(layer.blocks, layer.ranks))
+            e = sum(p * r for p, r in zip(layer.n_blocks, layer.ranks))
             rope = 3 * T * 2 * H * e if cfg.pos == 'rope' else 0
             attn = vo + rope + 2 * 2 * T * sum(D * H * r for r in layer.ranks) + H * 2 * pairs * (e + d)
         elif kind == 'BilinearBTTAttention':       # one D x D BTT per head on the keys; scores of width D
@@ -751,7 +751,7 @@ def test_bilinear_mlr_ln_level_is_the_official_per_level_layernorm():
     B, T, D, H = 2, 6, SMALL['n_embd'], SMALL['n_head']
     x = torch.randn(B, T, D)
     q, k = layer.features(x)
-    for l, (p, r, c) in enumerate(zip(layer.blocks, layer.ranks, layer.level_scales)):
+    for l, (p, r, c) in enumerate(zip(layer.n_blocks, layer.ranks, layer.level_scales)):
         lo = sum(layer.level_widths[:l])
         for f, maps, lns, scale in ((q, layer.q_maps, layer.q_lns, c), (k, layer.k_maps, layer.k_lns, 1.0)):
             y = maps[l](x).view(B, T, p, H, r).transpose(2, 3).reshape(B, T, H, p * r)
