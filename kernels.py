@@ -23,6 +23,7 @@ its reference by the tests, forward and gradients:
     python kernels.py --compile-check          # compile the kernels for sm_80 / sm_90, no GPU needed
 """
 import argparse
+import functools
 import itertools
 import math
 import os
@@ -389,6 +390,45 @@ def _piece_backward(s, V, dO, Lse, Delta):
     return ds, dv
 
 
+def _tile_pieces(Q, K, scale, keep, groups, factor):
+    """The pieces of one tile, queries Q (N, m, f) against keys K (N, b, f): yields the piece (n, r), its queries
+    times scale (f,) (a copy; Q's view when scale is None), its rows of each feature group and its scores.
+    keep: (rows, keys), the masks (m, b) and (N, 1, b), either None."""
+    keep_rows, keep_keys = keep
+    for n, r in _pieces(Q.shape[0], Q.shape[1], K.shape[1]):
+        Qp = Q[n, r] if scale is None else Q[n, r] * scale
+        rows = [(f0, f1, same[r]) for f0, f1, same in groups]
+        keep_piece = (None if keep_rows is None else keep_rows[r], None if keep_keys is None else keep_keys[n])
+        yield n, r, Qp, rows, _piece_scores(Qp, K[n], rows, None if factor is None else factor[r], keep_piece)
+
+
+def _tile_forward(Q, K, V, O, Lse, merge, scale=None, keep=(None, None), groups=(), factor=None):
+    """Softmax of one tile's scores times V, written into (merge=False) or merged into its rows' O, Lse."""
+    for n, r, _, _, s in _tile_pieces(Q, K, scale, keep, groups, factor):
+        _piece_forward(s, V[n], O[n, r], Lse[n, r], merge)
+
+
+def _tile_backward(Q, K, V, dO, Lse, Delta, dQ, dK, dV, write, scale=None, keep=(None, None), groups=(),
+                   factor=None):
+    """One tile's gradients, written into (write=True: the tile touches every row, key and feature) or added to
+    dQ, dK, dV: dq = ds k scale and dk = dsᵀ (q scale) over the prefix all pairs share, and over each feature
+    group with ds masked to its pairs."""
+    width = groups[0][0] if groups else Q.shape[-1]
+    for n, r, Qp, rows, s in _tile_pieces(Q, K, scale, keep, groups, factor):
+        ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], Delta[n, r])
+        if factor is not None:
+            ds.mul_(factor[r])
+        first = write and r.start == 0                                  # later row pieces add to dk, dv
+        for f0, f1, ds_l in [(0, width, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
+            dq_piece = torch.bmm(ds_l, K[n, :, f0:f1])
+            if scale is not None:
+                dq_piece.mul_(scale[f0:f1])
+            dQ[n, r, f0:f1].copy_(dq_piece) if write else dQ[n, r, f0:f1].add_(dq_piece)
+            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Qp[..., f0:f1])
+            dK[n, :, f0:f1].copy_(dk_piece) if first else dK[n, :, f0:f1].add_(dk_piece)
+        dV[n].copy_(dv_piece) if first else dV[n].add_(dv_piece)
+
+
 # -----------------------------------------------------------------------------
 # MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
 #
@@ -436,59 +476,33 @@ def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
     return groups, causal_keep, factor
 
 
-def _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles, every level-j block against itself, piece by piece: yields the piece (n, r), its
-    scaled queries Q, its rows of each deeper level's mask, its per-pair factor and its scores."""
+def _mlr_tiles(c, key_mask, H, sizes, ranks, causal, divide_by_levels):
+    """The tiles of the flash path, the bottom first, each as (rows, keys, width R, scale, keep, groups, factor):
+    rows and keys map a (B, H, T, f) tensor to the (N, m, f) views of the tile's query and key blocks."""
+    j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
     S = sizes[j]
-    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-    Qb, Kb = _child(q, S, 0, S), _child(k, S, 0, S)                    # (N, S, d) views
-    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
-    for n, r in _pieces(Qb.shape[0], S, S):
-        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-        f = None if factor is None else factor[r]
-        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
-        yield n, r, Q, rows, f, _piece_scores(Q, Kb[n], rows, f, keep)
-
-
-def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
-    contribution to each block's diagonal, and it touches every row, key and feature."""
-    S, R = sizes[j], sum(ranks[:j + 1])                                 # R: the prefix all pairs share
-    Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (k, v, do, lse, delta, dq, dk, dv))
-    for n, r, Q, rows, f, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-        ds, dv_piece = _piece_backward(s, Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
-        if f is not None:
-            ds.mul_(f)
-        first = r.start == 0                                            # later row pieces add to dk, dv
-        for f0, f1, ds_l in [(0, R, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
-            torch.mul(torch.bmm(ds_l, Kb[n, :, f0:f1]), c[f0:f1], out=dQb[n, r, f0:f1])
-            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Q[..., f0:f1])
-            dKb[n, :, f0:f1].copy_(dk_piece) if first else dKb[n, :, f0:f1].add_(dk_piece)
-        dVb[n].copy_(dv_piece) if first else dVb[n].add_(dv_piece)
+    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, c)
+    bottom = functools.partial(_child, size=S, a=0, b=S)                       # every level-j block against itself
+    yield bottom, bottom, len(c), c, (causal_keep, _key_keep(key_mask, H, S, 0, S)), groups, factor
+    for size, a, a2, b, R, alpha in tiles:                                     # query child a, key child a2
+        yield (functools.partial(_child, size=size, a=a, b=b), functools.partial(_child, size=size, a=a2, b=b), R,
+               alpha * c[:R], (None, _key_keep(key_mask, H, size, a2, b)), (), None)
 
 
 class _MLRFlash(torch.autograd.Function):
-    """MLR attention over the tiles of _mlr_plan with an online softmax. c: the scale of each feature (d,),
-    c_l repeated r_l times; it is applied to each tile's (or piece's) copy of q, never to all of q."""
+    """MLR attention over the tiles of _mlr_tiles with an online softmax. c: the scale of each feature (d,),
+    c_l repeated r_l times; it is applied to each piece's copy of q, never to all of q."""
 
     @staticmethod
     def forward(ctx, q, k, v, c, key_mask, sizes, ranks, causal, divide_by_levels):
         B, H, T, d = q.shape
-        j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
         # the bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
-        Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
-        for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-            _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
-        # into them: the sibling tiles of the levels above, query child a against key child a2, prefix R_l
-        for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copy, scaled
-            K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)  # (N, b, R), (N, b, dv) views
-            O, Lse, kk = _child(o, size, a, b), _child(lse, size, a, b), _key_keep(key_mask, H, size, a2, b)
-            for n, r in _pieces(Q.shape[0], b, b):
-                s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
-                _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=True)
+        tiles = _mlr_tiles(c, key_mask, H, sizes, ranks, causal, divide_by_levels)
+        for i, (rows, keys, R, scale, keep, groups, factor) in enumerate(tiles):
+            _tile_forward(rows(q)[..., :R], keys(k)[..., :R], keys(v), rows(o), rows(lse), i > 0, scale, keep,
+                          groups, factor)
         ctx.save_for_backward(q, k, v, c, o, lse, key_mask)
         ctx.plan = (sizes, ranks, causal, divide_by_levels)
         return o
@@ -496,26 +510,14 @@ class _MLRFlash(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, c, o, lse, key_mask = ctx.saved_tensors
-        sizes, ranks, causal, divide_by_levels = ctx.plan
-        j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         do = do.contiguous()
         delta = (do * o).sum(-1, keepdim=True)                          # (B, H, T, 1)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal,
-                         divide_by_levels)                             # writes every entry of dq, dk, dv
-        H = q.shape[1]
-        for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])
-            K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)
-            dO, Lse, D = _child(do, size, a, b), _child(lse, size, a, b), _child(delta, size, a, b)
-            dQ, dK, dV = _child(dq, size, a, b)[..., :R], _child(dk, size, a2, b)[..., :R], _child(dv, size, a2, b)
-            kk = _key_keep(key_mask, H, size, a2, b)
-            for n, r in _pieces(Q.shape[0], b, b):
-                s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
-                ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
-                dV[n].add_(dv_piece)
-                dQ[n, r].add_(torch.bmm(ds, K[n]).mul_(alpha * c[:R]))
-                dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
+        # the bottom tiles write every entry of dq, dk, dv; the sibling tiles add to them
+        for i, (rows, keys, R, scale, keep, groups, factor) in enumerate(_mlr_tiles(c, key_mask, q.shape[1],
+                                                                                    *ctx.plan)):
+            _tile_backward(rows(q)[..., :R], keys(k)[..., :R], keys(v), rows(do), rows(lse), rows(delta),
+                           rows(dq)[..., :R], keys(dk)[..., :R], keys(dv), i == 0, scale, keep, groups, factor)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -625,9 +627,7 @@ class _SWAFlash(torch.autograd.Function):
         Q, O, Lse = (x.view(-1, c, x.shape[-1]) for x in (q, o, lse))        # (B*H*n, c, f) views
         for offset in (0, -1) if causal else (0, -1, 1):     # the key blocks seen; the own block first: it writes
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
-            for n, r in _pieces(Q.shape[0], c, c):
-                s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
-                _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=offset != 0)
+            _tile_forward(Q, K, V, O, Lse, merge=offset != 0, keep=keep)
         ctx.save_for_backward(q, k, v, valid, o, lse)
         ctx.plan = (window, causal, c)
         return o
@@ -647,12 +647,7 @@ class _SWAFlash(torch.autograd.Function):
                 dK, dV = dk.view(K.shape), dv.view(V.shape)
             else:                                                             # gradients of the shifted k, v
                 dK, dV = torch.zeros_like(K), torch.zeros_like(V)
-            for n, r in _pieces(Q.shape[0], c, c):
-                s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
-                ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
-                dV[n].add_(dv_piece)
-                dQ[n, r].add_(torch.bmm(ds, K[n]))
-                dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
+            _tile_backward(Q, K, V, dO, Lse, D, dQ, dK, dV, write=False, keep=keep)
             for grad, tile_grad in ((dk, dK.view(k.shape)), (dv, dV.view(v.shape))):    # shift back
                 if offset < 0:
                     grad[:, :, :-c].add_(tile_grad[:, :, c:])
