@@ -311,7 +311,7 @@ def mlr_attention_flops(T, ranks, causal=True, level_sizes=None, dv=None):
 
 
 # -----------------------------------------------------------------------------
-# helpers of the flash paths: an online softmax over pieces of a tile, forward and backward
+# the core of the flash paths: an online softmax over the pieces of a tile, forward and backward
 #
 # The *_flash paths (MLR, SWA) are FlashAttention-2 on the CPU in torch ops. A tile is a batch of (query block,
 # key block) pairs, held as (N, rows, f) views of the (B, H, T, f) tensors (_child), cut into pieces of at most
@@ -350,75 +350,59 @@ def _pieces(N, rows, keys):
             yield slice(n0, min(n0 + group, N)), slice(r0, min(r0 + step, rows))
 
 
-def _piece_scores(Q, K, groups=(), factor=None, keep=None):
-    """Scores of one piece: Q (n, m, d) . K (n, b, d) over the prefix up to the first group's feature, plus each
-    group's features under its mask; then the per-pair factor and the masks (-inf = not attended)."""
-    R = groups[0][0] if groups else Q.shape[-1]
-    s = torch.bmm(Q[..., :R], K[..., :R].transpose(-2, -1))            # (n, m, b)
-    for f0, f1, same in groups:
-        s.addcmul_(torch.bmm(Q[..., f0:f1], K[..., f0:f1].transpose(-2, -1)), same)
-    if factor is not None:
-        s.mul_(factor)
-    for m in keep:
-        if m is not None:
-            s.masked_fill_(~m, float('-inf'))
-    return s
-
-
-def _piece_forward(s, V, O, Lse, merge):
-    """Softmax of the piece's scores (in place) times V; write (merge=False) or merge into O, Lse."""
-    m = s.amax(-1, keepdim=True).clamp_min_(-1e30)                     # rows without keys stay finite
-    p = s.sub_(m).exp_()
-    l = p.sum(-1, keepdim=True).clamp_min_(1e-30)
-    o = torch.bmm(p, V).div_(l)
-    lse = m.add_(l.log_())
-    if not merge:
-        O.copy_(o)
-        Lse.copy_(lse)
-        return
-    new = torch.logaddexp(Lse, lse)
-    O.mul_(torch.exp(Lse - new)).add_(o.mul_(torch.exp(lse - new)))
-    Lse.copy_(new)
-
-
-def _piece_backward(s, V, dO, Lse, Delta):
-    """The split-KV identity on one piece, from its recomputed scores s (consumed): returns ds, the gradient
-    of the scores, and this piece's share of dv."""
-    p = s.sub_(Lse).exp_()                                              # the final probabilities
-    dv = torch.bmm(p.transpose(-2, -1), dO)
-    ds = torch.bmm(dO, V.transpose(-2, -1)).sub_(Delta).mul_(p)
-    return ds, dv
-
-
 def _tile_pieces(Q, K, scale, keep, groups, factor):
-    """The pieces of one tile, queries Q (N, m, f) against keys K (N, b, f): yields the piece (n, r), its queries
-    times scale (f,) (a copy; Q's view when scale is None), its rows of each feature group and its scores.
-    keep: (rows, keys), the masks (m, b) and (N, 1, b), either None."""
-    keep_rows, keep_keys = keep
+    """The pieces of one tile, queries Q (N, m, f) against keys K (N, b, f), and their scores: q times scale (f,)
+    dotted with k over the prefix up to the first group's feature, plus each feature group (f0, f1, same (m, b))
+    where `same` holds (MLR's bottom tiles); times the per-pair factor (m, b); -inf where keep = (rows (m, b),
+    keys (N, 1, b)) is False. Yields the piece (n, r), its scaled queries (a copy; Q's view when scale is None),
+    its rows of the groups and its scores."""
+    R = groups[0][0] if groups else Q.shape[-1]
     for n, r in _pieces(Q.shape[0], Q.shape[1], K.shape[1]):
         Qp = Q[n, r] if scale is None else Q[n, r] * scale
         rows = [(f0, f1, same[r]) for f0, f1, same in groups]
-        keep_piece = (None if keep_rows is None else keep_rows[r], None if keep_keys is None else keep_keys[n])
-        yield n, r, Qp, rows, _piece_scores(Qp, K[n], rows, None if factor is None else factor[r], keep_piece)
+        s = torch.bmm(Qp[..., :R], K[n, :, :R].transpose(-2, -1))                # (n, m, b)
+        for f0, f1, same in rows:
+            s.addcmul_(torch.bmm(Qp[..., f0:f1], K[n, :, f0:f1].transpose(-2, -1)), same)
+        if factor is not None:
+            s.mul_(factor[r])
+        for mask in (None if keep[0] is None else keep[0][r], None if keep[1] is None else keep[1][n]):
+            if mask is not None:
+                s.masked_fill_(~mask, float('-inf'))
+        yield n, r, Qp, rows, s
 
 
 def _tile_forward(Q, K, V, O, Lse, merge, scale=None, keep=(None, None), groups=(), factor=None):
-    """Softmax of one tile's scores times V, written into (merge=False) or merged into its rows' O, Lse."""
+    """Softmax of one tile's scores times V, piece by piece: written into (merge=False) or merged into the
+    running O, Lse of its rows."""
     for n, r, _, _, s in _tile_pieces(Q, K, scale, keep, groups, factor):
-        _piece_forward(s, V[n], O[n, r], Lse[n, r], merge)
+        m = s.amax(-1, keepdim=True).clamp_min_(-1e30)                         # rows without keys stay finite
+        p = s.sub_(m).exp_()
+        l = p.sum(-1, keepdim=True).clamp_min_(1e-30)
+        o = torch.bmm(p, V[n]).div_(l)
+        lse = m.add_(l.log_())
+        O_rows, Lse_rows = O[n, r], Lse[n, r]
+        if not merge:
+            O_rows.copy_(o)
+            Lse_rows.copy_(lse)
+            continue
+        new = torch.logaddexp(Lse_rows, lse)
+        O_rows.mul_(torch.exp(Lse_rows - new)).add_(o.mul_(torch.exp(lse - new)))
+        Lse_rows.copy_(new)
 
 
 def _tile_backward(Q, K, V, dO, Lse, Delta, dQ, dK, dV, write, scale=None, keep=(None, None), groups=(),
                    factor=None):
-    """One tile's gradients, written into (write=True: the tile touches every row, key and feature) or added to
-    dQ, dK, dV: dq = ds k scale and dk = dsᵀ (q scale) over the prefix all pairs share, and over each feature
-    group with ds masked to its pairs."""
+    """One tile's gradients by the split-KV identity, from recomputed scores: written into (write=True: the tile
+    touches every row, key and feature) or added to dQ, dK, dV. dq = ds k scale and dk = dsᵀ (q scale) over the
+    prefix all pairs share, and over each feature group with ds masked to its pairs."""
     width = groups[0][0] if groups else Q.shape[-1]
     for n, r, Qp, rows, s in _tile_pieces(Q, K, scale, keep, groups, factor):
-        ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], Delta[n, r])
+        p = s.sub_(Lse[n, r]).exp_()                                           # the final probabilities
+        dv_piece = torch.bmm(p.transpose(-2, -1), dO[n, r])
+        ds = torch.bmm(dO[n, r], V[n].transpose(-2, -1)).sub_(Delta[n, r]).mul_(p)
         if factor is not None:
             ds.mul_(factor[r])
-        first = write and r.start == 0                                  # later row pieces add to dk, dv
+        first = write and r.start == 0                                         # later row pieces add to dk, dv
         for f0, f1, ds_l in [(0, width, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
             dq_piece = torch.bmm(ds_l, K[n, :, f0:f1])
             if scale is not None:
@@ -433,7 +417,7 @@ def _tile_backward(Q, K, V, dO, Lse, Delta, dQ, dK, dV, write, scale=None, keep=
 # MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
 #
 # mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities (O(T²) memory).
-# This path runs the same tiles through the pieces of the flash helpers: O(T·d) memory.
+# This path runs the same tiles through the pieces of the flash core: O(T·d) memory.
 # - The bottom: levels with blocks smaller than BOTTOM (the paper's T = 1024, 8 levels has 8-token blocks) would
 #   be thousands of tiny products. Instead every block of the deepest level j with blocks >= BOTTOM is one dense
 #   S×S tile: the prefix R_j shared by all its pairs in one product, plus one product per deeper level with its
