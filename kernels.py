@@ -293,21 +293,20 @@ def mlr_attention_torch(q, k, v, ranks, causal=True, level_sizes=None, scales=No
     return _merge_partials(outs, lses)
 
 
+def _attention_flops(pairs_and_widths, dv):
+    """Multiply-adds x 2 of scoring (query, key) pairs with `width` features each and adding their dv-wide values
+    into the outputs: sum of 2 * pairs * (width + dv)."""
+    return 2 * sum(pairs * (width + dv) for pairs, width in pairs_and_widths)
+
+
 def mlr_attention_flops(T, ranks, causal=True, level_sizes=None, dv=None):
     """Multiply-adds x 2 of mlr_attention_torch on one (batch, head): scores plus A·V."""
     sizes = mlr_level_sizes(T, len(ranks), level_sizes)
-    dv = sum(ranks) if dv is None else dv
-    qk = av = 0
-    for l in range(len(ranks) - 1):
+    terms = [(T * sizes[-1], sum(ranks))]                       # the diagonal blocks, all d features
+    for l in range(len(ranks) - 1):                             # the sibling tiles, the prefix R_l
         c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
-        pairs = T * (c - 1) * b
-        if causal and c == 2:
-            pairs //= 2
-        qk += pairs * sum(ranks[:l + 1])
-        av += pairs * dv
-    qk += T * sizes[-1] * sum(ranks)
-    av += T * sizes[-1] * dv
-    return 2 * (qk + av)
+        terms.append((T * (c - 1) * b // (2 if causal and c == 2 else 1), sum(ranks[:l + 1])))
+    return _attention_flops(terms, sum(ranks) if dv is None else dv)
 
 
 # -----------------------------------------------------------------------------
@@ -524,13 +523,9 @@ def mlr_attention_flash_flops(T, ranks, causal=True, level_sizes=None, dv=None):
     """Multiply-adds x 2 that mlr_attention_flash's forward spends on one (batch, head): the exact sibling
     tiles of mlr_attention_flops above level j, and the dense S×S bottom tiles with all d features."""
     sizes = mlr_level_sizes(T, len(ranks), level_sizes)
-    d = sum(ranks)
-    dv = d if dv is None else dv
     j, tiles = _mlr_plan(sizes, ranks, causal, False)
-    pairs = [(T // size) * b * b for size, _, _, b, _, _ in tiles]
-    qk = sum(p * R for p, (_, _, _, _, R, _) in zip(pairs, tiles)) + T * sizes[j] * d
-    av = (sum(pairs) + T * sizes[j]) * dv
-    return 2 * (qk + av)
+    terms = [(T * sizes[j], sum(ranks))] + [((T // size) * b * b, R) for size, _, _, b, R, _ in tiles]
+    return _attention_flops(terms, sum(ranks) if dv is None else dv)
 
 
 # -----------------------------------------------------------------------------
@@ -664,11 +659,9 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
 
 def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
     """Multiply-adds x 2 of sliding_window_attention_torch on one (batch, head)."""
-    dv = d if dv is None else dv
     c = _swa_chunk(window, T)
-    n = -(-T // c)
-    span = c + c + (0 if causal else c)
-    return 2 * n * c * span * (d + dv)
+    span = c + c + (0 if causal else c)                         # keys per query chunk
+    return _attention_flops([(-(-T // c) * c * span, d)], d if dv is None else dv)
 
 
 # -----------------------------------------------------------------------------
