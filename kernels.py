@@ -441,31 +441,25 @@ def _mlr_plan(sizes, ranks, causal, divide_by_levels):
     return j, tiles
 
 
-def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
-    """Inside one level-j block (S×S): the feature groups of the deeper levels with their same-block masks,
-    the causal mask and the per-pair factor 1 / (number of levels covering the pair)."""
+def _mlr_tiles(c, key_mask, H, sizes, ranks, causal, divide_by_levels):
+    """The tiles of the flash path, each as (rows, keys, width R, scale, keep, groups, factor): rows and keys map
+    a (B, H, T, f) tensor to the (N, m, f) views of the tile's query and key blocks. First the bottom tiles, each
+    level-j block (S×S) against itself: the feature groups of the deeper levels with their same-block masks, the
+    causal mask and the per-pair factor 1 / (number of levels covering the pair); then the sibling tiles."""
+    j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
     S, R = sizes[j], sum(ranks[:j + 1])
-    pos = torch.arange(S, device=like.device)
+    pos = torch.arange(S, device=c.device)
     groups = []                                              # (first feature, last feature, mask (S, S))
     for l in range(j + 1, len(ranks)):
         same = (pos[:, None] // sizes[l]) == (pos[None, :] // sizes[l])
-        groups.append((R, R + ranks[l], same.to(like.dtype)))
+        groups.append((R, R + ranks[l], same.to(c.dtype)))
         R += ranks[l]
-    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
     factor = None
     if divide_by_levels:
-        covering = torch.full((S, S), j + 1.0, dtype=like.dtype, device=like.device)   # levels 0..j
+        covering = torch.full((S, S), j + 1.0, dtype=c.dtype, device=c.device)     # levels 0..j
         factor = 1.0 / (covering + sum(m for _, _, m in groups))
-    return groups, causal_keep, factor
-
-
-def _mlr_tiles(c, key_mask, H, sizes, ranks, causal, divide_by_levels):
-    """The tiles of the flash path, the bottom first, each as (rows, keys, width R, scale, keep, groups, factor):
-    rows and keys map a (B, H, T, f) tensor to the (N, m, f) views of the tile's query and key blocks."""
-    j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
-    S = sizes[j]
-    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, c)
-    bottom = functools.partial(_child, size=S, a=0, b=S)                       # every level-j block against itself
+    bottom = functools.partial(_child, size=S, a=0, b=S)
+    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
     yield bottom, bottom, len(c), c, (causal_keep, _key_keep(key_mask, H, S, 0, S)), groups, factor
     for size, a, a2, b, R, alpha in tiles:                                     # query child a, key child a2
         yield (functools.partial(_child, size=size, a=a, b=b), functools.partial(_child, size=size, a=a2, b=b), R,
@@ -478,7 +472,7 @@ class _MLRFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, c, key_mask, sizes, ranks, causal, divide_by_levels):
-        B, H, T, d = q.shape
+        B, H, T, _ = q.shape
         o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
         # the bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
