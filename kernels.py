@@ -524,6 +524,10 @@ def mlr_attention_flash_flops(T, ranks, causal=True, level_sizes=None, dv=None):
 
 # -----------------------------------------------------------------------------
 # sliding-window attention, blocked torch path and flash path
+#
+# With query chunks of c > w rows, chunk i's keys lie in key blocks i - 1 and i (and i + 1 bidirectional), so SWA
+# is two (three) tiles of c×c blocks, each with a fixed band mask, merged exactly. k and v are shifted by one block
+# for the neighbour tiles (a copy); the flash path shifts their gradients back and saves no scores.
 
 def _swa_chunk(window, T):
     """The query chunk length c: more than w rows (so chunks i-1 and i hold query i's window) unless the window
@@ -531,39 +535,19 @@ def _swa_chunk(window, T):
     return min(max(window + 1, 32), T)
 
 
-def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional)."""
-    _check_qkv(q, k, v)
-    _check_window(window)
+def _swa_blocks(q, k, v, window, scale, key_mask):
+    """q times its scale (default 1/sqrt(d)), k and v, padded to Tp = n c rows (B, H, Tp, f) and contiguous; the
+    key validity valid (B, Tp) (keys that exist and are not masked) and the chunk length c."""
     B, H, T, d = q.shape
-    dv = v.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     c = _swa_chunk(window, T)
-    n = -(-T // c)                                   # number of query blocks
-    Tp = n * c
-    left, right = c, (0 if causal else c)            # key padding on each side
-    valid = torch.zeros(B, left + Tp + right, dtype=torch.bool, device=q.device)
-    valid[:, left:left + T] = True if key_mask is None else key_mask
-    qp = F.pad(q, (0, 0, 0, Tp - T)).reshape(B, H, n, c, d)                  # (B, H, n, c, d)
-    kp = F.pad(k, (0, 0, left, Tp - T + right))                              # (B, H, left+Tp+right, d)
-    vp = F.pad(v, (0, 0, left, Tp - T + right))
-    span = left + c + right                                                  # keys per query block
-    kw = kp.unfold(2, span, c).transpose(-2, -1)                             # (B, H, n, span, d)
-    vw = vp.unfold(2, span, c).transpose(-2, -1)                             # (B, H, n, span, dv)
-    validw = valid.unfold(1, span, c)                                        # (B, n, span)
-    s = (qp @ kw.transpose(-2, -1)) * scale                                  # (B, H, n, c, span)
-    i = torch.arange(c, device=q.device)[:, None] + left                     # query position in the window
-    j = torch.arange(span, device=q.device)[None, :]
-    keep = _window_allowed(i, j, window, causal)[None, None, None] & validw[:, None, :, None, :]
-    s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
-    o, _ = _partial_attention(s, vw)                                         # (B, H, n, c, dv)
-    return o.reshape(B, H, Tp, dv)[:, :, :T]
+    Tp = -(-T // c) * c
+    valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
+    valid[:, :T] = True if key_mask is None else key_mask
+    q = q * (1.0 / math.sqrt(d) if scale is None else scale)
+    if Tp != T:
+        q, k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (q, k, v))      # (B, H, Tp, f)
+    return q.contiguous(), k.contiguous(), v.contiguous(), valid, c
 
-
-# The same pieces serve sliding-window attention: with query chunks of c > w rows, chunk i's keys lie in
-# key blocks i - 1 and i (and i + 1 bidirectional), so SWA is two (three) tiles of c×c blocks, each with a
-# fixed band mask, merged as above. k and v are shifted by one block for the neighbour tiles (a copy), and
-# their gradients shifted back. Saved for the backward: q, k, v, o, lse -- no scores.
 
 def _shift_blocks(x, offset, c):
     """x (B, H, Tp, f) with rows moved so that block i holds what was block i + offset (zeros past the ends)."""
@@ -588,9 +572,27 @@ def _swa_tile(k, v, valid, window, causal, c, offset):
     return K, V, (band, ok.view(-1, 1, c) > 0)
 
 
+def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
+    """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional), a
+    tile each, whose partial softmaxes are merged exactly."""
+    _check_qkv(q, k, v)
+    _check_window(window)
+    T = q.shape[2]
+    q, k, v, valid, c = _swa_blocks(q, k, v, window, scale, key_mask)
+    Q = q.view(-1, c, q.shape[-1])                                           # (B*H*n, c, d)
+    outs, lses = [], []
+    for offset in (0, -1) if causal else (0, -1, 1):
+        K, V, (band, ok) = _swa_tile(k, v, valid, window, causal, c, offset)
+        s = (Q @ K.transpose(-2, -1)).masked_fill(~(band & ok), torch.finfo(q.dtype).min)   # (B*H*n, c, c)
+        o, lse = _partial_attention(s, V)
+        outs.append(o)
+        lses.append(lse)
+    return _merge_partials(outs, lses).view(*q.shape[:3], -1)[:, :, :T]
+
+
 class _SWAFlash(torch.autograd.Function):
-    """Sliding-window attention over c×c tiles with an online softmax; q arrives scaled and, like k and v,
-    padded to Tp = n c rows; valid (B, Tp) marks keys that exist and are not masked."""
+    """Sliding-window attention over the c×c tiles of _swa_tile with an online softmax; q, k, v, valid, c as
+    _swa_blocks gives them."""
 
     @staticmethod
     def forward(ctx, q, k, v, valid, window, causal, c):
@@ -634,21 +636,11 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
     memory for the backward. Half-precision inputs are computed in float32."""
     _check_qkv(q, k, v)
     _check_window(window)
-    B, H, T, d = q.shape
-    dtype = q.dtype
+    T, dtype = q.shape[2], q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = _swa_chunk(window, T)
-    Tp = -(-T // c) * c
-    valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
-    valid[:, :T] = True if key_mask is None else key_mask
-    q = q * scale
-    if Tp != T:
-        q, k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (q, k, v))      # (B, H, Tp, f)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = _SWAFlash.apply(q, k, v, valid, window, causal, c)
-    return o[:, :, :T].to(dtype)
+    q, k, v, valid, c = _swa_blocks(q, k, v, window, scale, key_mask)
+    return _SWAFlash.apply(q, k, v, valid, window, causal, c)[:, :, :T].to(dtype)
 
 
 def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
