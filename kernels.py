@@ -51,8 +51,7 @@ def mlr_attention_reference(q, k, v, ranks, causal=True, level_sizes=None, scale
                             divide_by_levels=False, key_mask=None):
     """score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax. Level l has blocks
     of level_sizes[l] tokens (default T / 2^l) and the r_l = ranks[l] features q_l; c_l defaults to 1 / r_l."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     T = q.shape[2]
     pos = torch.arange(T, device=q.device)
     s = torch.zeros(q.shape[:3] + (T,), dtype=q.dtype, device=q.device)
@@ -161,7 +160,13 @@ def mlr_level_sizes(T, n_levels, level_sizes=None):
     return [min(b, T) for b in sizes]
 
 
-def _mlr_check(q, k, v, ranks, level_sizes):
+def mlr_level_scales(ranks):
+    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
+    return [1.0 / r for r in ranks]
+
+
+def _mlr_check(q, k, v, ranks, level_sizes, scales):
+    """The ranks as ints, the block sizes of mlr_level_sizes and the scales (default mlr_level_scales)."""
     _check_qkv(q, k, v)
     ranks = [int(r) for r in ranks]
     if any(r <= 0 for r in ranks):
@@ -169,12 +174,8 @@ def _mlr_check(q, k, v, ranks, level_sizes):
     if sum(ranks) != q.shape[-1]:
         raise ValueError(f"MLR ranks {'|'.join(map(str, ranks))} sum to {sum(ranks)} but the head width is "
                          f"{q.shape[-1]}; the rank allocation must sum to the head width")
-    return ranks, mlr_level_sizes(q.shape[2], len(ranks), level_sizes)
-
-
-def mlr_level_scales(ranks):
-    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
-    return [1.0 / r for r in ranks]
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    return ranks, mlr_level_sizes(q.shape[2], len(ranks), level_sizes), scales
 
 
 def _feature_scales(ranks, scales, like):
@@ -277,8 +278,7 @@ def _mlr_diagonal_blocks(q, k, v, b, L, causal, divide_by_levels, key_mask):
 def mlr_attention_torch(q, k, v, ranks, causal=True, level_sizes=None, scales=None,
                         divide_by_levels=False, key_mask=None):
     """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     q = q * _feature_scales(ranks, scales, q)
     outs, lses = [], []
     for l in range(len(ranks) - 1):                      # the sibling tiles of each level l < L-1
@@ -502,8 +502,7 @@ def mlr_attention_flash(q, k, v, ranks, causal=True, level_sizes=None, scales=No
                         key_mask=None):
     """MLR attention through _MLRFlash; same arguments and result as mlr_attention_torch. Half-precision
     inputs are computed in float32 (the exponentials and merges need it) and returned in their dtype."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -1010,8 +1009,7 @@ def mlr_attention_triton(q, k, v, ranks, causal=True, level_sizes=None, scales=N
                          key_mask=None):
     """MLR attention through the Triton kernels; same arguments and result as mlr_attention_torch."""
     _check_triton(q, k, v, key_mask)
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     feats = [sum(ranks[:l]) for l in range(len(ranks) + 1)]                 # [0, R_0, R_1, ..., d]
     return _TritonAttention.apply(q * _feature_scales(ranks, scales, q), k, v, key_mask, tuple(sizes), tuple(feats),
                                   q.shape[2], causal, divide_by_levels)
