@@ -595,7 +595,7 @@ class _SWAFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, valid, window, causal, c):
-        B, H, Tp, d = q.shape
+        B, H, Tp, _ = q.shape
         o = torch.empty(B, H, Tp, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Tp, 1, dtype=q.dtype, device=q.device)
         Q, O, Lse = (x.view(-1, c, x.shape[-1]) for x in (q, o, lse))        # (B*H*n, c, f) views
