@@ -1252,8 +1252,8 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
     print(f"attention cores on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {sum(ranks)}, "
           f"MLR ranks {'|'.join(map(str, ranks))} (mlr_flash_eq: 8 equal levels), SWA window 127 (128 keys); "
           f"{torch.get_num_threads()} thread(s); {peak:.0f} GFLOP/s for a 4096² matmul here")
-    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'peak MB':>8s} {'x sdpa':>7s} {'GFLOP/s':>8s} "
-          f"{'% mm':>5s}")
+    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'x floor':>7s} {'peak MB':>8s} {'x sdpa':>7s} "
+          f"{'GFLOP/s':>8s} {'% mm':>5s}   (floor: the core's FLOPs at SDPA's FLOP/s measured here)")
     rows = []
     for T in Ts:
         q, k, v = (torch.randn(1, BH, T, sum(ranks), device=device, dtype=dtype, requires_grad=True)
@@ -1265,10 +1265,11 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
             ms, mb = measure(lambda: fn(q, k, v).sum().backward(), reps)
             q.grad = k.grad = v.grad = None
             base = base or (ms, mb)
-            r = dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], peak_mb=mb, mb_vs_sdpa=mb / max(base[1], 1e-9),
-                     gflops=3 * BH * flops(T) / ms / 1e6, matmul_gflops=peak)
-            print(f"{name:13s} {T:5d} {ms:9.1f} {r['ms_vs_sdpa']:7.2f} {mb:8.1f} {r['mb_vs_sdpa']:7.2f} "
-                  f"{r['gflops']:8.1f} {100 * r['gflops'] / peak:5.0f}", flush=True)
+            floor = base[0] * flops(T) / cores['sdpa'][1](T)          # ms at SDPA's FLOP/s: the distance to the limit
+            r = dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], ms_vs_floor=ms / floor, peak_mb=mb,
+                     mb_vs_sdpa=mb / max(base[1], 1e-9), gflops=3 * BH * flops(T) / ms / 1e6, matmul_gflops=peak)
+            print(f"{name:13s} {T:5d} {ms:9.1f} {r['ms_vs_sdpa']:7.2f} {r['ms_vs_floor']:7.2f} {mb:8.1f} "
+                  f"{r['mb_vs_sdpa']:7.2f} {r['gflops']:8.1f} {100 * r['gflops'] / peak:5.0f}", flush=True)
             rows.append(r)
     return rows
 
