@@ -23,6 +23,7 @@ its reference by the tests, forward and gradients:
     python kernels.py --compile-check          # compile the kernels for sm_80 / sm_90, no GPU needed
 """
 import argparse
+import functools
 import itertools
 import math
 import os
@@ -50,8 +51,7 @@ def mlr_attention_reference(q, k, v, ranks, causal=True, level_sizes=None, scale
                             divide_by_levels=False, key_mask=None):
     """score(i, j) = sum_l 1[block_l(i) = block_l(j)] c_l q_l(i).k_l(j), masked, softmax. Level l has blocks
     of level_sizes[l] tokens (default T / 2^l) and the r_l = ranks[l] features q_l; c_l defaults to 1 / r_l."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     T = q.shape[2]
     pos = torch.arange(T, device=q.device)
     s = torch.zeros(q.shape[:3] + (T,), dtype=q.dtype, device=q.device)
@@ -160,7 +160,13 @@ def mlr_level_sizes(T, n_levels, level_sizes=None):
     return [min(b, T) for b in sizes]
 
 
-def _mlr_check(q, k, v, ranks, level_sizes):
+def mlr_level_scales(ranks):
+    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
+    return [1.0 / r for r in ranks]
+
+
+def _mlr_check(q, k, v, ranks, level_sizes, scales):
+    """The ranks as ints, the block sizes of mlr_level_sizes and the scales (default mlr_level_scales)."""
     _check_qkv(q, k, v)
     ranks = [int(r) for r in ranks]
     if any(r <= 0 for r in ranks):
@@ -168,12 +174,8 @@ def _mlr_check(q, k, v, ranks, level_sizes):
     if sum(ranks) != q.shape[-1]:
         raise ValueError(f"MLR ranks {'|'.join(map(str, ranks))} sum to {sum(ranks)} but the head width is "
                          f"{q.shape[-1]}; the rank allocation must sum to the head width")
-    return ranks, mlr_level_sizes(q.shape[2], len(ranks), level_sizes)
-
-
-def mlr_level_scales(ranks):
-    """Default per-level logit scale c_l = 1 / r_l (the paper's reference code)."""
-    return [1.0 / r for r in ranks]
+    scales = mlr_level_scales(ranks) if scales is None else scales
+    return ranks, mlr_level_sizes(q.shape[2], len(ranks), level_sizes), scales
 
 
 def _feature_scales(ranks, scales, like):
@@ -276,8 +278,7 @@ def _mlr_diagonal_blocks(q, k, v, b, L, causal, divide_by_levels, key_mask):
 def mlr_attention_torch(q, k, v, ranks, causal=True, level_sizes=None, scales=None,
                         divide_by_levels=False, key_mask=None):
     """Structured MLR attention: tiles per level with prefix features, partial softmaxes merged exactly."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     q = q * _feature_scales(ranks, scales, q)
     outs, lses = [], []
     for l in range(len(ranks) - 1):                      # the sibling tiles of each level l < L-1
@@ -292,25 +293,24 @@ def mlr_attention_torch(q, k, v, ranks, causal=True, level_sizes=None, scales=No
     return _merge_partials(outs, lses)
 
 
+def _attention_flops(pairs_and_widths, dv):
+    """Multiply-adds x 2 of scoring (query, key) pairs with `width` features each and adding their dv-wide values
+    into the outputs: sum of 2 * pairs * (width + dv)."""
+    return 2 * sum(pairs * (width + dv) for pairs, width in pairs_and_widths)
+
+
 def mlr_attention_flops(T, ranks, causal=True, level_sizes=None, dv=None):
     """Multiply-adds x 2 of mlr_attention_torch on one (batch, head): scores plus A·V."""
     sizes = mlr_level_sizes(T, len(ranks), level_sizes)
-    dv = sum(ranks) if dv is None else dv
-    qk = av = 0
-    for l in range(len(ranks) - 1):
+    terms = [(T * sizes[-1], sum(ranks))]                       # the diagonal blocks, all d features
+    for l in range(len(ranks) - 1):                             # the sibling tiles, the prefix R_l
         c, b = sizes[l] // sizes[l + 1], sizes[l + 1]
-        pairs = T * (c - 1) * b
-        if causal and c == 2:
-            pairs //= 2
-        qk += pairs * sum(ranks[:l + 1])
-        av += pairs * dv
-    qk += T * sizes[-1] * sum(ranks)
-    av += T * sizes[-1] * dv
-    return 2 * (qk + av)
+        terms.append((T * (c - 1) * b // (2 if causal and c == 2 else 1), sum(ranks[:l + 1])))
+    return _attention_flops(terms, sum(ranks) if dv is None else dv)
 
 
 # -----------------------------------------------------------------------------
-# helpers of the flash paths: an online softmax over pieces of a tile, forward and backward
+# the core of the flash paths: an online softmax over the pieces of a tile, forward and backward
 #
 # The *_flash paths (MLR, SWA) are FlashAttention-2 on the CPU in torch ops. A tile is a batch of (query block,
 # key block) pairs, held as (N, rows, f) views of the (B, H, T, f) tensors (_child), cut into pieces of at most
@@ -349,51 +349,74 @@ def _pieces(N, rows, keys):
             yield slice(n0, min(n0 + group, N)), slice(r0, min(r0 + step, rows))
 
 
-def _piece_scores(Q, K, groups=(), factor=None, keep=None):
-    """Scores of one piece: Q (n, m, d) . K (n, b, d) over the prefix up to the first group's feature, plus each
-    group's features under its mask; then the per-pair factor and the masks (-inf = not attended)."""
+def _tile_pieces(Q, K, scale, keep, groups, factor):
+    """The pieces of one tile, queries Q (N, m, f) against keys K (N, b, f), and their scores: q times scale (f,)
+    dotted with k over the prefix up to the first group's feature, plus each feature group (f0, f1, same (m, b))
+    where `same` holds (MLR's bottom tiles); times the per-pair factor (m, b); -inf where keep = (rows (m, b),
+    keys (N, 1, b)) is False. Yields the piece (n, r), its scaled queries (a copy; Q's view when scale is None),
+    its rows of the groups and its scores."""
     R = groups[0][0] if groups else Q.shape[-1]
-    s = torch.bmm(Q[..., :R], K[..., :R].transpose(-2, -1))            # (n, m, b)
-    for f0, f1, same in groups:
-        s.addcmul_(torch.bmm(Q[..., f0:f1], K[..., f0:f1].transpose(-2, -1)), same)
-    if factor is not None:
-        s.mul_(factor)
-    for m in keep:
-        if m is not None:
-            s.masked_fill_(~m, float('-inf'))
-    return s
+    for n, r in _pieces(Q.shape[0], Q.shape[1], K.shape[1]):
+        Qp = Q[n, r] if scale is None else Q[n, r] * scale
+        rows = [(f0, f1, same[r]) for f0, f1, same in groups]
+        s = torch.bmm(Qp[..., :R], K[n, :, :R].transpose(-2, -1))                # (n, m, b)
+        for f0, f1, same in rows:
+            s.addcmul_(torch.bmm(Qp[..., f0:f1], K[n, :, f0:f1].transpose(-2, -1)), same)
+        if factor is not None:
+            s.mul_(factor[r])
+        for mask in (None if keep[0] is None else keep[0][r], None if keep[1] is None else keep[1][n]):
+            if mask is not None:
+                s.masked_fill_(~mask, float('-inf'))
+        yield n, r, Qp, rows, s
 
 
-def _piece_forward(s, V, O, Lse, merge):
-    """Softmax of the piece's scores (in place) times V; write (merge=False) or merge into O, Lse."""
-    m = s.amax(-1, keepdim=True).clamp_min_(-1e30)                     # rows without keys stay finite
-    p = s.sub_(m).exp_()
-    l = p.sum(-1, keepdim=True).clamp_min_(1e-30)
-    o = torch.bmm(p, V).div_(l)
-    lse = m.add_(l.log_())
-    if not merge:
-        O.copy_(o)
-        Lse.copy_(lse)
-        return
-    new = torch.logaddexp(Lse, lse)
-    O.mul_(torch.exp(Lse - new)).add_(o.mul_(torch.exp(lse - new)))
-    Lse.copy_(new)
+def _tile_forward(Q, K, V, O, Lse, merge, scale=None, keep=(None, None), groups=(), factor=None):
+    """Softmax of one tile's scores times V, piece by piece: written into (merge=False) or merged into the
+    running O, Lse of its rows."""
+    for n, r, _, _, s in _tile_pieces(Q, K, scale, keep, groups, factor):
+        m = s.amax(-1, keepdim=True).clamp_min_(-1e30)                         # rows without keys stay finite
+        p = s.sub_(m).exp_()
+        l = p.sum(-1, keepdim=True).clamp_min_(1e-30)
+        o = torch.bmm(p, V[n]).div_(l)
+        lse = m.add_(l.log_())
+        O_rows, Lse_rows = O[n, r], Lse[n, r]
+        if not merge:
+            O_rows.copy_(o)
+            Lse_rows.copy_(lse)
+            continue
+        new = torch.logaddexp(Lse_rows, lse)
+        O_rows.mul_(torch.exp(Lse_rows - new)).add_(o.mul_(torch.exp(lse - new)))
+        Lse_rows.copy_(new)
 
 
-def _piece_backward(s, V, dO, Lse, Delta):
-    """The split-KV identity on one piece, from its recomputed scores s (consumed): returns ds, the gradient
-    of the scores, and this piece's share of dv."""
-    p = s.sub_(Lse).exp_()                                              # the final probabilities
-    dv = torch.bmm(p.transpose(-2, -1), dO)
-    ds = torch.bmm(dO, V.transpose(-2, -1)).sub_(Delta).mul_(p)
-    return ds, dv
+def _tile_backward(Q, K, V, dO, Lse, Delta, dQ, dK, dV, write, scale=None, keep=(None, None), groups=(),
+                   factor=None):
+    """One tile's gradients by the split-KV identity, from recomputed scores: written into (write=True: the tile
+    touches every row, key and feature) or added to dQ, dK, dV. dq = ds k scale and dk = dsᵀ (q scale) over the
+    prefix all pairs share, and over each feature group with ds masked to its pairs."""
+    width = groups[0][0] if groups else Q.shape[-1]
+    for n, r, Qp, rows, s in _tile_pieces(Q, K, scale, keep, groups, factor):
+        p = s.sub_(Lse[n, r]).exp_()                                           # the final probabilities
+        dv_piece = torch.bmm(p.transpose(-2, -1), dO[n, r])
+        ds = torch.bmm(dO[n, r], V[n].transpose(-2, -1)).sub_(Delta[n, r]).mul_(p)
+        if factor is not None:
+            ds.mul_(factor[r])
+        first = write and r.start == 0                                         # later row pieces add to dk, dv
+        for f0, f1, ds_l in [(0, width, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
+            dq_piece = torch.bmm(ds_l, K[n, :, f0:f1])
+            if scale is not None:
+                dq_piece.mul_(scale[f0:f1])
+            dQ[n, r, f0:f1].copy_(dq_piece) if write else dQ[n, r, f0:f1].add_(dq_piece)
+            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Qp[..., f0:f1])
+            dK[n, :, f0:f1].copy_(dk_piece) if first else dK[n, :, f0:f1].add_(dk_piece)
+        dV[n].copy_(dv_piece) if first else dV[n].add_(dv_piece)
 
 
 # -----------------------------------------------------------------------------
 # MLR attention, flash-style torch path: the same tiles, O(T·d) memory, a backward written by hand
 #
 # mlr_attention_torch above is the readable form, but autograd keeps every tile's probabilities (O(T²) memory).
-# This path runs the same tiles through the pieces of the flash helpers: O(T·d) memory.
+# This path runs the same tiles through the pieces of the flash core: O(T·d) memory.
 # - The bottom: levels with blocks smaller than BOTTOM (the paper's T = 1024, 8 levels has 8-token blocks) would
 #   be thousands of tiny products. Instead every block of the deepest level j with blocks >= BOTTOM is one dense
 #   S×S tile: the prefix R_j shared by all its pairs in one product, plus one product per deeper level with its
@@ -418,77 +441,45 @@ def _mlr_plan(sizes, ranks, causal, divide_by_levels):
     return j, tiles
 
 
-def _bottom_masks(sizes, ranks, j, causal, divide_by_levels, like):
-    """Inside one level-j block (S×S): the feature groups of the deeper levels with their same-block masks,
-    the causal mask and the per-pair factor 1 / (number of levels covering the pair)."""
+def _mlr_tiles(c, key_mask, H, sizes, ranks, causal, divide_by_levels):
+    """The tiles of the flash path, each as (rows, keys, width R, scale, keep, groups, factor): rows and keys map
+    a (B, H, T, f) tensor to the (N, m, f) views of the tile's query and key blocks. First the bottom tiles, each
+    level-j block (S×S) against itself: the feature groups of the deeper levels with their same-block masks, the
+    causal mask and the per-pair factor 1 / (number of levels covering the pair); then the sibling tiles."""
+    j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
     S, R = sizes[j], sum(ranks[:j + 1])
-    pos = torch.arange(S, device=like.device)
+    pos = torch.arange(S, device=c.device)
     groups = []                                              # (first feature, last feature, mask (S, S))
     for l in range(j + 1, len(ranks)):
         same = (pos[:, None] // sizes[l]) == (pos[None, :] // sizes[l])
-        groups.append((R, R + ranks[l], same.to(like.dtype)))
+        groups.append((R, R + ranks[l], same.to(c.dtype)))
         R += ranks[l]
-    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
     factor = None
     if divide_by_levels:
-        covering = torch.full((S, S), j + 1.0, dtype=like.dtype, device=like.device)   # levels 0..j
+        covering = torch.full((S, S), j + 1.0, dtype=c.dtype, device=c.device)     # levels 0..j
         factor = 1.0 / (covering + sum(m for _, _, m in groups))
-    return groups, causal_keep, factor
-
-
-def _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles, every level-j block against itself, piece by piece: yields the piece (n, r), its
-    scaled queries Q, its rows of each deeper level's mask, its per-pair factor and its scores."""
-    S = sizes[j]
-    groups, causal_keep, factor = _bottom_masks(sizes, ranks, j, causal, divide_by_levels, q)
-    Qb, Kb = _child(q, S, 0, S), _child(k, S, 0, S)                    # (N, S, d) views
-    kk = _key_keep(key_mask, q.shape[1], S, 0, S)
-    for n, r in _pieces(Qb.shape[0], S, S):
-        keep = (None if causal_keep is None else causal_keep[r], None if kk is None else kk[n])
-        f = None if factor is None else factor[r]
-        Q, rows = Qb[n, r] * c, [(f0, f1, same[r]) for f0, f1, same in groups]
-        yield n, r, Q, rows, f, _piece_scores(Q, Kb[n], rows, f, keep)
-
-
-def _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal, divide_by_levels):
-    """The bottom tiles' gradients, written (not added) into dq, dk, dv: the bottom is the first and only
-    contribution to each block's diagonal, and it touches every row, key and feature."""
-    S, R = sizes[j], sum(ranks[:j + 1])                                 # R: the prefix all pairs share
-    Kb, Vb, dOb, Lb, Db, dQb, dKb, dVb = (_child(x, S, 0, S) for x in (k, v, do, lse, delta, dq, dk, dv))
-    for n, r, Q, rows, f, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-        ds, dv_piece = _piece_backward(s, Vb[n], dOb[n, r], Lb[n, r], Db[n, r])
-        if f is not None:
-            ds.mul_(f)
-        first = r.start == 0                                            # later row pieces add to dk, dv
-        for f0, f1, ds_l in [(0, R, ds)] + [(f0, f1, ds * same) for f0, f1, same in rows]:
-            torch.mul(torch.bmm(ds_l, Kb[n, :, f0:f1]), c[f0:f1], out=dQb[n, r, f0:f1])
-            dk_piece = torch.bmm(ds_l.transpose(-2, -1), Q[..., f0:f1])
-            dKb[n, :, f0:f1].copy_(dk_piece) if first else dKb[n, :, f0:f1].add_(dk_piece)
-        dVb[n].copy_(dv_piece) if first else dVb[n].add_(dv_piece)
+    bottom = functools.partial(_child, size=S, a=0, b=S)
+    causal_keep = (pos[None, :] <= pos[:, None]) if causal else None
+    yield bottom, bottom, len(c), c, (causal_keep, _key_keep(key_mask, H, S, 0, S)), groups, factor
+    for size, a, a2, b, R, alpha in tiles:                                     # query child a, key child a2
+        yield (functools.partial(_child, size=size, a=a, b=b), functools.partial(_child, size=size, a=a2, b=b), R,
+               alpha * c[:R], (None, _key_keep(key_mask, H, size, a2, b)), (), None)
 
 
 class _MLRFlash(torch.autograd.Function):
-    """MLR attention over the tiles of _mlr_plan with an online softmax. c: the scale of each feature (d,),
-    c_l repeated r_l times; it is applied to each tile's (or piece's) copy of q, never to all of q."""
+    """MLR attention over the tiles of _mlr_tiles with an online softmax. c: the scale of each feature (d,),
+    c_l repeated r_l times; it is applied to each piece's copy of q, never to all of q."""
 
     @staticmethod
     def forward(ctx, q, k, v, c, key_mask, sizes, ranks, causal, divide_by_levels):
-        B, H, T, d = q.shape
-        j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
+        B, H, T, _ = q.shape
         o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, 1, dtype=q.dtype, device=q.device)
         # the bottom tiles hold every row's own block, so they write o and lse first; the sibling tiles merge
-        Vb, Ob, Lb = (_child(x, sizes[j], 0, sizes[j]) for x in (v, o, lse))
-        for n, r, _, _, _, s in _bottom_pieces(q, k, c, key_mask, sizes, ranks, j, causal, divide_by_levels):
-            _piece_forward(s, Vb[n], Ob[n, r], Lb[n, r], merge=False)
-        # into them: the sibling tiles of the levels above, query child a against key child a2, prefix R_l
-        for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])          # (N, b, R) copy, scaled
-            K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)  # (N, b, R), (N, b, dv) views
-            O, Lse, kk = _child(o, size, a, b), _child(lse, size, a, b), _key_keep(key_mask, H, size, a2, b)
-            for n, r in _pieces(Q.shape[0], b, b):
-                s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
-                _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=True)
+        tiles = _mlr_tiles(c, key_mask, H, sizes, ranks, causal, divide_by_levels)
+        for i, (rows, keys, R, scale, keep, groups, factor) in enumerate(tiles):
+            _tile_forward(rows(q)[..., :R], keys(k)[..., :R], keys(v), rows(o), rows(lse), i > 0, scale, keep,
+                          groups, factor)
         ctx.save_for_backward(q, k, v, c, o, lse, key_mask)
         ctx.plan = (sizes, ranks, causal, divide_by_levels)
         return o
@@ -496,26 +487,14 @@ class _MLRFlash(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, c, o, lse, key_mask = ctx.saved_tensors
-        sizes, ranks, causal, divide_by_levels = ctx.plan
-        j, tiles = _mlr_plan(sizes, ranks, causal, divide_by_levels)
         do = do.contiguous()
         delta = (do * o).sum(-1, keepdim=True)                          # (B, H, T, 1)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _bottom_backward(q, k, v, c, key_mask, do, lse, delta, dq, dk, dv, sizes, ranks, j, causal,
-                         divide_by_levels)                             # writes every entry of dq, dk, dv
-        H = q.shape[1]
-        for size, a, a2, b, R, alpha in tiles:
-            Q = _child(q, size, a, b)[..., :R] * (alpha * c[:R])
-            K, V = _child(k, size, a2, b)[..., :R], _child(v, size, a2, b)
-            dO, Lse, D = _child(do, size, a, b), _child(lse, size, a, b), _child(delta, size, a, b)
-            dQ, dK, dV = _child(dq, size, a, b)[..., :R], _child(dk, size, a2, b)[..., :R], _child(dv, size, a2, b)
-            kk = _key_keep(key_mask, H, size, a2, b)
-            for n, r in _pieces(Q.shape[0], b, b):
-                s = _piece_scores(Q[n, r], K[n], keep=(None if kk is None else kk[n],))
-                ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
-                dV[n].add_(dv_piece)
-                dQ[n, r].add_(torch.bmm(ds, K[n]).mul_(alpha * c[:R]))
-                dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
+        # the bottom tiles write every entry of dq, dk, dv; the sibling tiles add to them
+        for i, (rows, keys, R, scale, keep, groups, factor) in enumerate(_mlr_tiles(c, key_mask, q.shape[1],
+                                                                                    *ctx.plan)):
+            _tile_backward(rows(q)[..., :R], keys(k)[..., :R], keys(v), rows(do), rows(lse), rows(delta),
+                           rows(dq)[..., :R], keys(dk)[..., :R], keys(dv), i == 0, scale, keep, groups, factor)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -523,8 +502,7 @@ def mlr_attention_flash(q, k, v, ranks, causal=True, level_sizes=None, scales=No
                         key_mask=None):
     """MLR attention through _MLRFlash; same arguments and result as mlr_attention_torch. Half-precision
     inputs are computed in float32 (the exponentials and merges need it) and returned in their dtype."""
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -538,17 +516,17 @@ def mlr_attention_flash_flops(T, ranks, causal=True, level_sizes=None, dv=None):
     """Multiply-adds x 2 that mlr_attention_flash's forward spends on one (batch, head): the exact sibling
     tiles of mlr_attention_flops above level j, and the dense S×S bottom tiles with all d features."""
     sizes = mlr_level_sizes(T, len(ranks), level_sizes)
-    d = sum(ranks)
-    dv = d if dv is None else dv
     j, tiles = _mlr_plan(sizes, ranks, causal, False)
-    pairs = [(T // size) * b * b for size, _, _, b, _, _ in tiles]
-    qk = sum(p * R for p, (_, _, _, _, R, _) in zip(pairs, tiles)) + T * sizes[j] * d
-    av = (sum(pairs) + T * sizes[j]) * dv
-    return 2 * (qk + av)
+    terms = [(T * sizes[j], sum(ranks))] + [((T // size) * b * b, R) for size, _, _, b, R, _ in tiles]
+    return _attention_flops(terms, sum(ranks) if dv is None else dv)
 
 
 # -----------------------------------------------------------------------------
 # sliding-window attention, blocked torch path and flash path
+#
+# With query chunks of c > w rows, chunk i's keys lie in key blocks i - 1 and i (and i + 1 bidirectional), so SWA
+# is two (three) tiles of c×c blocks, each with a fixed band mask, merged exactly. k and v are shifted by one block
+# for the neighbour tiles (a copy); the flash path shifts their gradients back and saves no scores.
 
 def _swa_chunk(window, T):
     """The query chunk length c: more than w rows (so chunks i-1 and i hold query i's window) unless the window
@@ -556,39 +534,19 @@ def _swa_chunk(window, T):
     return min(max(window + 1, 32), T)
 
 
-def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
-    """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional)."""
-    _check_qkv(q, k, v)
-    _check_window(window)
+def _swa_blocks(q, k, v, window, scale, key_mask):
+    """q times its scale (default 1/sqrt(d)), k and v, padded to Tp = n c rows (B, H, Tp, f) and contiguous; the
+    key validity valid (B, Tp) (keys that exist and are not masked) and the chunk length c."""
     B, H, T, d = q.shape
-    dv = v.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     c = _swa_chunk(window, T)
-    n = -(-T // c)                                   # number of query blocks
-    Tp = n * c
-    left, right = c, (0 if causal else c)            # key padding on each side
-    valid = torch.zeros(B, left + Tp + right, dtype=torch.bool, device=q.device)
-    valid[:, left:left + T] = True if key_mask is None else key_mask
-    qp = F.pad(q, (0, 0, 0, Tp - T)).reshape(B, H, n, c, d)                  # (B, H, n, c, d)
-    kp = F.pad(k, (0, 0, left, Tp - T + right))                              # (B, H, left+Tp+right, d)
-    vp = F.pad(v, (0, 0, left, Tp - T + right))
-    span = left + c + right                                                  # keys per query block
-    kw = kp.unfold(2, span, c).transpose(-2, -1)                             # (B, H, n, span, d)
-    vw = vp.unfold(2, span, c).transpose(-2, -1)                             # (B, H, n, span, dv)
-    validw = valid.unfold(1, span, c)                                        # (B, n, span)
-    s = (qp @ kw.transpose(-2, -1)) * scale                                  # (B, H, n, c, span)
-    i = torch.arange(c, device=q.device)[:, None] + left                     # query position in the window
-    j = torch.arange(span, device=q.device)[None, :]
-    keep = _window_allowed(i, j, window, causal)[None, None, None] & validw[:, None, :, None, :]
-    s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
-    o, _ = _partial_attention(s, vw)                                         # (B, H, n, c, dv)
-    return o.reshape(B, H, Tp, dv)[:, :, :T]
+    Tp = -(-T // c) * c
+    valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
+    valid[:, :T] = True if key_mask is None else key_mask
+    q = q * (1.0 / math.sqrt(d) if scale is None else scale)
+    if Tp != T:
+        q, k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (q, k, v))      # (B, H, Tp, f)
+    return q.contiguous(), k.contiguous(), v.contiguous(), valid, c
 
-
-# The same pieces serve sliding-window attention: with query chunks of c > w rows, chunk i's keys lie in
-# key blocks i - 1 and i (and i + 1 bidirectional), so SWA is two (three) tiles of c×c blocks, each with a
-# fixed band mask, merged as above. k and v are shifted by one block for the neighbour tiles (a copy), and
-# their gradients shifted back. Saved for the backward: q, k, v, o, lse -- no scores.
 
 def _shift_blocks(x, offset, c):
     """x (B, H, Tp, f) with rows moved so that block i holds what was block i + offset (zeros past the ends)."""
@@ -613,21 +571,37 @@ def _swa_tile(k, v, valid, window, causal, c, offset):
     return K, V, (band, ok.view(-1, 1, c) > 0)
 
 
+def sliding_window_attention_torch(q, k, v, window, causal=True, scale=None, key_mask=None):
+    """Blocked SWA: queries in chunks of c > w rows; chunk i sees key chunks i-1, i (and i+1 bidirectional), a
+    tile each, whose partial softmaxes are merged exactly."""
+    _check_qkv(q, k, v)
+    _check_window(window)
+    T = q.shape[2]
+    q, k, v, valid, c = _swa_blocks(q, k, v, window, scale, key_mask)
+    Q = q.view(-1, c, q.shape[-1])                                           # (B*H*n, c, d)
+    outs, lses = [], []
+    for offset in (0, -1) if causal else (0, -1, 1):
+        K, V, (band, ok) = _swa_tile(k, v, valid, window, causal, c, offset)
+        s = (Q @ K.transpose(-2, -1)).masked_fill(~(band & ok), torch.finfo(q.dtype).min)   # (B*H*n, c, c)
+        o, lse = _partial_attention(s, V)
+        outs.append(o)
+        lses.append(lse)
+    return _merge_partials(outs, lses).view(*q.shape[:3], -1)[:, :, :T]
+
+
 class _SWAFlash(torch.autograd.Function):
-    """Sliding-window attention over c×c tiles with an online softmax; q arrives scaled and, like k and v,
-    padded to Tp = n c rows; valid (B, Tp) marks keys that exist and are not masked."""
+    """Sliding-window attention over the c×c tiles of _swa_tile with an online softmax; q, k, v, valid, c as
+    _swa_blocks gives them."""
 
     @staticmethod
     def forward(ctx, q, k, v, valid, window, causal, c):
-        B, H, Tp, d = q.shape
+        B, H, Tp, _ = q.shape
         o = torch.empty(B, H, Tp, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Tp, 1, dtype=q.dtype, device=q.device)
         Q, O, Lse = (x.view(-1, c, x.shape[-1]) for x in (q, o, lse))        # (B*H*n, c, f) views
         for offset in (0, -1) if causal else (0, -1, 1):     # the key blocks seen; the own block first: it writes
             K, V, keep = _swa_tile(k, v, valid, window, causal, c, offset)
-            for n, r in _pieces(Q.shape[0], c, c):
-                s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
-                _piece_forward(s, V[n], O[n, r], Lse[n, r], merge=offset != 0)
+            _tile_forward(Q, K, V, O, Lse, merge=offset != 0, keep=keep)
         ctx.save_for_backward(q, k, v, valid, o, lse)
         ctx.plan = (window, causal, c)
         return o
@@ -647,12 +621,7 @@ class _SWAFlash(torch.autograd.Function):
                 dK, dV = dk.view(K.shape), dv.view(V.shape)
             else:                                                             # gradients of the shifted k, v
                 dK, dV = torch.zeros_like(K), torch.zeros_like(V)
-            for n, r in _pieces(Q.shape[0], c, c):
-                s = _piece_scores(Q[n, r], K[n], keep=(keep[0][r], keep[1][n]))
-                ds, dv_piece = _piece_backward(s, V[n], dO[n, r], Lse[n, r], D[n, r])
-                dV[n].add_(dv_piece)
-                dQ[n, r].add_(torch.bmm(ds, K[n]))
-                dK[n].add_(torch.bmm(ds.transpose(-2, -1), Q[n, r]))
+            _tile_backward(Q, K, V, dO, Lse, D, dQ, dK, dV, write=False, keep=keep)
             for grad, tile_grad in ((dk, dK.view(k.shape)), (dv, dV.view(v.shape))):    # shift back
                 if offset < 0:
                     grad[:, :, :-c].add_(tile_grad[:, :, c:])
@@ -666,30 +635,18 @@ def sliding_window_attention_flash(q, k, v, window, causal=True, scale=None, key
     memory for the backward. Half-precision inputs are computed in float32."""
     _check_qkv(q, k, v)
     _check_window(window)
-    B, H, T, d = q.shape
-    dtype = q.dtype
+    T, dtype = q.shape[2], q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    c = _swa_chunk(window, T)
-    Tp = -(-T // c) * c
-    valid = torch.zeros(B, Tp, dtype=torch.bool, device=q.device)
-    valid[:, :T] = True if key_mask is None else key_mask
-    q = q * scale
-    if Tp != T:
-        q, k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (q, k, v))      # (B, H, Tp, f)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = _SWAFlash.apply(q, k, v, valid, window, causal, c)
-    return o[:, :, :T].to(dtype)
+    q, k, v, valid, c = _swa_blocks(q, k, v, window, scale, key_mask)
+    return _SWAFlash.apply(q, k, v, valid, window, causal, c)[:, :, :T].to(dtype)
 
 
 def sliding_window_attention_flops(T, window, d, causal=True, dv=None):
     """Multiply-adds x 2 of sliding_window_attention_torch on one (batch, head)."""
-    dv = d if dv is None else dv
     c = _swa_chunk(window, T)
-    n = -(-T // c)
-    span = c + c + (0 if causal else c)
-    return 2 * n * c * span * (d + dv)
+    span = c + c + (0 if causal else c)                         # keys per query chunk
+    return _attention_flops([(-(-T // c) * c * span, d)], d if dv is None else dv)
 
 
 # -----------------------------------------------------------------------------
@@ -1052,8 +1009,7 @@ def mlr_attention_triton(q, k, v, ranks, causal=True, level_sizes=None, scales=N
                          key_mask=None):
     """MLR attention through the Triton kernels; same arguments and result as mlr_attention_torch."""
     _check_triton(q, k, v, key_mask)
-    ranks, sizes = _mlr_check(q, k, v, ranks, level_sizes)
-    scales = mlr_level_scales(ranks) if scales is None else scales
+    ranks, sizes, scales = _mlr_check(q, k, v, ranks, level_sizes, scales)
     feats = [sum(ranks[:l]) for l in range(len(ranks) + 1)]                 # [0, R_0, R_1, ..., d]
     return _TritonAttention.apply(q * _feature_scales(ranks, scales, q), k, v, key_mask, tuple(sizes), tuple(feats),
                                   q.shape[2], causal, divide_by_levels)
@@ -1296,8 +1252,8 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
     print(f"attention cores on {device} ({dtype}), forward+backward, causal, B*H = {BH}, d = {sum(ranks)}, "
           f"MLR ranks {'|'.join(map(str, ranks))} (mlr_flash_eq: 8 equal levels), SWA window 127 (128 keys); "
           f"{torch.get_num_threads()} thread(s); {peak:.0f} GFLOP/s for a 4096² matmul here")
-    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'peak MB':>8s} {'x sdpa':>7s} {'GFLOP/s':>8s} "
-          f"{'% mm':>5s}")
+    print(f"{'core':13s} {'T':>5s} {'ms':>9s} {'x sdpa':>7s} {'x floor':>7s} {'peak MB':>8s} {'x sdpa':>7s} "
+          f"{'GFLOP/s':>8s} {'% mm':>5s}   (floor: the core's FLOPs at SDPA's FLOP/s measured here)")
     rows = []
     for T in Ts:
         q, k, v = (torch.randn(1, BH, T, sum(ranks), device=device, dtype=dtype, requires_grad=True)
@@ -1309,10 +1265,11 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
             ms, mb = measure(lambda: fn(q, k, v).sum().backward(), reps)
             q.grad = k.grad = v.grad = None
             base = base or (ms, mb)
-            r = dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], peak_mb=mb, mb_vs_sdpa=mb / max(base[1], 1e-9),
-                     gflops=3 * BH * flops(T) / ms / 1e6, matmul_gflops=peak)
-            print(f"{name:13s} {T:5d} {ms:9.1f} {r['ms_vs_sdpa']:7.2f} {mb:8.1f} {r['mb_vs_sdpa']:7.2f} "
-                  f"{r['gflops']:8.1f} {100 * r['gflops'] / peak:5.0f}", flush=True)
+            floor = base[0] * flops(T) / cores['sdpa'][1](T)          # ms at SDPA's FLOP/s: the distance to the limit
+            r = dict(core=name, T=T, ms=ms, ms_vs_sdpa=ms / base[0], ms_vs_floor=ms / floor, peak_mb=mb,
+                     mb_vs_sdpa=mb / max(base[1], 1e-9), gflops=3 * BH * flops(T) / ms / 1e6, matmul_gflops=peak)
+            print(f"{name:13s} {T:5d} {ms:9.1f} {r['ms_vs_sdpa']:7.2f} {r['ms_vs_floor']:7.2f} {mb:8.1f} "
+                  f"{r['mb_vs_sdpa']:7.2f} {r['gflops']:8.1f} {100 * r['gflops'] / peak:5.0f}", flush=True)
             rows.append(r)
     return rows
 
