@@ -2177,7 +2177,7 @@ def test_sweep_points_and_recipes(monkeypatch, capsys):
     assert '--lr given: used for both architectures' in capsys.readouterr().out
 
 
-ICL_SWEEP = ('--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2')   # 4 models x 2 seeds
+ICL_SWEEP = ('--widths', '8', '--bottleneck_ranks', '1:1', '--seeds', '2', '--n_points', '0')   # 4 models x 2 seeds, N = 2d
 
 
 @pytest.fixture(scope='module')
@@ -3442,3 +3442,35 @@ def test_no_file_points_outside_the_repository():
 
 if __name__ == '__main__':
     sys.exit(pytest.main([__file__, '-q', *sys.argv[1:]]))
+
+
+def test_readme_example_variant_is_causal_decodes_and_counts_its_flops(monkeypatch):
+    """The README's 'Adding an attention variant' class, registered as it says: no future leak, decoding with
+    its cache equals the full forward, and its FLOPs are the convention's causal count."""
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')).read()
+    ns = dict(vars(A))
+    exec(text.split('# Adding an attention variant')[1].split('```python')[1].split('```')[0], ns)
+    monkeypatch.setitem(A.ATTENTION, 'sigmoid', ns['SigmoidAttention'])
+    monkeypatch.setitem(A.LOGIT_SCALE_DEFAULTS, 'sigmoid', ('sqrt', 'auto'))
+    torch.manual_seed(0)
+    model = randomize_(A.Transformer(small_config(attn='sigmoid')).double())
+    x = torch.randn(2, 20, 64, dtype=torch.float64)
+    y, x2 = model(x), x.clone()
+    x2[:, 11:] += 1.0
+    assert_close(model(x2)[:, :11], y[:, :11], what='the README variant: outputs <= 10 moved')
+    cache = model.new_cache()
+    assert_close(torch.cat([model(x[:, t:t + 1], cache=cache) for t in range(20)], dim=1), y,
+                 what='the README variant: cached decoding vs the full forward')
+    layer = model.blocks[0].attn
+    assert layer.core_flops(20) == 2 * layer.H * (20 * 21 // 2) * 2 * layer.d
+
+
+def test_kernels_bench_prints_each_core_against_its_flop_floor(monkeypatch, capsys):
+    """Each row's time over its floor, the floor being the core's FLOPs at SDPA's FLOP/s in the same run: SDPA
+    itself is at 1, and every other core's ratio is its time over SDPA's time scaled by their FLOP counts."""
+    monkeypatch.setattr(K, 'matmul_gflops', lambda *a, **k: 1.0)           # the 4096² product takes seconds
+    rows = {r['core']: r for r in K.benchmark('cpu', torch.float32, [128], reps=1, BH=2)}
+    flops = lambda r: r['gflops'] * r['ms']                                  # proportional to the core's FLOPs
+    assert rows['sdpa']['ms_vs_floor'] == 1.0 and 'x floor' in capsys.readouterr().out
+    for r in rows.values():
+        assert r['ms_vs_floor'] == pytest.approx(r['ms'] / (rows['sdpa']['ms'] * flops(r) / flops(rows['sdpa'])))
