@@ -300,6 +300,7 @@ class AttentionHeads(nn.Module):
     def forward(self, x, key_mask=None, cache=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x)                      # q, k (B, H, T, e), v (B, H, T, d); GQA: k, v have Hkv heads
+        q, k = q.to(v.dtype), k.to(v.dtype)        # under CUDA autocast, qk_ln's LayerNorm returns float32
         t0 = 0 if cache is None else cache.t
         pos = torch.arange(t0, t0 + T, device=x.device) if self.cfg.pos == 'rope' else None
         if pos is not None:

@@ -1315,6 +1315,7 @@ def library_cli(script, argv, monkeypatch, capsys):
     ('kernels.py', ['--bench', '--Ts', '0'], 2, ["--Ts '0'", 'multiples of 128']),
     ('kernels.py', ['--bench', '--Ts', '1024,100'], 2, ['1024,100', 'multiples of 128']),
     ('kernels.py', ['--bench', '--reps', '0'], 2, ['--reps 0', 'at least 1']),
+    ('kernels.py', ['--bench', '--cores', 'mlr_flash,mlr_fast'], 2, ["--cores 'mlr_flash,mlr_fast'", 'sdpa,mlr_flash,']),
     ('kernels.py', ['--bench', '--out_dir', '/proc/no/such'], 1, ["--out_dir '/proc/no/such/kernels_bench.json'"])])
 def test_library_cli_bad_input_ends_in_one_error_line(script, argv, code, words, monkeypatch, capsys):
     """The library CLIs check their flags before any work: one error line, never a traceback."""
@@ -3474,3 +3475,15 @@ def test_kernels_bench_prints_each_core_against_its_flop_floor(monkeypatch, caps
     assert rows['sdpa']['ms_vs_floor'] == 1.0 and 'x floor' in capsys.readouterr().out
     for r in rows.values():
         assert r['ms_vs_floor'] == pytest.approx(r['ms'] / (rows['sdpa']['ms'] * flops(r) / flops(rows['sdpa'])))
+    only = K.benchmark('cpu', torch.float32, [128], reps=1, BH=2, only=['swa_flash'])     # --cores swa_flash
+    assert [r['core'] for r in only] == ['sdpa', 'swa_flash']
+
+
+def test_kernels_accuracy_flags_a_fast_path_off_by_more_than_rounding(monkeypatch):
+    """accuracy() passes the fast paths as they are, and fails one whose output is off by 1e-3 of its scale in
+    float32 (rounding there is ~1e-7): the 2x-the-reference rule with its 1e-5 float32 floor has teeth."""
+    args = dict(T=128, BH=1, ranks=(8, 4, 2, 2), window=31)
+    assert K.accuracy('cpu', [torch.float32], **args)
+    flash = K.mlr_attention_flash
+    monkeypatch.setattr(K, 'mlr_attention_flash', lambda q, k, v, r: flash(q, k, v, r) * (1 + 1e-3))
+    assert not K.accuracy('cpu', [torch.float32], **args)
