@@ -1651,6 +1651,9 @@ def test_lm_bench_runs():
                           '--batch_size', '2', '--bench_steps', '1', '--bench_reps', '1'])
     assert set(rows) == {'nanoGPT (sdpa)', 'standard', 'mlr', 'swa'}
     assert all(r['tokens_per_s'] > 0 for r in rows.values())
+    for r in rows.values():      # the ratios are tokens/s over nanoGPT's and standard's in the same run
+        assert r['vs_nanogpt'] == pytest.approx(r['tokens_per_s'] / rows['nanoGPT (sdpa)']['tokens_per_s'])
+        assert r['vs_standard'] == pytest.approx(r['tokens_per_s'] / rows['standard']['tokens_per_s'])
 
 
 def lm_model(*flags):

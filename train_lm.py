@@ -1047,12 +1047,14 @@ def bench(args):
     print(f"training throughput: D={D} L={L} H={H} T={T} B={B} on {device} with {torch.get_num_threads()} "
           f"threads (best of {args.bench_reps} x {args.bench_steps} steps; CPU time counts every thread, and is "
           f"the fairer measure on a loaded machine)")
-    (base, base_cpu), rows = best['nanoGPT (sdpa)'], {}
+    (base, base_cpu), (std, std_cpu), rows = best['nanoGPT (sdpa)'], best['standard'], {}
     for name, (wall, cpu) in best.items():
         rows[name] = dict(ms_per_step=1000 * wall, tokens_per_s=B * T / wall, tokens_per_cpu_s=B * T / cpu,
-                          vs_nanogpt=base / wall, vs_nanogpt_cpu=base_cpu / cpu)
+                          vs_nanogpt=base / wall, vs_nanogpt_cpu=base_cpu / cpu, vs_standard=std / wall,
+                          vs_standard_cpu=std_cpu / cpu)
         print(f"{name:16s} {1000 * wall:8.1f} ms/step | {B * T / wall:8.0f} tok/s | {base / wall:5.2f}x nanoGPT"
-              f" | {B * T / cpu:8.0f} tok/CPU-s | {base_cpu / cpu:5.2f}x nanoGPT")
+              f" {std / wall:5.2f}x standard | {B * T / cpu:8.0f} tok/CPU-s | {base_cpu / cpu:5.2f}x nanoGPT"
+              f" {std_cpu / cpu:5.2f}x standard")
     return rows
 
 
