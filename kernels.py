@@ -928,8 +928,9 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
 # launching the kernels: autograd.Function and the *_triton functions
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, CHUNK=16)  # tl.dot's smallest tile; numpy is slow enough
-_AUTOTUNED = {}
+_SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, CHUNK=16)  # tl.dot's smallest tile: the interpreter's (numpy is
+_AUTOTUNED = {}                                           # slow enough) and the GPU self-test's (one compile)
+AUTOTUNE = True   # False: every launch on a GPU takes _SMALL_CONFIG instead of the autotuner's tiles
 
 
 def _interpreting():
@@ -950,11 +951,11 @@ def _prune_configs(configs, named_args, **kwargs):
 
 def _launch(kernel, block, *args, **consts):
     """One program per `block` (BLOCK_M or BLOCK_N) rows of each (batch, head): fixed small tiles under the
-    interpreter; on a GPU the autotuner picks tiles and feature chunk."""
+    interpreter or without AUTOTUNE; else the autotuner picks tiles and feature chunk."""
     B, H, T, _ = args[0].shape                                   # args[0] is q
     grid = lambda META: (triton.cdiv(T, META[block]), B * H)
-    if _interpreting():
-        return kernel[grid](*args, **consts, **_INTERPRET_CONFIG)
+    if _interpreting() or not AUTOTUNE:
+        return kernel[grid](*args, **consts, **_SMALL_CONFIG)
     if kernel not in _AUTOTUNED:
         _AUTOTUNED[kernel] = triton.autotune(_gpu_configs(), key=['T', 'D', 'DV', 'window', 'N_LEVELS', 'CAUSAL'],
                                              prune_configs_by={'early_config_prune': _prune_configs})(kernel)
@@ -1097,11 +1098,12 @@ def _out_and_grads(fn, q, k, v, do, dtype, **kw):
     return [out.double()] + [t.grad.double() for t in x]
 
 
-def _selftest_triton(device='cpu'):
+def _selftest_cases(device):
     """The Triton kernels vs the dense references (float64), forward and gradients, in float32 at tiny shapes
     (the interpreter is slow): tiles smaller than, equal to and unaligned with the MLR blocks, windows below,
     above and past the tile, T not a multiple of the tile, key masks that leave queries no key. On CPU under
-    the interpreter; on a GPU compiled, with the autotuner's tiles."""
+    the interpreter; on a GPU compiled, with the interpreter's 16×16 tiles (one compile per case, no autotuning:
+    the tiles that straddle most block boundaries)."""
     torch.manual_seed(0)
     mask = torch.ones(2, 40, dtype=torch.bool, device=device)
     mask[0, 4:12] = mask[1, 20:] = False  # causal: MLR queries 4..11 see keys 0..3 only, SWA w=3 queries 7..11 none
@@ -1130,6 +1132,16 @@ def _selftest_triton(device='cpu'):
                   f"dv {errs[3]:.1e} {'ok' if ok else 'FAIL'} ({time.process_time() - t0:.1f} s cpu)", flush=True)
     print(f"Triton self-test on {device}: {2 * len(cases) - failed}/{2 * len(cases)} cases match the references")
     return failed == 0
+
+
+def _selftest_triton(device='cpu'):
+    """_selftest_cases without autotuning (AUTOTUNE restored after)."""
+    global AUTOTUNE
+    tuned, AUTOTUNE = AUTOTUNE, False
+    try:
+        return _selftest_cases(device)
+    finally:
+        AUTOTUNE = tuned
 
 
 def _compile_check(archs=(80, 90), levels=(8, 1)):
