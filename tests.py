@@ -1811,6 +1811,8 @@ def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
         assert tuned['lr'] == best and f"| {v} | rope | {best:g} | 1 |" in res['table']
         name = f'{v}_rope_lr{best:g}_seed1337'
         assert os.path.isdir(tmp_path / 'sweep' / name) and (res['states'][name] == 'done') == (best == 0.01)
+    names = [r['name'] for r in res['runs']]                      # sweep.json's runs: each run once
+    assert len(names) == len(set(names)) == len(json.load(open(tmp_path / 'sweep' / 'sweep.json'))['runs'])
 
 
 def lm_setup(finished, out, how):

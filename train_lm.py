@@ -962,7 +962,8 @@ def compare_sweep(args):
         stats['tuned'] = stats_by_pos(tuned_results, variants, positions)
         lrs = ', '.join(f'{lr:g}' for lr in args._lrs)
         table += '\n' + sweep_table(stats['tuned'], budget, f'each at its best lr of {lrs}')
-        results += grid_results + tuned_results
+        seen = {r['name'] for r in results}         # a best lr equal to --lr is the shared run: listed once
+        results += grid_results + [r for r in tuned_results if r['name'] not in seen]
     paths = dict(json=os.path.join(args.sweep_dir, 'sweep.json'), table=os.path.join(args.sweep_dir, 'table.md'))
     with io_errors('--sweep_dir', args.sweep_dir):
         write_json(paths['json'], dict(format=FORMAT, sweep=args.sweep, budget_flops=budget, variants=variants,
