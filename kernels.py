@@ -17,7 +17,7 @@ its reference by the tests, forward and gradients:
 - `*_triton` (MLR, SWA): one FlashAttention-2 kernel family whose tiles know their MLR level and window, taken
   for CUDA tensors; checked on CPU under Triton's interpreter and compiled for sm_80/sm_90.
 
-    python kernels.py                          # correctness check, then the benchmark
+    python kernels.py                          # correctness checks (a GPU: the Triton kernels too), benchmark
     python kernels.py --bench                  # every path vs SDPA: time, peak memory, GFLOP/s
     python kernels.py --selftest-interpret     # the Triton kernels vs the references, interpreter on CPU
     python kernels.py --compile-check          # compile the kernels for sm_80 / sm_90, no GPU needed
@@ -703,9 +703,9 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 #   T = 1024, L = 8 has 8-token blocks, below tl.dot's 16) straddles block boundaries: each straddled level l
 #   adds its own r_l features under a same-block mask. This happens only near the diagonal.
 # - SWA is the one-level case: FEAT = [0, d], every tile uses all features, plus a window.
-# The scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernels, so autograd carries them.
 # - Precision: float32 tiles are multiplied in full float32 ('ieee'), as torch's matmul does by default (Triton's
 #   default, TF32, keeps 10 mantissa bits); bf16 / fp16 tiles use the tensor cores at their own precision.
+# The scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernels, so autograd carries them.
 
 _F32_DOT = tl.constexpr('ieee') if HAS_TRITON else None
 
@@ -1403,6 +1403,7 @@ def main(argv=None):
         write_json(path, dict(device=torch.cuda.get_device_name() if device == 'cuda' else 'cpu', rows=rows))
         print(f"rows written to {path}")
     sys.exit(0 if ok else 1)
+
 
 if __name__ == '__main__':
     main()
