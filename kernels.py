@@ -15,7 +15,8 @@ its reference by the tests, forward and gradients:
 - `*_flash` (MLR, SWA): the same tiles as one autograd.Function with an online softmax over cache-sized pieces
   and a backward that recomputes the scores: O(T·d) memory. What the public functions run on a CPU.
 - `*_triton` (MLR, SWA): one FlashAttention-2 kernel family whose tiles know their MLR level and window, taken
-  for CUDA tensors; checked on CPU under Triton's interpreter and compiled for sm_80/sm_90.
+  for CUDA tensors; checked on CPU under Triton's interpreter, compiled for sm_80/sm_90, and run on an H100
+  (docs/speed.md: right, but slow for MLR).
 
     python kernels.py                          # correctness checks (a GPU: the Triton kernels too), benchmark
     python kernels.py --bench                  # every path vs SDPA: time, peak memory, GFLOP/s
