@@ -593,7 +593,8 @@ def train(args):
     flops_per_iter = 3 * raw_model.forward_flops(args.block_size) * args.batch_size * args.grad_accum * proc.world
     max_iters = (min(args.max_iters, math.ceil(args.max_flops / flops_per_iter)) if args.max_flops > 0 else
                  args.max_iters)
-    log(proc, f"attn={args.attn} ranks={raw_model.config.ranks or '-'} | "
+    ranked = {'mlr', 'bilinear_mlr'} & set(raw_model.config.layer_kinds())    # the variants that read --ranks
+    log(proc, f"attn={args.attn} ranks={raw_model.config.ranks if ranked else '-'} | "
         f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params | data {meta['source']} "
         f"({meta['n_train'] / 1e6:.2f}M train / {meta['n_val'] / 1e6:.2f}M val chars, vocab {len(meta['itos'])}, "
         f"unigram entropy {meta['unigram_entropy']:.3f} nats) | {tokens_per_iter} tokens/step x {max_iters} steps, "
