@@ -1732,6 +1732,17 @@ def test_lm_sweep_stats_paired_differences():
     assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
 
 
+def test_paired_t_critical_values_and_one_seed_rows():
+    """The 5 % critical t: the table to df = 9, then within 1e-3 of Student's (exact values from tables), never the
+    normal's 1.96 for a finite sample; a one-seed difference has no t and says so."""
+    assert R.t_critical(2) == 4.303 and math.isnan(R.t_critical(0))
+    for df, exact in [(10, 2.228139), (15, 2.131450), (30, 2.042272), (120, 1.979930)]:
+        assert abs(R.t_critical(df) - exact) < 1e-3, df
+    assert R.paired_difference([0.1] * 12)['t_crit'] == pytest.approx(2.200985, abs=1e-3)     # 11 df
+    one = R.paired_rows({'swa': R.paired_difference([-0.1])}, 'mlr', 'MLR − baseline')[-1]
+    assert one == '| mlr − swa | -0.1000 | -0.1000 | n/a | n/a (1 seed) |', one
+
+
 def lm_sweep_argv(lm_corpus, tmp_path, *extra):
     return lm_tiny_args(lm_corpus, tmp_path / 'unused', '--sweep', 'compare', '--sweep_dir', str(tmp_path / 'sweep'),
                         '--variants', 'standard,mlr', '--seeds', '2', '--max_iters', '3', '--eval_interval', '2',
