@@ -565,6 +565,19 @@ def test_rope_turns_each_group_by_the_relative_position():
     assert_close(whole[..., 0], q[..., 0] * math.cos(4) - q[..., 8] * math.sin(4), what='half-split pairs')
 
 
+@pytest.mark.parametrize('pos', ['learned', 'rope', 'none'])
+def test_mlr_with_one_level_is_standard_attention(pos):
+    """MLR with a single level (ranks = d: one block of T, all features) is standard attention at the same scale,
+    under every position encoding: the same model, weight for weight, gives the same outputs (float64)."""
+    out = []
+    for attn, extra in (('standard', {}), ('mlr', dict(ranks='16'))):
+        torch.manual_seed(0)
+        model = A.Transformer(A.ModelConfig(attn=attn, n_embd=32, n_head=2, n_layer=2, block_size=64, pos=pos,
+                                            logit_scale='inv', qk_ln=True, **extra)).double()
+        out.append(model(torch.randn(2, 64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))))
+    assert_exact(out[0], out[1])
+
+
 @pytest.mark.parametrize('kind', CAUSAL_KINDS[:-2] + ['global_swa_split'])      # all but brl and global_swa
 def test_rope_scores_see_relative_positions_only(kind):
     """Bidirectional RoPE: a sequence moved 32 places right behind masked keys gives the same outputs, so every
