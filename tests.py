@@ -1442,6 +1442,17 @@ def shared_cases(script, first_file, other_script):
     ]
 
 
+def test_paired_t_critical_values_and_one_seed_rows():
+    """The 5 % critical t: the table to df = 9, then within 1e-3 of Student's (exact values from tables), never the
+    normal's 1.96 for a finite sample; a one-seed difference has no t and says so."""
+    assert R.t_critical(2) == 4.303 and math.isnan(R.t_critical(0))
+    for df, exact in [(10, 2.228139), (15, 2.131450), (30, 2.042272), (120, 1.979930)]:
+        assert abs(R.t_critical(df) - exact) < 1e-3, df
+    assert R.paired_difference([0.1] * 12)['t_crit'] == pytest.approx(2.200985, abs=1e-3)     # 11 df
+    one = R.paired_rows({'swa': R.paired_difference([-0.1])}, 'mlr', 'MLR − baseline')[-1]
+    assert one == '| mlr − swa | -0.1000 | -0.1000 | n/a | n/a (1 seed) |', one
+
+
 # -----------------------------------------------------------------------------
 # train_lm.py: every --attn trains, exact resume, DDP, the batches and the val split, cached sampling, data
 # caches, plots, bench, the model flags and presets, the sweep, bad input, --overwrite
@@ -1743,17 +1754,6 @@ def test_lm_sweep_stats_paired_differences():
     assert st['equal_time'] == 10.0                                    # mlr at half its time: 4 -> 1.9 halfway
     assert st['variants']['mlr']['val_loss_at_time'][0] == pytest.approx((2.95 + 3.0) / 2)
     assert st['variants']['mlr']['flop_rank'] == 1 and st['variants']['mlr']['time_rank'] == 2
-
-
-def test_paired_t_critical_values_and_one_seed_rows():
-    """The 5 % critical t: the table to df = 9, then within 1e-3 of Student's (exact values from tables), never the
-    normal's 1.96 for a finite sample; a one-seed difference has no t and says so."""
-    assert R.t_critical(2) == 4.303 and math.isnan(R.t_critical(0))
-    for df, exact in [(10, 2.228139), (15, 2.131450), (30, 2.042272), (120, 1.979930)]:
-        assert abs(R.t_critical(df) - exact) < 1e-3, df
-    assert R.paired_difference([0.1] * 12)['t_crit'] == pytest.approx(2.200985, abs=1e-3)     # 11 df
-    one = R.paired_rows({'swa': R.paired_difference([-0.1])}, 'mlr', 'MLR − baseline')[-1]
-    assert one == '| mlr − swa | -0.1000 | -0.1000 | n/a | n/a (1 seed) |', one
 
 
 def lm_sweep_argv(lm_corpus, tmp_path, *extra):
