@@ -31,10 +31,29 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
-import numpy as np
-import torch
+# Before torch loads OpenMP (each train script imports this module first): a thread out of work spins ~0.1 ms,
+# then sleeps. libgomp's default (spin for milliseconds) made a step 10x slower and more while another process
+# kept a core busy (README, "Quick start").
+if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
+    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
+    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
 
-from attention import ModelConfig, check_config
+TRAIN_SCRIPTS = ('train_lm.py', 'train_icl.py', 'train_lra.py', 'train_ts.py')
+
+
+def interrupted_while_starting(*_):
+    print(f"{os.path.basename(sys.argv[0])}: interrupted: Ctrl-C while starting; nothing written", file=sys.stderr)
+    os._exit(130)
+
+
+# A Ctrl-C while a train script loads torch: one line and exit 130, as run_main does once main runs.
+if os.path.basename(getattr(sys.modules['__main__'], '__file__', None) or '') in TRAIN_SCRIPTS:
+    signal.signal(signal.SIGINT, interrupted_while_starting)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from attention import ModelConfig, check_config  # noqa: E402
 
 FORMAT = 3  # the layout of checkpoints and run configs; a run written under another FORMAT is refused, not guessed at
 
@@ -423,7 +442,7 @@ def run_main(main, argv=None):
     """A train script's __main__: main(argv), with one line on stderr instead of a traceback, and the exit code
     of the module docstring's rule."""
     prog = os.path.basename(sys.modules[main.__module__].__file__)
-    signal.signal(signal.SIGINT, signal.default_int_handler)     # the script's start-up handler ends here
+    signal.signal(signal.SIGINT, signal.default_int_handler)     # interrupted_while_starting ends here
     try:
         return main(argv)
     except SystemExit as e:

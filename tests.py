@@ -3437,19 +3437,24 @@ def test_readme_links_resolve_and_the_checker_catches_bad_ones(tmp_path):
 
 
 def test_train_scripts_set_the_openmp_wait_policy_before_torch_loads():
-    """Each train script sets the OpenMP wait policy before an import brings torch in: PASSIVE with a short spin
-    when unset, the user's when set."""
-    def brings_torch(node):
+    """runs.py sets the OpenMP wait policy (PASSIVE with a short spin when unset, the user's when set) before it
+    imports numpy or torch, and each train script imports runs before any module that brings them in."""
+    def imported(node):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or '']
-        return any(n.split('.')[0] in {'torch', 'attention', 'kernels', 'structured', 'runs'} for n in names)
+        return {n.split('.')[0] for n in names}
+    heavy = {'numpy', 'torch', 'matplotlib', 'tqdm', 'attention', 'kernels', 'structured'}
+    body = ast.parse(open(os.path.join(HERE, 'runs.py'), encoding='utf-8').read()).body
+    policy = [i for i, n in enumerate(body) if isinstance(n, ast.If) and 'OMP_WAIT_POLICY' in ast.unparse(n.test)]
+    loads = [i for i, n in enumerate(body) if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n) & heavy]
+    assert policy and loads and policy[0] < loads[0], "runs.py imports torch or numpy before the wait policy"
+    for environ, want in (({}, ('PASSIVE', '10000')), ({'OMP_WAIT_POLICY': 'ACTIVE'}, ('ACTIVE', None))):
+        exec(compile(ast.Module([body[policy[0]]], []), 'runs.py', 'exec'), {'os': SimpleNamespace(environ=environ)})
+        assert (environ.get('OMP_WAIT_POLICY'), environ.get('GOMP_SPINCOUNT')) == want, environ
     for script in TRAIN_SCRIPTS:
         body = ast.parse(open(os.path.join(HERE, script), encoding='utf-8').read()).body
-        policy = [i for i, n in enumerate(body) if isinstance(n, ast.If) and 'OMP_WAIT_POLICY' in ast.unparse(n.test)]
-        imports = [i for i, n in enumerate(body) if isinstance(n, (ast.Import, ast.ImportFrom)) and brings_torch(n)]
-        assert policy and imports and policy[0] < imports[0], f"{script}: torch is imported before the wait policy"
-        for environ, want in (({}, ('PASSIVE', '10000')), ({'OMP_WAIT_POLICY': 'ACTIVE'}, ('ACTIVE', None))):
-            exec(compile(ast.Module([body[policy[0]]], []), script, 'exec'), {'os': SimpleNamespace(environ=environ)})
-            assert (environ.get('OMP_WAIT_POLICY'), environ.get('GOMP_SPINCOUNT')) == want, (script, environ)
+        order = [imported(n) for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        first = [i for i, names in enumerate(order) if names & (heavy | {'runs'})]
+        assert first and 'runs' in order[first[0]], f"{script}: imports torch or numpy before runs"
 
 
 def test_no_file_points_outside_the_repository():

@@ -31,22 +31,14 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 
-# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
-# milliseconds of spinning, which cost a shared machine dearly (README, "Quick start").
-if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
-    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
-    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
-
-if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130, as runs.run_main does later
-    import signal
-
-    def interrupted_while_starting(*_):
-        print(f"{os.path.basename(__file__)}: interrupted: Ctrl-C while starting; nothing written", file=sys.stderr)
-        os._exit(130)
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+# runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
+import runs
+from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, ctrl_c_finishes_step,
+                  given_flags, guarded_update, io_errors, load_checkpoint, no_repeats, owns_run_folders,
+                  physical_memory, pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
+                  save_checkpoint, set_rng_state, write_json)
 
 import matplotlib
 import numpy as np
@@ -59,12 +51,7 @@ matplotlib.use('Agg')                                 # plots are files: no disp
 import matplotlib.pyplot as plt  # noqa: E402
 
 import attention
-import runs
 from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
-from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, ctrl_c_finishes_step,
-                  given_flags, guarded_update, io_errors, load_checkpoint, no_repeats, owns_run_folders,
-                  physical_memory, pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
-                  save_checkpoint, set_rng_state, write_json)
 
 SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']

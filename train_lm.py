@@ -35,19 +35,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps. libgomp's default (spin for
-# milliseconds) made a step 10x slower and more while another process kept a core busy (README, "Quick start").
-if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
-    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
-    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
-
-if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130, as runs.run_main does later
-    import signal
-
-    def interrupted_while_starting(*_):
-        print(f"{os.path.basename(__file__)}: interrupted: Ctrl-C while starting; nothing written", file=sys.stderr)
-        os._exit(130)
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+# runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
+from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
+                  check_model_settings, check_numbers, check_writable, content_digest, ctrl_c_finishes_step,
+                  given_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
+                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
+                  plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
+                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
 
 import numpy as np
 import torch
@@ -58,12 +52,6 @@ from tqdm import tqdm
 
 from attention import (ATTENTION, LOGIT_SCALES, NON_NEGATIVE_FIELDS, POSITIONS, POSITIVE_FIELDS, ModelConfig, MupLinear,
                        Transformer, optimizer_groups, paper_logit_scale)
-from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_model_settings, check_numbers, check_writable, content_digest, ctrl_c_finishes_step,
-                  given_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
-                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
-                  plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
-                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = 'train_lm.py'

@@ -39,19 +39,14 @@ import sys
 import time
 from dataclasses import fields
 
-# Before torch loads OpenMP: a thread out of work spins ~0.1 ms, then sleeps, instead of libgomp's
-# milliseconds of spinning, which cost a shared machine dearly (README, "Quick start").
-if 'OMP_WAIT_POLICY' not in os.environ:               # set it yourself to override both
-    os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'         # any OpenMP runtime: sleep when out of work...
-    os.environ.setdefault('GOMP_SPINCOUNT', '10000')  # ...libgomp (Linux wheels): after a short spin
-
-if __name__ == '__main__':   # a Ctrl-C while torch loads: one line and exit 130, as runs.run_main does later
-    import signal
-
-    def interrupted_while_starting(*_):
-        print(f"{os.path.basename(__file__)}: interrupted: Ctrl-C while starting; nothing written", file=sys.stderr)
-        os._exit(130)
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+# runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
+from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,
+                  atomic_write, check_format, check_numbers, check_ranges, content_digest, ctrl_c_finishes_step,
+                  given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
+                  no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows,
+                  physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
+                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
+                  sweep, write_json)
 
 import numpy as np
 import torch
@@ -59,15 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups  # noqa: E402
-from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,  # noqa: E402
-                  atomic_write, check_format, check_numbers, check_ranges, content_digest, ctrl_c_finishes_step,
-                  given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
-                  no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows,
-                  physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
-                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
-                  sweep, write_json)
+from attention import ATTENTION, ModelConfig, Transformer, optimizer_groups
 
 SCRIPT = 'train_lra.py'
 TASKS = ('listops', 'text', 'retrieval', 'image', 'pathfinder')
