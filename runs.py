@@ -653,7 +653,7 @@ def plot_seed_bands(path, histories, xkeys, xlabels, ykey, ylabel, title, scale=
         m, s = y.mean(0), y.std(0, ddof=1) if len(hs) > 1 else np.zeros(n)
         for ax, key in zip(axes, xkeys):
             x = np.array([[p[key] for p in h[:n]] for h in hs]).mean(0)
-            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seeds)")
+            line, = ax.plot(x, m, '-', lw=1.5, label=f"{v} ({len(hs)} seed{'s' if len(hs) > 1 else ''})")
             ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
     for ax, xlabel in zip(axes, xlabels):
         if hline:
