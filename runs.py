@@ -1,6 +1,8 @@
 """
 The run plumbing the four train scripts share, so that each of them holds only its experiment.
 
+    start-up     imported first by every train script: OpenMP's wait policy before torch loads, and a Ctrl-C
+                 while it loads is one line and exit 130
     flags        every attention.ModelConfig field is a flag of every train script (add_model_args)
     errors       run_main: one line on stderr, never a traceback. Exit 2: a bad flag value. Exit 1: a bad file,
                  a conflict (a refused --resume, a folder in use or holding another run) or an I/O failure.
