@@ -1589,6 +1589,11 @@ def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
             return np.mean([model(*train_lm.get_batch(splits[split], 4, 32, g))[1].item() for _ in range(3)])
     assert res['val_loss'] == pytest.approx(mean_loss('val'), rel=1e-5)
     assert abs(mean_loss('train') - res['val_loss']) > 0.01
+    curves = train_lm.main(['--by_position', str(tmp_path / 'run'), '--cache_dir', str(tmp_path / 'cache'),
+                            '--plot', str(tmp_path / 'pos.png')])          # the val windows, by position
+    assert [len(r['loss']) for r in sum(curves.values(), [])] == [32 // 8] and (tmp_path / 'pos.png').exists()
+    assert np.mean(curves['standard learned auto'][0]['loss']) == pytest.approx(res['val_loss'], rel=1e-5)
+    assert json.loads((tmp_path / 'pos.json').read_text())['curves'] == curves
 
 
 def lm_random_model(attn, T=32):
@@ -1877,6 +1882,8 @@ LM_BAD = range_cases(
      ["'mrl' is not an attention variant"]),
     ('variants_twice', ['--sweep', 'compare', '--variants', 'mlr,swa,mlr'], None, 2, ["--variants names 'mlr' twice"]),
     ('global_layers_twice', ['--global_layers', '1,1'], None, 2, ["--global_layers names '1' twice"]),
+    ('by_position_twice', ['--by_position', 'a', 'a'], None, 2, ["--by_position names 'a' twice"]),
+    ('by_position_missing', ['--by_position', 'NOWHERE'], None, 1, ["no checkpoint at 'NOWHERE/ckpt.pt'"]),
     ('compare_twice', ['--compare', 'a', 'a'], None, 2, ["--compare names 'a' twice"]),
     ('pos', ['--pos', 'alibi'], None, 2, ["--pos 'alibi'", 'learned, rope, none']),
     ('positions', ['--positions', 'learned,alibi'], None, 2, ["--positions 'learned,alibi'", 'learned, rope, none']),

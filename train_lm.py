@@ -12,6 +12,7 @@ train/val by file, so the validation code is never seen in training.
     python train_lm.py --attn mlr --resume              # continue out/lm_mlr exactly where it stopped
     python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
     python train_lm.py --compare out/lm_standard out/lm_mlr --plot out/lm_compare.png
+    python train_lm.py --by_position out/lm_standard out/lm_mlr   # val loss at each position of the context
     python train_lm.py --sweep compare --seeds 3        # 5 variants x 3 seeds at equal FLOPs, T = 1024, in
                                                         # out/lm_sweep (rerun the same command to resume it)
     python train_lm.py --sweep compare --estimate       # time a few steps per variant and print the sweep's minutes
@@ -129,7 +130,9 @@ def build_parser():
     g = p.add_argument_group('mode (default: train)')
     g.add_argument('--sample', action='store_true', help='generate text from <out_dir>/ckpt.pt instead of training')
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
-    g.add_argument('--plot', default=os.path.join('out', 'lm_compare.png'), help='--compare: output image')
+    g.add_argument('--by_position', nargs='+', metavar='RUN_DIR', help="val loss at each position of the context "
+                   "of finished runs' checkpoints, seeds of a variant pooled")
+    g.add_argument('--plot', default='', help='--compare, --by_position: output image (default out/lm_<mode>.png)')
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
     g = add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
                        'seeded sweep (--sweep compare): every variant at equal training FLOPs',
@@ -251,8 +254,9 @@ def check_args(parser, args):
         parser.error(f"--lrs {args.lrs!r}: every lr must be in (0, 10]")
     for name, items in (('variants', args.variants.split(',')), ('positions', args._positions), ('lrs', args._lrs),
                         ('global_layers', [s.strip() for s in args.global_layers.split(',')]),
-                        ('compare', args.compare or [])):
+                        ('compare', args.compare or []), ('by_position', args.by_position or [])):
         no_repeats(parser, name, items)
+    args.plot = args.plot or os.path.join('out', 'lm_by_position.png' if args.by_position else 'lm_compare.png')
 
 
 # -----------------------------------------------------------------------------
@@ -761,6 +765,64 @@ def compare(args):
     return {label: hs[0][-1] for label, hs in histories.items()}
 
 
+@torch.no_grad()
+def by_position(args, bin=8):
+    """--by_position RUN_DIR...: each run's val loss at every position of its context, from its ckpt.pt on the windows
+    its own evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions.
+    Runs of one variant and position encoding are pooled as seeds. MLR's level-1 and level-2 blocks start at T/4,
+    T/2 and 3T/4: 'jump' is the loss of the `bin` positions after those boundaries minus the `bin` before (a model
+    without blocks shows only the data's own). Writes the curves' JSON beside the plot."""
+    check_writable(args.plot, '--plot')
+    curves, corpora = {}, {}
+    for run in args.by_position:
+        where = os.path.join(run, 'ckpt.pt')
+        ckpt = load_checkpoint(where, SCRIPT, CKPT_KEYS)
+        c = ckpt['config']
+        model = GPT(build_config(c), len(ckpt['itos']))
+        model.load_state_dict(ckpt['model'])
+        model.eval()
+        if c['data'] not in corpora:
+            corpora[c['data']] = load_data(prepare_data(c['data'], args.cache_dir))[0]['val']
+        val = corpora[c['data']]
+        g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
+        for _ in range(c['eval_iters']):                    # evaluate()'s windows: the run's batch, seed 0
+            x, y = get_batch(val, c['batch_size'], c['block_size'], g)
+            logits = model(x)[0]                                                  # (B, T, V)
+            loss += F.cross_entropy(logits.transpose(1, 2).float(), y, reduction='none').mean(0)   # (T,)
+        binned = (loss / c['eval_iters'])[:len(loss) // bin * bin].view(-1, bin).mean(1)   # (T / bin,)
+        official = paper_logit_scale(c['attn'], c['layer_pattern'], c['n_layer'], c['global_layers'])
+        label = f"{c['attn']} {c['pos']}" + ('' if c['logit_scale'] == official else f" {c['logit_scale']}")
+        curves.setdefault(label, []).append(dict(run=run, step=ckpt['step'], loss=binned.tolist()))
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    encodings = sorted({label.split()[1] for label in curves})
+    fig, axes = plt.subplots(1, len(encodings), figsize=(5.5 * len(encodings), 4.2), squeeze=False)
+    print(f"{'variant':26s} seeds | val loss | first {bin} | last quarter | jump at T/4, T/2, 3T/4")
+    for label, runs in curves.items():
+        y = np.array([r['loss'] for r in runs])                                   # (seeds, T / bin)
+        nb = y.shape[1]
+        jump = (np.mean([y[:, b] - y[:, b - 1] for b in (nb // 4, nb // 2, 3 * nb // 4)], axis=0) if nb >= 4
+                else np.full(len(runs), np.nan))                                  # (seeds,)
+        print(f"{label:26s} {len(runs):5d} | {pm(mean_std(y.mean(1)))} | {pm(mean_std(y[:, 0]))} | "
+              f"{pm(mean_std(y[:, 3 * nb // 4:].mean(1)))} | {pm(mean_std(jump), digits=3)}")
+        ax = axes[0, encodings.index(label.split()[1])]
+        smooth = y.mean(0)[:nb // 4 * 4].reshape(-1, 4).mean(1)                  # bins of 4 * bin, for the eye
+        ax.plot(4 * bin * np.arange(len(smooth)) + 2 * bin, smooth, lw=1.2,
+                label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+    for ax, enc in zip(axes[0], encodings):
+        ax.set(xlabel='position in the context', ylabel=f'val loss (nats/char, mean of {4 * bin})', title=f'{enc} positions')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    with io_errors('--plot', args.plot):
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        write_json(os.path.splitext(args.plot)[0] + '.json', dict(bin=bin, curves=curves))
+    plt.close(fig)
+    report_outputs(plot=args.plot, curves=os.path.splitext(args.plot)[0] + '.json')
+    return curves
+
+
 # -----------------------------------------------------------------------------
 # --sweep compare: every variant trained to the same FLOPs, several seeds, each run `python train_lm.py ...` in
 # its own folder, by runs.sweep (finished runs reused, cut-off ones resumed); then the table and the plot
@@ -1055,6 +1117,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.compare:
         return compare(args)
+    if args.by_position:
+        return by_position(args)
     if args.sample:
         return sample(args)
     if args.bench:
