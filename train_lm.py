@@ -540,7 +540,7 @@ def train(args):
     if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
         resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
-    cfg = {**{k: v for k, v in vars(args).items() if not k.startswith('_') and k != 'compare'}, 'format': FORMAT}
+    cfg = {**{k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare', 'by_position')}, 'format': FORMAT}
 
     # data: rank 0 encodes the corpus once, the others wait for it; each split longer than a window of T + 1
     if proc.master:
