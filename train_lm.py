@@ -540,7 +540,8 @@ def train(args):
     if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
         resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
-    cfg = {**{k: v for k, v in vars(args).items() if not k.startswith('_') and k not in ('compare', 'by_position')}, 'format': FORMAT}
+    modes = ('compare', 'by_position')
+    cfg = {**{k: v for k, v in vars(args).items() if not k.startswith('_') and k not in modes}, 'format': FORMAT}
 
     # data: rank 0 encodes the corpus once, the others wait for it; each split longer than a window of T + 1
     if proc.master:
@@ -811,7 +812,8 @@ def by_position(args, bin=8):
         ax.plot(4 * bin * np.arange(len(smooth)) + 2 * bin, smooth, lw=1.2,
                 label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
     for ax, enc in zip(axes[0], encodings):
-        ax.set(xlabel='position in the context', ylabel=f'val loss (nats/char, mean of {4 * bin})', title=f'{enc} positions')
+        ax.set(xlabel='position in the context', ylabel=f'val loss (nats/char, mean of {4 * bin})',
+               title=f'{enc} positions')
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     with io_errors('--plot', args.plot):
