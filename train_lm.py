@@ -767,37 +767,43 @@ def compare(args):
 
 
 @torch.no_grad()
+def position_losses(run, cache_dir, corpora, bin):
+    """(label, curve) of a run: its val loss at each position of its context, from its ckpt.pt on the windows its own
+    evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions."""
+    ckpt = load_checkpoint(os.path.join(run, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
+    c = ckpt['config']
+    model = GPT(build_config(c), len(ckpt['itos']))
+    model.load_state_dict(ckpt['model'])
+    model.eval()
+    if c['data'] not in corpora:
+        corpora[c['data']] = load_data(prepare_data(c['data'], cache_dir))[0]['val']
+    g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
+    for _ in range(c['eval_iters']):                        # evaluate()'s windows: the run's batch, seed 0
+        x, y = get_batch(corpora[c['data']], c['batch_size'], c['block_size'], g)
+        logits = model(x)[0]                                                      # (B, T, V)
+        loss += F.cross_entropy(logits.transpose(1, 2).float(), y, reduction='none').mean(0)   # (T,)
+    binned = (loss / c['eval_iters'])[:len(loss) // bin * bin].view(-1, bin).mean(1)       # (T / bin,)
+    official = paper_logit_scale(c['attn'], c['layer_pattern'], c['n_layer'], c['global_layers'])
+    label = f"{c['attn']} {c['pos']}" + ('' if c['logit_scale'] == official else f" {c['logit_scale']}")
+    return label, dict(run=run, step=ckpt['step'], loss=binned.tolist())
+
+
 def by_position(args, bin=8):
-    """--by_position RUN_DIR...: each run's val loss at every position of its context, from its ckpt.pt on the windows
-    its own evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions.
-    Runs of one variant and position encoding are pooled as seeds. MLR's level-1 and level-2 blocks start at T/4,
-    T/2 and 3T/4: 'jump' is the loss of the `bin` positions after those boundaries minus the `bin` before (a model
-    without blocks shows only the data's own). Writes the curves' JSON beside the plot."""
+    """--by_position RUN_DIR...: the runs' val loss by position (position_losses), seeds of a variant and position
+    encoding pooled. MLR's level-1 and level-2 blocks start at T/4, T/2 and 3T/4: 'jump' is the loss of the `bin`
+    positions after those boundaries minus the `bin` before (a model without blocks shows only the text's own).
+    Plots each variant less standard's loss at each position (one panel per encoding); the curves' JSON beside it."""
     check_writable(args.plot, '--plot')
     curves, corpora = {}, {}
     for run in args.by_position:
-        where = os.path.join(run, 'ckpt.pt')
-        ckpt = load_checkpoint(where, SCRIPT, CKPT_KEYS)
-        c = ckpt['config']
-        model = GPT(build_config(c), len(ckpt['itos']))
-        model.load_state_dict(ckpt['model'])
-        model.eval()
-        if c['data'] not in corpora:
-            corpora[c['data']] = load_data(prepare_data(c['data'], args.cache_dir))[0]['val']
-        val = corpora[c['data']]
-        g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
-        for _ in range(c['eval_iters']):                    # evaluate()'s windows: the run's batch, seed 0
-            x, y = get_batch(val, c['batch_size'], c['block_size'], g)
-            logits = model(x)[0]                                                  # (B, T, V)
-            loss += F.cross_entropy(logits.transpose(1, 2).float(), y, reduction='none').mean(0)   # (T,)
-        binned = (loss / c['eval_iters'])[:len(loss) // bin * bin].view(-1, bin).mean(1)   # (T / bin,)
-        official = paper_logit_scale(c['attn'], c['layer_pattern'], c['n_layer'], c['global_layers'])
-        label = f"{c['attn']} {c['pos']}" + ('' if c['logit_scale'] == official else f" {c['logit_scale']}")
-        curves.setdefault(label, []).append(dict(run=run, step=ckpt['step'], loss=binned.tolist()))
+        label, curve = position_losses(run, args.cache_dir, corpora, bin)
+        curves.setdefault(label, []).append(curve)
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     encodings = sorted({label.split()[1] for label in curves})
+    mean = {label: np.mean([r['loss'] for r in runs], 0) for label, runs in curves.items()}   # (T / bin,)
+    colors = {}    # one colour per variant (the label without its encoding) in every panel
     fig, axes = plt.subplots(1, len(encodings), figsize=(5.5 * len(encodings), 4.2), squeeze=False)
     print(f"{'variant':26s} seeds | val loss | first {bin} | last quarter | jump at T/4, T/2, 3T/4")
     for label, runs in curves.items():
@@ -807,15 +813,24 @@ def by_position(args, bin=8):
                 else np.full(len(runs), np.nan))                                  # (seeds,)
         print(f"{label:26s} {len(runs):5d} | {pm(mean_std(y.mean(1)))} | {pm(mean_std(y[:, 0]))} | "
               f"{pm(mean_std(y[:, 3 * nb // 4:].mean(1)))} | {pm(mean_std(jump), digits=3)}")
-        ax = axes[0, encodings.index(label.split()[1])]
-        smooth = y.mean(0)[:nb // 4 * 4].reshape(-1, 4).mean(1)                  # bins of 4 * bin, for the eye
-        ax.plot(4 * bin * np.arange(len(smooth)) + 2 * bin, smooth, lw=1.2,
-                label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        attn, enc, *rest = label.split()
+        # the same windows for every run: less standard's loss at each position, the text's own difficulty cancels
+        ref = mean.get(f'standard {enc}', 0)
+        smooth = (mean[label] - ref)[:nb // 4 * 4].reshape(-1, 4).mean(1)        # bins of 4 * bin, for the eye
+        variant = ' '.join([attn] + rest)
+        if variant == 'standard' and f'standard {enc}' in curves:
+            continue                                                              # the panel's zero line
+        colors.setdefault(variant, f'C{len(colors) % 10}')
+        axes[0, encodings.index(enc)].plot(4 * bin * np.arange(len(smooth)) + 2 * bin, smooth, lw=1.2,
+                                           color=colors[variant], label=f"{variant} ({len(runs)} seed"
+                                           f"{'s' if len(runs) > 1 else ''})")
     for ax, enc in zip(axes[0], encodings):
-        ax.set(xlabel='position in the context', ylabel=f'val loss (nats/char, mean of {4 * bin})',
+        less = " - standard's" if f'standard {enc}' in curves else ''
+        ax.set(xlabel='position in the context', ylabel=f'val loss{less} (nats/char, bins of {4 * bin})',
                title=f'{enc} positions')
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     with io_errors('--plot', args.plot):
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
