@@ -767,21 +767,21 @@ def compare(args):
 
 
 @torch.no_grad()
-def position_losses(run, cache_dir, corpora, bin):
+def position_losses(run, cache_dir, corpora, bin, device):
     """(label, curve) of a run: its val loss at each position of its context, from its ckpt.pt on the windows its own
     evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions."""
     ckpt = load_checkpoint(os.path.join(run, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
     c = ckpt['config']
     model = GPT(build_config(c), len(ckpt['itos']))
     model.load_state_dict(ckpt['model'])
-    model.eval()
+    model.to(device).eval()
     if c['data'] not in corpora:
         corpora[c['data']] = load_data(prepare_data(c['data'], cache_dir))[0]['val']
     g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
     for _ in range(c['eval_iters']):                        # evaluate()'s windows: the run's batch, seed 0
         x, y = get_batch(corpora[c['data']], c['batch_size'], c['block_size'], g)
-        logits = model(x)[0]                                                      # (B, T, V)
-        loss += F.cross_entropy(logits.transpose(1, 2).float(), y, reduction='none').mean(0)   # (T,)
+        logits = model(x.to(device))[0]                                           # (B, T, V)
+        loss += F.cross_entropy(logits.transpose(1, 2).float(), y.to(device), reduction='none').mean(0).cpu()
     binned = (loss / c['eval_iters'])[:len(loss) // bin * bin].view(-1, bin).mean(1)       # (T / bin,)
     official = paper_logit_scale(c['attn'], c['layer_pattern'], c['n_layer'], c['global_layers'])
     label = f"{c['attn']} {c['pos']}" + ('' if c['logit_scale'] == official else f" {c['logit_scale']}")
@@ -794,9 +794,9 @@ def by_position(args, bin=8):
     positions after those boundaries minus the `bin` before (a model without blocks shows only the text's own).
     Plots each variant less standard's loss at each position (one panel per encoding); the curves' JSON beside it."""
     check_writable(args.plot, '--plot')
-    curves, corpora = {}, {}
+    curves, corpora, device = {}, {}, pick_device(args.device)
     for run in args.by_position:
-        label, curve = position_losses(run, args.cache_dir, corpora, bin)
+        label, curve = position_losses(run, args.cache_dir, corpora, bin, device)
         curves.setdefault(label, []).append(curve)
     import matplotlib
     matplotlib.use('Agg')
