@@ -1557,7 +1557,8 @@ def test_lm_get_batch_targets_are_the_next_characters():
 
 def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
     """A directory is split by file (binary and non-UTF-8 files skipped, and said): the val split is file 9 of 12;
-    the logged val loss is the mean loss over its fixed batches, not the train split's; the last line names outputs."""
+    the logged val loss is the mean loss over its fixed batches, not the train split's; the last line names outputs;
+    --by_position gives that loss at each position of the same windows."""
     d = tmp_path / 'src'
     d.mkdir()
     for i, c in enumerate('ABCDEFGHIJKL'):
@@ -1591,7 +1592,12 @@ def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
     assert abs(mean_loss('train') - res['val_loss']) > 0.01
     curves = train_lm.main(['--by_position', str(tmp_path / 'run'), '--cache_dir', str(tmp_path / 'cache'),
                             '--plot', str(tmp_path / 'pos.png')])          # the val windows, by position
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():   # (3 batches, 4 windows, 32 positions) -> 4 bins of 8 positions
+        per = [F.cross_entropy(model(x)[0].transpose(1, 2), y, reduction='none').numpy()
+               for x, y in (train_lm.get_batch(splits['val'], 4, 32, g) for _ in range(3))]
     assert [len(r['loss']) for r in sum(curves.values(), [])] == [32 // 8] and (tmp_path / 'pos.png').exists()
+    assert curves['standard learned auto'][0]['loss'] == pytest.approx(np.reshape(per, (12, 4, 8)).mean((0, 2)))
     assert np.mean(curves['standard learned auto'][0]['loss']) == pytest.approx(res['val_loss'], rel=1e-5)
     assert json.loads((tmp_path / 'pos.json').read_text())['curves'] == curves
 
