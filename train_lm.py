@@ -827,10 +827,10 @@ def by_position(args, bin=8):
     for ax, enc in zip(axes[0], encodings):
         less = " - standard's" if f'standard {enc}' in curves else ''
         ax.set(xlabel='position in the context', ylabel=f'val loss{less} (nats/char, bins of {4 * bin})',
-               title=f'{enc} positions')
+               title=f"{dict(rope='RoPE').get(enc, enc)} positions")
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, framealpha=0.6)
     with io_errors('--plot', args.plot):
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
