@@ -795,7 +795,7 @@ def by_position(args, bin=8):
     Plots each variant less standard's loss at each position (one panel per encoding); the curves' JSON beside it."""
     check_writable(args.plot, '--plot')
     curves, corpora, device = {}, {}, pick_device(args.device)
-    for run in args.by_position:
+    for run in tqdm(args.by_position, desc='by position', disable=not args.progress, leave=False):
         label, curve = position_losses(run, args.cache_dir, corpora, bin, device)
         curves.setdefault(label, []).append(curve)
     import matplotlib
