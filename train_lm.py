@@ -814,12 +814,11 @@ def by_position(args, bin=8):
         print(f"{label:26s} {len(runs):5d} | {pm(mean_std(y.mean(1)))} | {pm(mean_std(y[:, 0]))} | "
               f"{pm(mean_std(y[:, 3 * nb // 4:].mean(1)))} | {pm(mean_std(jump), digits=3)}")
         attn, enc, *rest = label.split()
+        if label == f'standard {enc}':
+            continue                                        # its panel's zero line: the others are drawn less it
         # the same windows for every run: less standard's loss at each position, the text's own difficulty cancels
-        ref = mean.get(f'standard {enc}', 0)
-        smooth = (mean[label] - ref)[:nb // 4 * 4].reshape(-1, 4).mean(1)        # bins of 4 * bin, for the eye
+        smooth = (mean[label] - mean.get(f'standard {enc}', 0))[:nb // 4 * 4].reshape(-1, 4).mean(1)  # 4 * bin
         variant = ' '.join([attn] + rest)
-        if variant == 'standard' and f'standard {enc}' in curves:
-            continue                                                              # the panel's zero line
         colors.setdefault(variant, f'C{len(colors) % 10}')
         axes[0, encodings.index(enc)].plot(4 * bin * np.arange(len(smooth)) + 2 * bin, smooth, lw=1.2,
                                            color=colors[variant], label=f"{variant} ({len(runs)} seed"
