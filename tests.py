@@ -1602,6 +1602,14 @@ def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
     assert json.loads((tmp_path / 'pos.json').read_text())['curves'] == curves
 
 
+def test_lm_by_position_refuses_runs_of_different_lengths(tmp_path, monkeypatch):
+    fake = {'a': ('standard learned', dict(run='a', step=1, loss=[1.0] * 4)),
+            'b': ('mlr learned', dict(run='b', step=1, loss=[1.0] * 8))}
+    monkeypatch.setattr(train_lm, 'position_losses', lambda run, *a: fake[run])
+    with pytest.raises(ValueError, match="different context lengths \\('a': T = 32, 'b': T = 64\\)"):
+        train_lm.main(['--by_position', 'a', 'b', '--plot', str(tmp_path / 'p.png'), '--no-progress'])
+
+
 def lm_random_model(attn, T=32):
     cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
                                     '--block_size', str(T), '--window', '8', '--global_layers', '1',

@@ -798,6 +798,10 @@ def by_position(args, bin=8):
     for run in tqdm(args.by_position, desc='by position', disable=not args.progress, leave=False):
         label, curve = position_losses(run, args.cache_dir, corpora, bin, device)
         curves.setdefault(label, []).append(curve)
+    lengths = {len(c['loss']) * bin: c['run'] for runs in curves.values() for c in runs}   # T -> a run of it
+    if len(lengths) > 1:
+        seen = ', '.join(f'{run!r}: T = {T}' for T, run in lengths.items())
+        raise ValueError(f"--by_position: runs of different context lengths ({seen}): give runs of one --block_size")
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
