@@ -132,7 +132,7 @@ def build_parser():
     g.add_argument('--compare', nargs='+', metavar='RUN_DIR', help='plot val loss vs FLOPs and vs time of runs')
     g.add_argument('--by_position', nargs='+', metavar='RUN_DIR', help="val loss at each position of the context "
                    "of finished runs' checkpoints, seeds of a variant pooled")
-    g.add_argument('--plot', default='', help='--compare, --by_position: output image (default out/lm_<mode>.png)')
+    g.add_argument('--plot', default='', help='--compare, --by_position: output image; empty: out/lm_<mode>.png')
     g.add_argument('--bench', action='store_true', help='tokens/s of standard/mlr/swa vs a nanoGPT-equivalent model')
     g = add_sweep_args(p, 'compare', SWEEP_VARIANTS, os.path.join('out', 'lm_sweep'),
                        'seeded sweep (--sweep compare): every variant at equal training FLOPs',
