@@ -808,7 +808,7 @@ def by_position(args, bin=8):
     encodings = sorted({label.split()[1] for label in curves})
     mean = {label: np.mean([r['loss'] for r in runs], 0) for label, runs in curves.items()}   # (T / bin,)
     colors = {}    # one colour per variant (the label without its encoding) in every panel
-    fig, axes = plt.subplots(1, len(encodings), figsize=(5.5 * len(encodings), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(encodings), figsize=(5.5 * len(encodings), 5), squeeze=False)
     print(f"{'variant':26s} seeds | val loss | first {bin} | last quarter | jump at T/4, T/2, 3T/4")
     for label, runs in curves.items():
         y = np.array([r['loss'] for r in runs])                                   # (seeds, T / bin)
@@ -833,7 +833,7 @@ def by_position(args, bin=8):
                title=f"{dict(rope='RoPE').get(enc, enc)} positions")
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=8, framealpha=0.6)
+            ax.legend(fontsize=8, loc='upper center', bbox_to_anchor=(0.5, -0.14), ncol=3)   # below: no curve hidden
     with io_errors('--plot', args.plot):
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
