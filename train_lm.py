@@ -694,12 +694,13 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
     return tokens[len(prompt_ids):], cache, n_cached
 
 
-def sample(args):
-    device, where = pick_device(args.device), os.path.join(args.out_dir, 'ckpt.pt')
+def trained_model(run, device):
+    """(checkpoint, model in eval mode) of a run folder's ckpt.pt; a checkpoint whose settings or weights do not
+    make a model (or hold NaN / inf) is refused in one line."""
+    where = os.path.join(run, 'ckpt.pt')
     ckpt = load_checkpoint(where, SCRIPT, CKPT_KEYS)
-    cfg, itos = ckpt['config'], ckpt['itos']
-    check_model_settings(cfg, f"checkpoint {where!r}", set_by_task=('causal',))   # block_size: in an LM config
-    model = GPT(build_config(cfg), len(itos)).to(device)
+    check_model_settings(ckpt['config'], f"checkpoint {where!r}", set_by_task=('causal',))   # block_size: LM's own
+    model = GPT(build_config(ckpt['config']), len(ckpt['itos'])).to(device)
     try:
         model.load_state_dict(ckpt['model'])
     except RuntimeError as e:
@@ -707,8 +708,14 @@ def sample(args):
         raise ValueError(f"checkpoint {where!r}: its weights do not fit the model its config describes "
                          f"({first})") from None
     if not all(p.isfinite().all() for p in model.parameters()):
-        raise ValueError(f"checkpoint {where!r} holds non-finite weights (a diverged run): nothing to sample from")
-    model.eval()
+        raise ValueError(f"checkpoint {where!r} holds non-finite weights (a diverged run): no model to use")
+    return ckpt, model.eval()
+
+
+def sample(args):
+    device = pick_device(args.device)
+    ckpt, model = trained_model(args.out_dir, device)
+    cfg, itos = ckpt['config'], ckpt['itos']
     stoi = {c: i for i, c in enumerate(itos)}
     bad = sorted(set(c for c in args.prompt if c not in stoi))
     if bad:
@@ -770,11 +777,8 @@ def compare(args):
 def position_losses(run, cache_dir, corpora, bin, device):
     """(label, curve) of a run: its val loss at each position of its context, from its ckpt.pt on the windows its own
     evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions."""
-    ckpt = load_checkpoint(os.path.join(run, 'ckpt.pt'), SCRIPT, CKPT_KEYS)
+    ckpt, model = trained_model(run, device)
     c = ckpt['config']
-    model = GPT(build_config(c), len(ckpt['itos']))
-    model.load_state_dict(ckpt['model'])
-    model.to(device).eval()
     if c['data'] not in corpora:
         corpora[c['data']] = load_data(prepare_data(c['data'], cache_dir))[0]['val']
     g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
@@ -834,12 +838,13 @@ def by_position(args, bin=8):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8, loc='upper center', bbox_to_anchor=(0.5, -0.14), ncol=3)   # below: no curve hidden
+    data = os.path.splitext(args.plot)[0] + '.json'
     with io_errors('--plot', args.plot):
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
-        write_json(os.path.splitext(args.plot)[0] + '.json', dict(bin=bin, curves=curves))
+        write_json(data, dict(bin=bin, curves=curves))
     plt.close(fig)
-    report_outputs(plot=args.plot, curves=os.path.splitext(args.plot)[0] + '.json')
+    report_outputs(plot=args.plot, curves=data)
     return curves
 
 
