@@ -1852,6 +1852,9 @@ def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
         best = min((0.01, 0.03), key=lambda lr: grid[v, lr]['val_loss'])
         tuned = res['stats']['tuned']['rope']['variants'][v]
         assert tuned['lr'] == best and f"| {v} | rope | {best:g} | 1 |" in res['table']
+        row = ' | '.join(f"**{grid[v, lr]['val_loss']:.4f}**" if lr == best else f"{grid[v, lr]['val_loss']:.4f}"
+                         for lr in (0.01, 0.03))
+        assert f"| {v} | rope | {row} |" in res['table']             # the grid table, its best in bold
         name = f'{v}_rope_lr{best:g}_seed1337'
         assert os.path.isdir(tmp_path / 'sweep' / name) and (res['states'][name] == 'done') == (best == 0.01)
     names = [r['name'] for r in res['runs']]                      # sweep.json's runs: each run once

@@ -1001,6 +1001,19 @@ def sweep_table(stats, budget, title):
     return '\n'.join(lines) + '\n'
 
 
+def grid_table(results, lrs, budget):
+    """The lr grid's markdown table: each (variant, positions)'s val loss at each lr, the best in bold."""
+    loss = {(r['variant'], r['pos'], r['lr']): r['val_loss'] for r in results if r['done']}
+    lines = [f"**lr grid: val loss at a third of the budget ({budget / 3:.3g} FLOPs), one seed**", '',
+             '| variant | positions | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |', '| --- ' * (2 + len(lrs)) + '|']
+    for v, pos in dict.fromkeys((r['variant'], r['pos']) for r in results):
+        row = [loss.get((v, pos, lr)) for lr in lrs]
+        best = min((x for x in row if x is not None), default=None)
+        lines.append(f'| {v} | {pos} | ' + ' | '.join('not finished' if x is None else f'**{x:.4f}**' if x == best
+                                                      else f'{x:.4f}' for x in row) + ' |')
+    return '\n'.join(lines) + '\n'
+
+
 def compare_sweep(args):
     """--sweep compare: variants x position encodings x seeds at the preset's lr (seed-major, so a cut-off sweep
     has whole seeds); with --lrs, first each (variant, positions) on an lr grid (seed --seed, a third of the
@@ -1037,6 +1050,7 @@ def compare_sweep(args):
         tuned_results = train_points(args, tuned, per, 'tuned lr', log)
         stats['tuned'] = stats_by_pos(tuned_results, variants, positions)
         lrs = ', '.join(f'{lr:g}' for lr in args._lrs)
+        table += '\n' + grid_table(grid_results, args._lrs, budget)
         table += '\n' + sweep_table(stats['tuned'], budget, f'each at its best lr of {lrs}')
         seen = {r['name'] for r in results}         # a best lr equal to --lr is the shared run: listed once
         results += grid_results + [r for r in tuned_results if r['name'] not in seen]
