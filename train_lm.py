@@ -798,14 +798,14 @@ def by_position(args, bin=8):
     positions after those boundaries minus the `bin` before (a model without blocks shows only the text's own).
     Plots each variant less standard's loss at each position (one panel per encoding); the curves' JSON beside it."""
     check_writable(args.plot, '--plot')
-    curves, corpora, device = {}, {}, pick_device(args.device)
+    curves, corpora, device, first = {}, {}, pick_device(args.device), None
     for run in tqdm(args.by_position, desc='by position', disable=not args.progress, leave=False):
         label, curve = position_losses(run, args.cache_dir, corpora, bin, device)
+        first = first or (run, len(curve['loss']) * bin)          # (run, T): every run must share the first's T
+        if len(curve['loss']) * bin != first[1]:                  # refused at once, not after evaluating them all
+            raise ValueError(f"--by_position: runs of different context lengths ({first[0]!r}: T = {first[1]}, "
+                             f"{run!r}: T = {len(curve['loss']) * bin}): give runs of one --block_size")
         curves.setdefault(label, []).append(curve)
-    lengths = {len(c['loss']) * bin: c['run'] for runs in curves.values() for c in runs}   # T -> a run of it
-    if len(lengths) > 1:
-        seen = ', '.join(f'{run!r}: T = {T}' for T, run in lengths.items())
-        raise ValueError(f"--by_position: runs of different context lengths ({seen}): give runs of one --block_size")
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
