@@ -1002,6 +1002,10 @@ def benchmark_main(argv=None):
                    "with --brl 1024 ... 16384)")
     p.add_argument('--causal', action='store_true', help='--brl: causal layers (BRL: the recurrence over chunks)')
     args = p.parse_args(argv)
+    if args.causal and not args.brl:
+        p.error("--causal goes with --brl (the default benchmark's layers are causal already)")
+    if not args.brl and any(T % 8 for T in args.Ts or []):
+        p.error(f"--Ts {','.join(map(str, args.Ts))}: multiples of 8 (MLR's 4 levels halve T three times)")
     if not args.brl:
         return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
                                 args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8',

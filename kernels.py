@@ -23,7 +23,6 @@ its reference by the tests, forward and gradients:
     python kernels.py --selftest-interpret     # the Triton kernels vs the references, interpreter on CPU
     python kernels.py --compile-check          # compile the kernels for sm_80 / sm_90, no GPU needed
 """
-import argparse
 import functools
 import itertools
 import math
@@ -1306,9 +1305,8 @@ def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), d
 # command line: python kernels.py [--bench | --selftest-interpret | --compile-check]
 
 def _parser():
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    from runs import ArgParser        # one-line errors, as the train scripts'
+    p = ArgParser(prog='kernels.py', description=__doc__)
     g = p.add_argument_group('what to run (default: correctness check, then --bench)')
     g.add_argument('--bench', action='store_true', help='only the benchmark of every core, then the accuracy check')
     g.add_argument('--selftest-interpret', action='store_true',
@@ -1332,6 +1330,8 @@ def _parser():
 
 def _checked_flags(p, args):
     """Every flag checked before any work: device, sequence lengths, dtypes and cores; p.error otherwise."""
+    if not 0 <= args.seed < 2 ** 63:
+        p.error(f"--seed {args.seed}: must be in [0, 2^63)")
     if args.reps < 1:
         p.error(f"--reps {args.reps}: must be at least 1")
     if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):      # 100000 OpenMP threads crash the process

@@ -172,6 +172,20 @@ def check_model_settings(saved, what, set_by_task=TASK_FIELDS):
         raise ValueError(f"{what} lacks the model settings {lost[:3]}...: not a run of this script")
 
 
+def check_run_length(step, lr, old, new, flag):
+    """--resume with another run length, `old` -> `new` steps: refused unless every step already taken (0 .. step - 1)
+    had the same lr in a `new`-step run (lr(s, n): step s's lr in an n-step run), so that the run continued is the
+    one trained that long from scratch. A constant lr does that; a cosine schedule, which scales with the run's
+    length, does not once past its warmup."""
+    if new < step:
+        raise ValueError(f"{flag}: {new} steps is below the checkpoint's step {step}; give at least {step}")
+    bad = next((s for s in range(step) if lr(s, old) != lr(s, new)), None)
+    if bad is not None:
+        raise ValueError(f"{flag}: a {new}-step run cannot continue this {old}-step run: its step {bad} trained at "
+                         f"lr {lr(bad, old):.4g}, a {new}-step run's is {lr(bad, new):.4g} (the schedule scales with "
+                         f"the run's length); resume with its length, or train a new run in another --out_dir")
+
+
 def resume_settings(saved, args, given, may_change=()):
     """--resume: the checkpoint's settings (saved) win, copied into args. A given flag must equal the saved value
     unless it is in may_change (run length, logging, ...), else one ValueError naming every conflict."""
@@ -244,6 +258,21 @@ def write_json(path, obj, **kw):
     atomic_write(path, write)
 
 
+def read_json(path, flag, keys=()):
+    """The JSON object in path; a file that is not JSON, not an object, or lacks one of keys is one ValueError line
+    naming flag and path (an OS failure: io_errors' OSError)."""
+    with io_errors(flag, path), open(path) as f:
+        try:
+            obj = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{flag} {path!r} is not a JSON file ({e})") from None
+    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if not isinstance(obj, dict) or missing:
+        raise ValueError(f"{flag} {path!r} is not a file this script wrote (a JSON object"
+                         f"{' with ' + ', '.join(map(repr, missing)) if missing else ''} expected)")
+    return obj
+
+
 def remove_orphan_tmp(folder):
     """Delete the tmp files '<name>.tmp<pid>' that a writer killed mid-write left in folder (a live writer's stay)."""
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
@@ -300,7 +329,8 @@ def owns_run_folders(main):
 def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='--out_dir', lock=True):
     """Start-up checks of a run's folder, before any work: it can be written, this process owns it (lock_folder),
     a killed writer's tmp files go, and it holds no earlier run's files (run_files) unless --resume continues
-    that run or --overwrite, which deletes them here."""
+    that run or --overwrite replaces it. -> the earlier run's files that --overwrite replaces: clear_earlier_run
+    deletes them once the new run has passed its checks, so that a refused start leaves the earlier run whole."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
@@ -314,10 +344,14 @@ def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='
     if existing and not resume and not overwrite:
         raise ValueError(f"{existing[0]} exists: {flag} {out_dir!r} holds an earlier run. Use --resume to "
                          f"continue it, another {flag}, or --overwrite to replace it")
-    if overwrite and not resume:
-        for p in existing:
-            with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
-                os.remove(p)
+    return existing if overwrite and not resume else []
+
+
+def clear_earlier_run(paths):
+    """Deletes prepare_out_dir's list of the earlier run's files (emptying the list: a second call does nothing)."""
+    while paths:
+        with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
+            os.remove(paths.pop())
 
 
 def save_checkpoint(path, ckpt):

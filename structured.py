@@ -17,7 +17,6 @@ contracts), and every Parameter carries p.lr_mult = base_width / fan_in (base_wi
     python structured.py                               # Table 1, measured, at 256x256 and 256->512
     python structured.py --d 128 --d_out_rect 384 --out_dir out/structured   # other sizes, + JSON
 """
-import argparse
 import math
 import os
 from dataclasses import dataclass
@@ -441,8 +440,9 @@ def table_rows(d_in, d_out, r=16, p=4, mlr_ranks=(8, 4, 2, 2)):
 
 if __name__ == '__main__':
     from torch.utils.flop_counter import FlopCounterMode
-    parser = argparse.ArgumentParser(description='Table 1 of Kuang et al. 2025, measured on this machine.',
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    from runs import ArgParser        # one-line errors, as the train scripts'
+    parser = ArgParser(prog='structured.py', description='Table 1 of Kuang et al. 2025, measured on this machine.')
     # shapes
     parser.add_argument('--d', type=int, default=256, help='square size D (also d_in of the rectangular case)')
     parser.add_argument('--d_out_rect', type=int, default=512, help='d_out of the rectangular case')

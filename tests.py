@@ -1322,9 +1322,12 @@ def library_cli(script, argv, monkeypatch, capsys):
 @pytest.mark.parametrize('script,argv,code,words', [
     ('attention.py', ['--Ts', '0'], 2, ['--Ts', "'0'"]),
     ('attention.py', ['--Ts', '64,x'], 2, ["'64,x'"]),
+    ('attention.py', ['--Ts', '100'], 2, ['--Ts 100', 'multiples of 8']),
+    ('attention.py', ['--causal'], 2, ['--causal goes with --brl']),
     ('structured.py', ['--p', '3'], 2, ['n_blocks=3 must divide']),
     ('structured.py', ['--out_dir', '/proc/no/such'], 2, ["--out_dir '/proc/no/such'"]),
     ('kernels.py', ['--threads', '100000'], 2, ['--threads 100000', 'must be in [0, ']),
+    ('kernels.py', ['--seed', str(10 ** 20)], 2, [f'--seed {10 ** 20}', '[0, 2^63)']),
     ('kernels.py', ['--bench', '--Ts', '0'], 2, ["--Ts '0'", 'multiples of 128']),
     ('kernels.py', ['--bench', '--Ts', '1024,100'], 2, ['1024,100', 'multiples of 128']),
     ('kernels.py', ['--bench', '--reps', '0'], 2, ['--reps 0', 'at least 1']),
@@ -1333,8 +1336,8 @@ def library_cli(script, argv, monkeypatch, capsys):
 def test_library_cli_bad_input_ends_in_one_error_line(script, argv, code, words, monkeypatch, capsys):
     """The library CLIs check their flags before any work: one error line, never a traceback."""
     got, _, err = library_cli(script, argv, monkeypatch, capsys)
-    last = err.strip().splitlines()[-1]                         # after argparse's usage lines
-    assert got == code and last.startswith(f'{script}: error: ') and all(w in last for w in words), err
+    assert got == code and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f'{script}: error: ') and all(w in err for w in words), err
 
 
 @pytest.mark.parametrize('script', ['attention.py', 'structured.py', 'kernels.py', *TRAIN_SCRIPTS])
@@ -1513,7 +1516,8 @@ def test_smoke_lm_paper_preset(lm_corpus, tmp_path):
 
 def test_lm_resume_is_exact(lm_corpus, tmp_path):
     """A finished 2-step run resumed to 6 steps, its settings from the checkpoint (--attn not given, a flag given
-    equal accepted): the losses and history of one uninterrupted run."""
+    equal accepted): the losses and history of one uninterrupted run (its 2 steps were warmup); a cosine run is
+    refused a longer length."""
     argv = lambda out, *x: lm_tiny_args(lm_corpus, out, '--max_iters', '6', '--eval_interval', '2', *x)
     a = train_lm.main(argv(tmp_path / 'a', '--attn', 'mlr'))
     train_lm.main(argv(tmp_path / 'b', '--attn', 'mlr', '--max_iters', '2'))
@@ -1523,6 +1527,10 @@ def test_lm_resume_is_exact(lm_corpus, tmp_path):
     assert strip(a['history']) == strip(b['history']) and a['flops'] == b['flops']
     config = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['config']
     assert config['attn'] == 'mlr' and config['format'] == R.FORMAT
+    cosine = lambda *x: argv(tmp_path / 'c', '--lr_schedule', 'cosine', '--warmup_iters', '0', *x)
+    train_lm.main(cosine('--max_iters', '2'))               # a cosine run scales its lr to its length: not longer
+    with pytest.raises(ValueError, match="a 6-step run cannot continue this 2-step run: its step 1 trained at lr"):
+        train_lm.main(cosine('--resume'))
 
 
 def test_lm_ddp_two_processes_gloo(lm_corpus, tmp_path):
@@ -1603,8 +1611,8 @@ def test_lm_val_loss_is_the_loss_on_the_val_split(tmp_path, capsys):
 
 
 def test_lm_by_position_refuses_runs_of_different_lengths(tmp_path, monkeypatch):
-    fake = {'a': ('standard learned', dict(run='a', step=1, loss=[1.0] * 4)),
-            'b': ('mlr learned', dict(run='b', step=1, loss=[1.0] * 8))}
+    fake = {'a': ('standard learned', dict(run='a', step=1, loss=[1.0] * 4), 32),
+            'b': ('mlr learned', dict(run='b', step=1, loss=[1.0] * 8), 64)}
     monkeypatch.setattr(train_lm, 'position_losses', lambda run, *a: fake[run])
     with pytest.raises(ValueError, match="different context lengths \\('a': T = 32, 'b': T = 64\\)"):
         train_lm.main(['--by_position', 'a', 'b', '--plot', str(tmp_path / 'p.png'), '--no-progress'])
@@ -1866,6 +1874,13 @@ def lm_setup(finished, out, how):
     if how == 'binary_data':
         (out.parent / 'bin').mkdir(exist_ok=True)
         (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
+    if how in ('log_only', 'broken_log'):
+        shutil.copytree(finished, out)
+        if how == 'log_only':                  # a finished run kept without its checkpoint is still a run
+            (out / 'ckpt.pt').unlink()
+        else:
+            (out / 'log.json').write_text('{"config": ')
+        return
     if how in ('other_format', 'nan_weights', 'no_settings', 'other_vocab'):
         shutil.copytree(finished, out)
         ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
@@ -1918,6 +1933,16 @@ LM_BAD = range_cases(
     ('resume_shape', ['--resume', '--n_layer', '3', '--window', '4'], 'run', 1,
      ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 8 vs given 4']),
     ('resume_other_format', ['--resume'], 'other_format', 1, ['written by another version of this code']),
+    ('resume_below_step', ['--resume', '--max_iters', '1'], 'run', 1, ['1 steps is below the checkpoint', 'step 2']),
+    ('overwrite_bad_data', ['--overwrite', '--data', '/nonexistent/corpus.txt'], 'run', 1, ['/nonexistent/corpus']),
+    ('log_json_only', ['--attn', 'swa'], 'log_only', 1, ['log.json exists', '--resume', '--overwrite']),
+    ('compare_broken_log', ['--compare', 'RUN'], 'broken_log', 1, ['--compare', 'log.json', 'is not a JSON file']),
+    ('by_position_over_a_file', ['--by_position', 'RUN', '--plot', 'RUN/log.png'], 'run', 1,
+     ['the curves would replace', 'log.json']),
+    ('two_modes', ['--sample', '--bench'], None, 2, ['--sample and --bench: one mode at a time']),
+    ('estimate_alone', ['--estimate'], None, 2, ['--estimate: only with --sweep']),
+    ('plot_alone', ['--plot', 'p.png'], None, 2, ["--plot 'p.png': only with --compare or --by_position"]),
+    ('plot_not_an_image', ['--compare', 'RUN', '--plot', 'p'], None, 2, ["--plot 'p'", '.png, .pdf or .svg']),
     ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
     ('sample_random', ['--sample'], 'random', 1, ['truncated or corrupt']),
     ('sample_truncated', ['--sample'], 'truncated', 1, ['truncated or corrupt']),
@@ -2138,7 +2163,11 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
     ('prompt_beyond_memory', ['--n_points', '100000000'], None, 2, ['--n_points 100000000', 'GiB']),
     ('read_in_std_nan', ['--read_in_std', 'nan'], None, 2, ['--read_in_std nan', '[0, 100]']),
-    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'", '4 positive variances']),
+    ('test_cov', ['--test_cov', '1,2'], None, 1, ["'1,2'", 'need 4 variances', 'got 2']),
+    ('train_cov_nan', ['--train_cov', '1,1,1,nan'], None, 1, ["'1,1,1,nan'", 'finite and positive']),
+    ('n_eval_memory', ['--n_eval', str(10 ** 12)], None, 2, [f'--n_eval {10 ** 12}', 'GiB']),
+    ('n_boot_memory', ['--n_boot', str(10 ** 11)], None, 2, [f'--n_boot {10 ** 11}', 'GiB']),
+    ('run_name_path', ['--run_name', '../x'], None, 2, ["--run_name '../x'", "without a '/'"]),
     ('train_cov', ['--train_cov', '1,2,x'], None, 1, ["covariance '1,2,x'"]),
     ('n_head', ['--n_head', '3'], None, 1, ['3']),
     ('model_flag', ['--attn', 'bilinear_btt', '--n_kv_head', '1'], None, 1, ['n_kv_head) is only implemented']),
@@ -2159,12 +2188,13 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
 
 def test_icl_resume_to_a_longer_run_is_exact(tmp_path, monkeypatch, quiet):
     """--max_iters 6 from a finished 4-step run gives the 6-step run (constant lr after warmup, curriculum over by
-    step 4); a lower --max_iters, or a cosine schedule, refused naming the first step that would differ."""
+    step 4; --n_points 0 is the run's 2d); a lower --max_iters, or a cosine schedule, refused naming the first step
+    that would differ."""
     curr = ['--curr_interval', '1', '--curr_d_start', '2', '--curr_n_start', '4']   # (d, N): (2, 4), then (4, 8)
     scratch = icl.main(icl_argv(tmp_path / 'a', *curr, '--max_iters', '6'))
     done = icl.main(icl_argv(tmp_path / 'b', *curr))
     tap = LossTap(monkeypatch, 'mse_loss')
-    again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume'))
+    again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--n_points', '0'))   # 0 = 2d = 8, as it was
     assert again['model'] == done['model'] and not tap.values                       # finished: nothing redone
     with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
         icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
@@ -2622,8 +2652,9 @@ def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     ck = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
     assert ck['step'] == 3 and ck['config']['layer_pattern'] == kinds
     assert json.loads((tmp_path / 'a' / 'results.json').read_text())['params'] == res['params']
-    lra.main([*args, '--attn', 'brl', '--out_dir', str(tmp_path / 'b')])
-    res = lra.main([*args, '--attn', 'brl', '--out_dir', str(tmp_path / 'b'), '--resume', '--max_iters', '4'])
+    b = [*args, '--attn', 'brl', '--warmup_iters', '3', '--out_dir', str(tmp_path / 'b')]   # 3 steps of warmup: the
+    lra.main(b)                                                                              # same lrs in 4 steps
+    res = lra.main([*b, '--resume', '--max_iters', '4'])
     assert [h['step'] for h in res['history']] == [3, 4] and res['config']['attn'] == 'brl'
     lra.main(['--compare', f"{tmp_path / 'a'},{tmp_path / 'b'}", '--out_dir', str(tmp_path / 'c')])
     assert capsys.readouterr().out.strip().endswith(f"outputs: plot {tmp_path / 'c' / 'lra_compare.png'}")
@@ -2732,6 +2763,12 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
      ['not a readable image release folder']),
     ('resume_attn', ['--resume', '--attn', 'swa'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'swa'"]),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.001 vs given 0.5']),
+    ('resume_longer_cosine', ['--resume', '--max_iters', '5'], 'run', 1,
+     ['a 5-step run cannot continue this 3-step run', 'its step 2 trained at lr']),
+    ('overwrite_bad_data', ['--overwrite', '--data', '/nonexistent/lra'], 'run', 1, ["--data '/nonexistent/lra'"]),
+    ('listops_lengths_too_few', ['--min_len', '0', '--max_len', '2'], None, 1, ['--min_len 0 --max_len 2',
+                                                                              '100000 random trees']),
+    ('bench_lens_float', ['--bench', '--bench_lens', '1e3,64'], None, 2, ["'1e3' is not valid"]),
     ('compare_missing', ['--compare', 'NOWHERE'], None, 1, ["--compare 'NOWHERE'", 'results.json']),
 ] + shared_cases('train_lra.py', 'ckpt.pt', 'train_ts.py')
 
@@ -3103,6 +3140,8 @@ BAD_CSV = {   # defect: (the fixture's lines (lines[k]: row k + 1 of the file) -
     'bad_date': (lambda lines: {7: '2016-13-45 00:00:00' + lines[7][19:]},
                  ['row 8', "'2016-13-45 00:00:00' is not a date"]),
     'ragged_row': (lambda lines: {9: lines[9] + ',7'}, ['row 10', '4 values but 3 columns']),
+    'time_zone': (lambda lines: {3: lines[3][:19] + '+00:00' + lines[3][19:]}, ['row 4', 'has a time zone']),
+    'column_twice': (lambda lines: {0: 'date,a,OT,OT'}, ["names column 'OT' twice"]),
     'repeated_date': (lambda lines: {7: lines[6][:19] + lines[7][19:]},
                       ['row 8', "'2016-07-01 05:00:00' is not after", 'strictly increase']),
     'descending': (lambda lines: dict(enumerate([lines[0]] + lines[:0:-1])),
@@ -3119,6 +3158,10 @@ BAD_CSV = {   # defect: (the fixture's lines (lines[k]: row k + 1 of the file) -
 
 def ts_setup(out, ts_data, tmp_path, how):
     """The fixture CSV with one defect (BAD_CSV) at tmp_path/bad.csv, or a setup the four scripts share."""
+    if how == 'run_damaged_cache':                  # a finished run, and a cache file cut short
+        (tmp_path / 'ksbad').mkdir()
+        (tmp_path / 'ksbad' / 'kernelsynth_n6_len64_k5_seed0.npy').write_bytes(b'\x93NUMPY' + b'\0' * 20)
+        how = 'run'
     if how not in BAD_CSV:
         ckpt = str(out / 'ckpt_chronos_standard.pt')
         return setup_case(how, out, ckpt, lambda: shutil.copytree(ts_data / 'run', out), 'train_icl.py')
@@ -3152,6 +3195,13 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     ('unwritable_cache', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'cannot be written']),
     ('resume_shape', ['--resume', '--n_embd', '32'], 'run', 1, ['--n_embd: checkpoint 16 vs given 32']),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
+    ('resume_longer', ['--resume', '--max_iters', '3'], 'run', 1, ['steps: checkpoint 2 vs now 3']),
+    ('resume_other_attn', ['--resume', '--attn', 'mlr', '--ranks', '4|2|2'], 'run', 1,
+     ["--attn: checkpoint ['standard'] vs given ['mlr']"]),
+    ('overwrite_damaged_cache', ['--overwrite', '--cache_dir', 'KSBAD'], 'run_damaged_cache', 1,
+     ['kernelsynth_n6_len64_k5_seed0.npy', 'delete it']),
+    ('seeds_comma', ['--seeds', ','], None, 2, ["--seeds", "','"]),
+    ('target_empty', ett_argv('ETT', '--target', ''), None, 2, ["--target ''"]),
 ] + [(f'ett_{how}', ett_argv('BAD'), how, 1, words) for how, (_, words) in BAD_CSV.items()] + shared_cases(
     'train_ts.py', 'results_chronos.json', 'train_icl.py')
 
@@ -3165,7 +3215,8 @@ def no_timing(x):
 
 def test_ts_longhorizon_smoke_then_ctrl_c_in_each_model_and_resume_is_exact(ts_data, tmp_path, monkeypatch, capsys):
     """Long-horizon DLinear, standard and MLR, every output written; a Ctrl-C in each model in turn, each time
-    --resume'd: the uninterrupted run's losses, results and weights. A longer --max_iters continues likewise."""
+    --resume'd: the uninterrupted run's losses, results and weights. A longer --max_iters is refused: the cosine
+    schedule of a 6-step run differs from the 4 steps taken."""
     argv = ts_argv(tmp_path / 'whole', ts_data / 'ks', *ett_argv(ts_data / 'ett.csv'), '--attn', 'standard,mlr',
                    '--ranks', '4|2|2')
     whole_tap = LossTap(monkeypatch, 'mse_loss')
@@ -3190,14 +3241,10 @@ def test_ts_longhorizon_smoke_then_ctrl_c_in_each_model_and_resume_is_exact(ts_d
     for ckpt in (tmp_path / 'whole').glob('*.pt'):
         want, got = torch.load(ckpt)['model'], torch.load(tmp_path / ckpt.name)['model']
         assert all(torch.equal(got[k], v) for k, v in want.items()), ckpt.name
-    resume = ['--out_dir', str(tmp_path), '--task', 'longhorizon', '--no-progress', '--resume']
-    LossTap(monkeypatch, 'mse_loss', ctrl_c_at=1)
-    code, err = run_cli(ts.main, resume + ['--max_iters', '6'], capsys)
-    assert code == 130 and '[standard-H8] at step 5' in err                # mlr not reached
-    LossTap(monkeypatch, 'mse_loss')
-    res = ts.main(resume)
-    assert res['args']['max_iters'] == 6 and [res['runs']['8'][m]['steps'] for m in ('dlinear', 'standard', 'mlr')] \
-        == [3, 6, 6]
+    resume = ['--out_dir', str(tmp_path), '--task', 'longhorizon', '--no-progress', '--resume', '--max_iters', '6']
+    code, err = run_cli(ts.main, resume, capsys)
+    assert_one_line_error(code, err, 1, ['ckpt_longhorizon_standard_H8.pt', 'steps: checkpoint 4 vs now 6'],
+                          'train_ts.py')
 
 
 @pytest.mark.parametrize('flag,module,error', [
@@ -3294,10 +3341,12 @@ BAD_INPUT = [(script, *case) for script, table in (('train_lm.py', LM_BAD), ('tr
 @pytest.mark.parametrize('script,case,extra,setup,code,words', BAD_INPUT,
                          ids=[f'{c[0][6:-3]}-{c[1]}' for c in BAD_INPUT])
 def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path, capsys, monkeypatch, request):
-    """One error line holding the words, the exit code, no tmp file; placeholders name the setup's files."""
+    """One error line holding the words, the exit code, no tmp file, and the files of a run already in the folder
+    as they were (--overwrite too: the earlier run goes only once the new one passes every check); placeholders
+    name the setup's files."""
     out, fx = tmp_path / 'run', request.getfixturevalue
     paths = {'UNWRITABLE': tmp_path / 'a_file' / 'x', 'RUN': out, 'BIN': tmp_path / 'bin', 'REL': tmp_path / 'rel',
-             'OLDRUN': tmp_path / 'old', 'BAD': tmp_path / 'bad.csv'}
+             'OLDRUN': tmp_path / 'old', 'BAD': tmp_path / 'bad.csv', 'KSBAD': tmp_path / 'ksbad'}
     if script == 'train_lm.py':
         lm_setup(fx('lm_finished'), out, setup)
         argv = lambda *x: lm_args(fx('lm_corpus'), out, *x)
@@ -3314,8 +3363,11 @@ def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path
         paths['ETT'] = fx('ts_data') / 'ett.csv'
         argv = lambda *x: ts_argv(out, fx('ts_data') / 'ks', *x)
     sub = lambda a: re.sub(r'\b(' + '|'.join(paths) + r')\b', lambda m: str(paths[m.group(0)]), a)
+    files = lambda: {p: p.read_bytes() for p in out.rglob('*') if p.is_file() and p.name != '.lock'}
+    before = files()
     got, err = run_cli(TRAIN_SCRIPTS[script].main, argv(*map(sub, extra)), capsys)
     assert_one_line_error(got, err, code, list(map(sub, words)), script)
+    assert files() == before
     assert not tmp_files(out) and (code != 2 or setup or not out.exists())   # a bad flag: refused before any work
 
 

@@ -27,7 +27,6 @@ import collections
 import copy
 import functools
 import glob
-import json
 import math
 import os
 import shutil
@@ -35,10 +34,10 @@ import time
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 import runs
-from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, ctrl_c_finishes_step,
-                  given_flags, guarded_update, io_errors, load_checkpoint, no_repeats, owns_run_folders,
-                  physical_memory, pick_device, prepare_out_dir, report_outputs, resume_settings, rng_state, run_main,
-                  save_checkpoint, set_rng_state, write_json)
+from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_ranges, clear_earlier_run,
+                  ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint, no_repeats,
+                  owns_run_folders, physical_memory, pick_device, prepare_out_dir, read_json, report_outputs,
+                  resume_settings, rng_state, run_main, save_checkpoint, set_rng_state, write_json)
 
 import matplotlib
 import numpy as np
@@ -196,8 +195,10 @@ def covariance_scale(spec, d):
             var = [float(v) for v in spec.split(',')]
         except ValueError:
             raise ValueError(f"covariance {spec!r}: expected 'iso', 'aniso' or {d} comma-separated variances") from None
-        if len(var) != d or min(var) <= 0:
-            raise ValueError(f'covariance {spec!r}: need {d} positive variances, got {len(var)}')
+        if len(var) != d:
+            raise ValueError(f'covariance {spec!r}: need {d} variances (one per dimension, --d {d}), got {len(var)}')
+        if not all(math.isfinite(v) and v > 0 for v in var):
+            raise ValueError(f'covariance {spec!r}: every variance must be finite and positive')
     return torch.tensor(var).sqrt()
 
 
@@ -430,7 +431,7 @@ def train(args, run_name='run'):
     model = ICLModel(model_config(args), args.d, args.pos_std, args.read_in_std).to(device)   # model
     opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
-    prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
+    clear_earlier_run(prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite))
     # the run state: what a checkpoint holds besides weights, optimizer and RNGs, to continue exactly
     st = dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
     if args.resume and os.path.exists(ckpt_path):               # every training setting must agree (check_resume)
@@ -729,8 +730,7 @@ def run_status(args, a, name, run_dir):
         return ('done' if ck['step'] == want.max_iters and os.path.exists(json_path) else 'partial'), ck['step']
     saved = ck and ck['config']
     if os.path.exists(json_path):
-        with open(json_path) as f:
-            saved = json.load(f)['config']
+        saved = read_json(json_path, '--out_dir', ['config'])['config']
     try:
         state = runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path))
     except ValueError as e:
@@ -809,8 +809,7 @@ def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
         raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their train.log)")
     by_point = {}
     for r in todo:
-        with open(os.path.join(r.out_dir, f'{r.name}.json')) as f:
-            result = json.load(f)
+        result = read_json(os.path.join(r.out_dir, f'{r.name}.json'), '--out_dir', ['config'])
         by_point.setdefault(r.group, []).append(dict(result, reused=True) if states[r.name] == 'done' else result)
     wall = time.time() - t0
     table = [row(k, rs) for k, rs in by_point.items()]
@@ -825,8 +824,7 @@ def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
                         for k, r in seed_runs.items()}}
     jpath, ppath = os.path.join(args.out_dir, f'sweep_{name}.json'), os.path.join(args.out_dir, f'icl_{name}.png')
     if len(payload['reused']) == len(payload['runs']) and os.path.exists(jpath):   # a replot of the same runs
-        with open(jpath) as f:                                                      # keeps the training's wall time
-            old = json.load(f)
+        old = read_json(jpath, '--out_dir', ['runs', 'wall_s'])                       # keeps the training's wall time
         same = [{k: (r.get('run'), r['model']['at_2d']) for k, r in p['runs'].items()} for p in (old, payload)]
         if same[0] == same[1]:
             payload['wall_s_when_trained'] = old.get('wall_s_when_trained', old['wall_s'])
@@ -951,10 +949,14 @@ def check_args(parser, args):
     check_numbers(parser, args, dict(read_in_std='[0, 100]', pos_std='[0, 100]', noise_std='[0, 100]'))
     n_tokens = 2 * max(args.n_points, 2 * args.d)               # a prompt: (x, y) tokens, n_points 0 = 2d pairs
     scores = 4 * args.batch_size * args.n_head * n_tokens ** 2  # one layer's fp32 attention scores: a lower bound
-    if scores > physical_memory():
-        parser.error(f"--n_points {args.n_points} with --batch_size {args.batch_size} --n_head {args.n_head}: one "
-                     f"layer's attention scores alone need {scores / 2 ** 30:.0f} GiB, this machine has "
-                     f"{physical_memory() / 2 ** 30:.0f} GiB")
+    evals = 8 * args.n_eval * n_tokens * (args.d + 2)            # held-out prompts and their errors, float64
+    boot = 8 * args.n_boot * (args.n_eval + n_tokens)            # the bootstrap's weights and means
+    for what, need in ((f"--n_points {args.n_points} with --batch_size {args.batch_size} --n_head {args.n_head}: "
+                        "one layer's attention scores alone", scores), (f"--n_eval {args.n_eval}", evals),
+                       (f"--n_boot {args.n_boot} with --n_eval {args.n_eval}", boot)):
+        if need > physical_memory():
+            parser.error(f"{what} would need {need / 2 ** 30:.0f} GiB, this machine has "
+                         f"{physical_memory() / 2 ** 30:.0f} GiB")
     check_ranges(parser, args, positive=[
         'd', 'max_iters', 'batch_size', 'lr', 'n_layer', 'n_head', 'n_embd', 'window', 'btt_rank', 'mup_base_width',
         'n_eval', 'n_eval_during', 'n_boot', 'log_interval', 'compute_width', 'linear_width',
@@ -982,6 +984,8 @@ def check_args(parser, args):
                      "e.g. '32:5e-5'")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    if os.path.basename(args.run_name) != args.run_name or args.run_name in ('.', '..'):
+        parser.error(f"--run_name {args.run_name!r}: a file name in --out_dir, without a '/'")
     if args.quick and not args.sweep:
         parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
 
@@ -1029,6 +1033,7 @@ def main(argv=None):
                              f"{', '.join(map(os.path.basename, others))}: give the --attn, --n_head and --n_embd "
                              f"of that run (or its --run_name)")
         ck = load_checkpoint(path, SCRIPT, ('config', 'state'))
+        args.n_points = a.n_points                   # resolved: a given 0 is 2d, as the checkpoint holds it
         check_resume(ck['config'], args, given_flags(parser, argv), ck['state']['step'])
     results = train(args, run_name=run_name)
     plot = os.path.join(args.out_dir, 'icl_position.png')

@@ -26,7 +26,6 @@ train/val by file, so the validation code is never seen in training.
 
 import argparse
 import hashlib
-import json
 import math
 import os
 import re
@@ -38,11 +37,12 @@ from dataclasses import dataclass
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_model_settings, check_numbers, check_writable, content_digest, ctrl_c_finishes_step,
-                  given_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
-                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
-                  plot_seed_bands, pm, positive_int, prepare_out_dir, remove_orphan_tmp, report_outputs,
-                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
+                  check_model_settings, check_numbers, check_run_length, check_writable, clear_earlier_run,
+                  content_digest, ctrl_c_finishes_step, given_flags, io_errors, load_checkpoint, longest_first_wall,
+                  mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders, paired_difference,
+                  paired_rows, physical_memory, pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir,
+                  read_json, remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state,
+                  save_checkpoint, set_rng_state, sweep, write_json)
 
 import numpy as np
 import torch
@@ -256,6 +256,16 @@ def check_args(parser, args):
                         ('global_layers', [s.strip() for s in args.global_layers.split(',')]),
                         ('compare', args.compare or []), ('by_position', args.by_position or [])):
         no_repeats(parser, name, items)
+    modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)}: one mode at a time")
+    for flag, modes_ok in (('estimate', ['sweep']), ('lrs', ['sweep']), ('plot', ['compare', 'by_position'])):
+        value = getattr(args, flag)
+        if value and not any(getattr(args, m) for m in modes_ok):
+            parser.error(f"--{flag}{'' if value is True else f' {value!r}'}: only with "
+                         f"{' or '.join('--' + m for m in modes_ok)}")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in ('.png', '.pdf', '.svg'):
+        parser.error(f"--plot {args.plot!r}: an image file ending in .png, .pdf or .svg")
     args.plot = args.plot or os.path.join('out', 'lm_by_position.png' if args.by_position else 'lm_compare.png')
 
 
@@ -349,9 +359,8 @@ def prepare_data(data, cache_dir):
 
 
 def load_data(cache):
+    meta = read_json(os.path.join(cache, 'meta.json'), '--cache_dir', ['dtype', 'itos', 'source'])
     with io_errors('--cache_dir', cache):
-        with open(os.path.join(cache, 'meta.json')) as f:
-            meta = json.load(f)
         splits = {s: np.memmap(os.path.join(cache, f"{s}.bin"), dtype=meta['dtype'], mode='r')
                   for s in ('train', 'val')}
     if meta.get('skipped'):  # said on every run that uses this cache, not only when it was built
@@ -536,7 +545,8 @@ def train(args):
     proc = setup_processes(args.device)
     # the run folder (DDP: rank 0 owns it for all ranks); --resume: the checkpoint's settings win (resume_settings)
     ckpt_path, ckpt = os.path.join(args.out_dir, 'ckpt.pt'), None
-    prepare_out_dir(args.out_dir, [ckpt_path], args.resume, args.overwrite, lock=int(os.environ.get('RANK', 0)) == 0)
+    earlier = prepare_out_dir(args.out_dir, [ckpt_path, os.path.join(args.out_dir, 'log.json')], args.resume,
+                              args.overwrite, lock=int(os.environ.get('RANK', 0)) == 0)
     if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
         resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
@@ -584,8 +594,12 @@ def train(args):
     # run length: training FLOPs per step = 3 forwards; --max_flops may end the run before --max_iters
     tokens_per_iter = args.batch_size * args.grad_accum * proc.world * args.block_size
     flops_per_iter = 3 * raw_model.forward_flops(args.block_size) * args.batch_size * args.grad_accum * proc.world
-    max_iters = (min(args.max_iters, math.ceil(args.max_flops / flops_per_iter)) if args.max_flops > 0 else
-                 args.max_iters)
+    run_length = lambda c: min(c['max_iters'], math.ceil(c['max_flops'] / flops_per_iter)) if c['max_flops'] > 0 \
+        else c['max_iters']
+    max_iters = run_length(vars(args))
+    if ckpt is not None:       # another --max_iters / --max_flops: the steps taken must keep their lr
+        check_run_length(step, lambda s, n: lr_at(s, args, n), run_length(ckpt['config']), max_iters,
+                         '--resume --max_iters / --max_flops')
     ranked = {'mlr', 'bilinear_mlr'} & set(raw_model.config.layer_kinds())    # the variants that read --ranks
     log(proc, f"attn={args.attn} ranks={raw_model.config.ranks if ranked else '-'} | "
         f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params | data {meta['source']} "
@@ -602,6 +616,8 @@ def train(args):
                 data_rng=gen.get_state(), rng=rng_state()))
             write_json(os.path.join(args.out_dir, 'log.json'), dict(config=cfg, history=history))
 
+    if proc.master:
+        clear_earlier_run(earlier)  # --overwrite: the earlier run goes now that this one has passed every check
     losses = []  # (step, train loss) of every step of this invocation, for tests
     bar = tqdm(total=max_iters, initial=step, disable=not (proc.master and args.progress), leave=False,
                dynamic_ncols=True)
@@ -756,8 +772,7 @@ def compare(args):
         path = os.path.join(run, 'log.json')
         if not os.path.exists(path):
             raise ValueError(f"--compare {run!r}: no log.json there (not a train_lm.py run directory?)")
-        with io_errors('--compare', path), open(path) as f:
-            saved = json.load(f)
+        saved = read_json(path, '--compare', ['config', 'history'])
         c, h = saved['config'], [r for r in saved['history'] if r['step'] > 0]
         if not h:
             raise ValueError(f"--compare {run!r}: no evaluation after step 0 yet")
@@ -775,21 +790,29 @@ def compare(args):
 
 @torch.no_grad()
 def position_losses(run, cache_dir, corpora, bin, device):
-    """(label, curve) of a run: its val loss at each position of its context, from its ckpt.pt on the windows its own
-    evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions."""
+    """(label, curve, T) of a run: its val loss at each position of its context, from its ckpt.pt on the windows its
+    own evaluation used (a finished run's mean over positions is its last val loss), in bins of `bin` positions."""
     ckpt, model = trained_model(run, device)
     c = ckpt['config']
+    if c['block_size'] < 4 * bin:
+        raise ValueError(f"--by_position {run!r}: its context length {c['block_size']} is below {4 * bin} (the "
+                         f"plot's 4 bins of {bin} positions)")
     if c['data'] not in corpora:
-        corpora[c['data']] = load_data(prepare_data(c['data'], cache_dir))[0]['val']
+        splits, meta = load_data(prepare_data(c['data'], cache_dir))
+        corpora[c['data']] = splits['val'], meta['itos']
+    val, itos = corpora[c['data']]
+    if itos != ckpt['itos']:
+        raise ValueError(f"--by_position {run!r}: its --data {c['data']!r} read from here is not the text it was "
+                         f"trained on (another vocabulary): run this where the run was trained")
     g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
     for _ in range(c['eval_iters']):                        # evaluate()'s windows: the run's batch, seed 0
-        x, y = get_batch(corpora[c['data']], c['batch_size'], c['block_size'], g)
+        x, y = get_batch(val, c['batch_size'], c['block_size'], g)
         logits = model(x.to(device))[0]                                           # (B, T, V)
         loss += F.cross_entropy(logits.transpose(1, 2).float(), y.to(device), reduction='none').mean(0).cpu()
     binned = (loss / c['eval_iters'])[:len(loss) // bin * bin].view(-1, bin).mean(1)       # (T / bin,)
     official = paper_logit_scale(c['attn'], c['layer_pattern'], c['n_layer'], c['global_layers'])
     label = f"{c['attn']} {c['pos']}" + ('' if c['logit_scale'] == official else f" {c['logit_scale']}")
-    return label, dict(run=run, step=ckpt['step'], loss=binned.tolist())
+    return label, dict(run=run, step=ckpt['step'], loss=binned.tolist()), c['block_size']
 
 
 def by_position(args, bin=8):
@@ -798,13 +821,17 @@ def by_position(args, bin=8):
     positions after those boundaries minus the `bin` before (a model without blocks shows only the text's own).
     Plots each variant less standard's loss at each position (one panel per encoding); the curves' JSON beside it."""
     check_writable(args.plot, '--plot')
+    data = os.path.splitext(args.plot)[0] + '.json'           # the curves, beside the plot
+    if os.path.exists(data) and 'curves' not in read_json(data, '--plot'):
+        raise ValueError(f"--plot {args.plot!r}: the curves would replace {data!r}, which --by_position did not "
+                         f"write; give another --plot")
     curves, corpora, device, first = {}, {}, pick_device(args.device), None
     for run in tqdm(args.by_position, desc='by position', disable=not args.progress, leave=False):
-        label, curve = position_losses(run, args.cache_dir, corpora, bin, device)
-        first = first or (run, len(curve['loss']) * bin)          # (run, T): every run must share the first's T
-        if len(curve['loss']) * bin != first[1]:                  # refused at once, not after evaluating them all
+        label, curve, T = position_losses(run, args.cache_dir, corpora, bin, device)
+        first = first or (run, T)                                 # every run must share the first's T
+        if T != first[1]:                                         # refused at once, not after evaluating them all
             raise ValueError(f"--by_position: runs of different context lengths ({first[0]!r}: T = {first[1]}, "
-                             f"{run!r}: T = {len(curve['loss']) * bin}): give runs of one --block_size")
+                             f"{run!r}: T = {T}): give runs of one --block_size")
         curves.setdefault(label, []).append(curve)
     import matplotlib
     matplotlib.use('Agg')
@@ -838,7 +865,6 @@ def by_position(args, bin=8):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8, loc='upper center', bbox_to_anchor=(0.5, -0.14), ncol=3)   # below: no curve hidden
-    data = os.path.splitext(args.plot)[0] + '.json'
     with io_errors('--plot', args.plot):
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
@@ -920,8 +946,7 @@ def saved_run(run_dir):
     run kept without its checkpoint is reused; (None, [], False) without log.json."""
     if not os.path.exists(os.path.join(run_dir, 'log.json')):
         return None, [], False
-    with io_errors('--sweep_dir', run_dir), open(os.path.join(run_dir, 'log.json')) as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(run_dir, 'log.json'), '--sweep_dir')
     return saved.get('config', {}), saved.get('history', []), os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
 
 

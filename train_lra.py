@@ -40,13 +40,13 @@ import time
 from dataclasses import fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
-from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args,
-                  atomic_write, check_format, check_numbers, check_ranges, content_digest, ctrl_c_finishes_step,
-                  given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
-                  no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows,
-                  physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, remove_orphan_tmp,
-                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
-                  sweep, write_json)
+from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write,
+                  check_format, check_numbers, check_ranges, check_run_length, clear_earlier_run, content_digest,
+                  ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall,
+                  mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders, paired_difference,
+                  paired_rows, physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, read_json,
+                  remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint,
+                  set_rng_state, sweep, write_json)
 
 import numpy as np
 import torch
@@ -147,7 +147,7 @@ def generate_listops(n, min_len, max_len, seed, exclude=()):
     """n distinct (source, label) examples with min_len < #tokens < max_len, none of them in `exclude`."""
     if not 0 <= min_len < max_len - 1:
         raise ValueError(f"need 0 <= min_len < max_len - 1, got min_len={min_len}, max_len={max_len}")
-    rng, seen, rows = random.Random(seed), set(exclude), []
+    rng, seen, rows, misses = random.Random(seed), set(exclude), [], 0
     while len(rows) < n:
         count = [0]
         with contextlib.suppress(TooLong):
@@ -155,6 +155,11 @@ def generate_listops(n, min_len, max_len, seed, exclude=()):
             if min_len < count[0] < max_len and source not in seen:
                 seen.add(source)
                 rows.append((source, label))
+                misses = -1
+        misses += 1
+        if misses == 100_000:      # that many trees in a row and none new: these lengths hold too few expressions
+            raise ValueError(f"--min_len {min_len} --max_len {max_len}: 100000 random trees in a row gave no new "
+                             f"expression of that length ({len(rows)} of {n} found); widen the range")
     return rows
 
 
@@ -363,6 +368,9 @@ def read_aan(d, part, max_len):
     """new_aan_pairs.<part>.tsv: no header, no quoting; label, id1, id2, text1, text2 -> x (N, 2, max_len)."""
     rows = [cols for *_, cols in tsv_rows(os.path.join(d, f'*.{part}.tsv'), 5,
                                           '5 tab-separated columns (label, id1, id2, text1, text2)')]
+    bad = next((cols[0] for cols in rows if not re.fullmatch(r'\d(\.0*)?', cols[0].strip())), None)
+    if bad is not None:
+        raise ValueError(f"{part} label {bad!r} is not a digit 0-9")
     return (np.stack([pad_rows([byte_ids(t, max_len) for t in cols[3:5]], max_len) for cols in rows]),
             np.array([int(float(cols[0])) for cols in rows], np.int64))
 
@@ -393,6 +401,8 @@ def read_pathfinder(d, part, max_len):
         with open(meta) as f:
             lines += [m for m in map(str.split, f) if len(m) >= 4]
     x = np.stack([np.asarray(Image.open(os.path.join(d, m[0], m[1])).convert('L'), np.int64).ravel() for m in lines])
+    if x.shape[1] != max_len:
+        raise ValueError(f"its images have {x.shape[1]} pixels, --max_len {max_len} (Pathfinder-32: 32 x 32)")
     return x, np.array([int(m[3]) for m in lines], np.int64)
 
 
@@ -417,7 +427,8 @@ def read_release(task, data_dir, max_len, classes):
             x, y = parts[part]
             a, b = int(lo * len(y)), int(hi * len(y))
             data[split] = x[a:b], y[a:b]
-    except (OSError, ValueError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError, EOFError,
+            pickle.UnpicklingError) as e:
         raise ValueError(f"--data {data_dir!r} is not a readable {task} release folder: "
                          f"{type(e).__name__}: {e}") from None
     for split, (_, y) in data.items():
@@ -539,11 +550,11 @@ def evaluate(model, x, y, args, pad, device):
     return correct / max(len(x), 1)
 
 
-def lr_at(step, args):
-    """Linear warmup, then cosine decay to 10% of the peak."""
+def lr_at(step, args, max_iters):
+    """Linear warmup, then cosine decay to 10% of the peak at max_iters."""
     if step < args.warmup_iters:
         return args.lr * (step + 1) / args.warmup_iters
-    p = (step - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
+    p = (step - args.warmup_iters) / max(1, max_iters - args.warmup_iters)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
 
 
@@ -562,10 +573,13 @@ def train(args):
     device = pick_device(args.device)
     ckpt_path, results_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'results.json')
     prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)
-    prepare_out_dir(args.out_dir, [] if args.show else [ckpt_path, results_path], args.resume, args.overwrite)
+    earlier = prepare_out_dir(args.out_dir, [] if args.show else [ckpt_path, results_path], args.resume,
+                              args.overwrite)
     state = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS) if args.resume else None
     if state is not None:
         resume_settings(state['config'], args, args._given, RESUME_OVERRIDES)
+        check_run_length(state['step'], lambda s, n: lr_at(s, args, n), state['config']['max_iters'], args.max_iters,
+                         '--resume --max_iters')
     torch.manual_seed(args.seed)
     # data
     data, meta = load_task(args)
@@ -593,6 +607,7 @@ def train(args):
           f"{len(xte)} | T {x.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
     config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT}
     print('config: ' + json.dumps(config, sort_keys=True))
+    clear_earlier_run(earlier)    # --overwrite: the earlier run goes now that this one has passed every check
 
     def save():   # ckpt.pt: all that an exact resume needs
         if not args.save:
@@ -617,7 +632,7 @@ def train(args):
             xb, mb = make_batch(x[idx], pad, args.trim, device)
             yb = torch.as_tensor(y[idx]).to(device)
             for g in opt.param_groups:
-                g['lr'] = lr_at(step, args) * g.get('lr_mult', 1.0)
+                g['lr'] = lr_at(step, args, args.max_iters) * g.get('lr_mult', 1.0)
             t0 = time.perf_counter()
             logits = model(xb, mb)
             loss = F.cross_entropy(logits, yb)
@@ -635,7 +650,7 @@ def train(args):
             bar.update(1)
             if (step + 1) % args.log_interval == 0:
                 say(f"step {step + 1}/{args.max_iters} | loss {np.mean(st['losses']):.4f} | train acc "
-                    f"{st['hits'] / st['seen']:.3f} | lr {lr_at(step, args):.2e} | {1e3 * dt:.0f} ms | "
+                    f"{st['hits'] / st['seen']:.3f} | lr {lr_at(step, args, args.max_iters):.2e} | {1e3 * dt:.0f} ms | "
                     f"{n_tokens / max(st['t_train'] - t_start, 1e-9):.0f} tok/s")
                 bar.set_postfix(loss=f"{np.mean(st['losses']):.3f}")
                 st['losses'], st['hits'], st['seen'] = [], 0, 0
@@ -764,6 +779,8 @@ def bench(args):
             rows.append({'attn': kind, 'T': T, 'skipped': skip} if skip else r)
             print(f"{kind:16s} T={T:6d}  " + (f"skipped ({skip})" if skip else
                                                f"{r['ms']:9.1f} ms  {r['peak_mb']:8.1f} MB"))
+    if not any('ms' in r for r in rows):
+        raise ValueError(f"--bench: every point was skipped (the first: {rows[0]['skipped']}); nothing to write")
     paths = os.path.join(args.out_dir, 'bench.json'), os.path.join(args.out_dir, 'lra_bench.png')
     with io_errors('--out_dir', args.out_dir):
         write_json(paths[0], {'options': opts, 'rows': rows})
@@ -813,14 +830,12 @@ def show_pathfinder(data, path, n=16):
 
 def read_results(run_dir, flag):
     """A finished run's results.json, refused in one line when missing, unreadable or of another FORMAT."""
-    try:
-        with open(os.path.join(run_dir, 'results.json')) as f:
-            r = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {run_dir!r}: no readable results.json there (not a finished train_lra.py run?): "
-                         f"{getattr(e, 'strerror', None) or e}") from None
-    check_format(r.get('config') if isinstance(r, dict) else None, f"{flag} {run_dir!r}: its results.json")
-    return r
+    path = os.path.join(run_dir, 'results.json')
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {run_dir!r}: no results.json there (not a finished train_lra.py run?)")
+    r = read_json(path, flag, ['config'])
+    check_format(r['config'], f"{flag} {run_dir!r}: its results.json")
+    return read_json(path, flag, ['attn', 'history', 'test_acc_at_best_val', 'majority_test_acc'])
 
 
 def compare(args):
@@ -1069,14 +1084,18 @@ def comma_list(p, args, name, kind=str, valid=None):
     """--name's comma list as a list of kind: an empty item, a duplicate, an item that is not a (positive, for
     int) kind or not in valid is parser.error (exit 2)."""
     text = getattr(args, name)
-    try:
-        items = [kind(t.strip()) for t in text.split(',')]
-    except ValueError:
-        items = ['']
-    bad = [t for t in items if t == '' or (kind is int and t <= 0) or (valid is not None and t not in valid)]
+
+    def ok(t):
+        try:
+            v = kind(t)
+        except ValueError:
+            return False
+        return t != '' and not (kind is int and v <= 0) and (valid is None or v in valid)
+    bad = [t for t in map(str.strip, text.split(',')) if not ok(t)]
     if bad:
         p.error(f"--{name} {text!r}: {bad[0]!r} is not valid; expected a comma list of "
                 + (', '.join(valid) if valid is not None else 'positive integers' if kind is int else 'names'))
+    items = [kind(t.strip()) for t in text.split(',')]
     no_repeats(p, name, items)
     return items
 

@@ -35,10 +35,11 @@ from datetime import datetime
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_numbers,
-                  check_ranges, ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint,
-                  mean_std, model_config, no_repeats, owns_run_folders, paired_difference, physical_memory,
-                  pick_device, plot_seed_bands, prepare_out_dir, remove_orphan_tmp, report_outputs, resume_settings,
-                  rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, write_json)
+                  check_ranges, clear_earlier_run, ctrl_c_finishes_step, given_flags, guarded_update, io_errors,
+                  load_checkpoint, mean_std, model_config, no_repeats, owns_run_folders, paired_difference,
+                  physical_memory, pick_device, plot_seed_bands, prepare_out_dir, read_json, remove_orphan_tmp,
+                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
+                  sweep, write_json)
 
 import matplotlib
 import numpy as np
@@ -72,7 +73,7 @@ def int_list(s):
 
 
 def seed_spec(s):   # --seeds: a count N (the seeds --seed ... --seed + N - 1, resolved in parse_args) or a list
-    if ',' in s:
+    if ',' in s and int_list(s):
         return int_list(s)
     if not s.isdigit() or int(s) == 0:
         raise argparse.ArgumentTypeError(f"expected a number of seeds > 0 or comma-separated seeds, got {s!r} "
@@ -169,6 +170,8 @@ def parse_args(argv=None, parser=None):
         parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    if args.target is not None and not args.target.strip():
+        parser.error("--target '': name the column to forecast, or leave the flag out (OT; Demand for elecdemand)")
     # the largest tensors of these settings, in bytes: refused when this machine's memory cannot hold them
     T, B = args.context + args.horizon, args.batch_size
     need = {'--batch_size x (--context + --horizon) x --vocab logits': 16 * B * T * args.vocab,
@@ -268,7 +271,15 @@ def kernelsynth(n, length=1024, seed=0, max_kernels=5, cache_dir=None, desc='Ker
     for f in sorted(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else []:
         m = re.fullmatch(rf'kernelsynth_n(\d+){re.escape(tail)}', f)
         if m and int(m.group(1)) >= n:
-            return np.load(os.path.join(cache_dir, f))[:n]
+            path = os.path.join(cache_dir, f)
+            try:
+                cached = np.load(path)
+            except (OSError, ValueError, EOFError) as e:
+                raise ValueError(f"--cache_dir: {path} is damaged ({e}): delete it to generate it again") from None
+            if cached.shape != (int(m.group(1)), length) or not np.isfinite(cached).all():
+                raise ValueError(f"--cache_dir: {path} holds an array of shape {cached.shape}, not "
+                                 f"({m.group(1)}, {length}) finite values: delete it to generate it again")
+            return cached[:n]
     out = np.stack([kernelsynth_series(length, np.random.default_rng([seed, i]), max_kernels)
                     for i in tqdm(range(n), desc=desc, disable=n < 64)])
     if cache_dir:
@@ -356,6 +367,9 @@ def read_ett_csv(path):
                              f"comma-separated CSV (with a '.' decimal point); convert it first")
     has_date = header[0].strip().lower() in ('date', 'time', 'timestamp', 'datetime')
     cols, first = (header[1:], 1) if has_date else (header, 0)
+    twice = next((c for c in cols if cols.count(c) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{path}: the header names column {twice!r} twice")
     values, dates = np.empty((len(body), len(cols)), np.float32), []
     for i, r in enumerate(body):
         row = f"{path} row {i + 2}"
@@ -367,6 +381,9 @@ def read_ett_csv(path):
             except ValueError:
                 raise ValueError(f"{row} column {header[0]!r}: {r[0]!r} is not a date like "
                                  f"2016-07-01 00:00:00") from None
+            if (dates[i].tzinfo is None) != (dates[0].tzinfo is None):
+                raise ValueError(f"{row}: date {r[0]!r} {'has' if dates[i].tzinfo else 'lacks'} a time zone, row 2's "
+                                 f"{body[0][0]!r} does not: give every date one form")
             if i and dates[i] <= dates[i - 1]:
                 raise ValueError(f"{row}: date {r[0]!r} is not after the row before's {body[i - 1][0]!r}: the dates "
                                  f"must strictly increase (sort the file, drop repeats)")
@@ -569,6 +586,8 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
     best val loss are restored at the end (early stopping; the checkpoint holds them, so a resumed run ends like an
     uninterrupted one). config: the settings a resume must match. -> (history, best_val, steps)."""
     steps = min(max_iters, max(1, int(args.max_flops // flops_per_step))) if args.max_flops > 0 else max_iters
+    config = dict(config, steps=steps)   # the cosine schedule's length: a resume must keep it, as every setting
+    clear_earlier_run(args._earlier)     # --overwrite: the earlier run goes once the data is read and a model built
     opt = torch.optim.AdamW(optimizer_groups(model, lr, args.weight_decay), lr=lr, betas=(0.9, 0.95))
     for g in opt.param_groups:
         g['base_lr'] = g['lr']                                          # the schedule scales each group's own lr
@@ -884,7 +903,7 @@ def run_longhorizon(args, device):
 
 
 # --resume: these flags may differ from the checkpoints' (--attn and --horizons pick which models continue)
-RESUME_OVERRIDES = {'attn', 'horizons', 'max_iters', 'max_flops', 'eval_interval', 'out_dir', 'cache_dir', 'device',
+RESUME_OVERRIDES = {'max_iters', 'max_flops', 'eval_interval', 'out_dir', 'cache_dir', 'device',
                     'threads', 'progress', 'zero_shot', 'zs_windows', 'num_samples', 'decode', 'forecast_series',
                     'seeds', 'workers'}
 
@@ -913,16 +932,16 @@ def main(argv=None):
         resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
         args._resumes = resumes + 1
     check_task(args)
-    prepare_out_dir(args.out_dir, [path] + ckpts, args.resume, args.overwrite)
+    plots = [os.path.join(args.out_dir, f'ts_{args.task}_{k}.png') for k in ('loss_flops', 'forecasts')]
+    args._earlier = prepare_out_dir(args.out_dir, [path] + ckpts + plots, args.resume, args.overwrite)  # train() clears
     if args.task == 'chronos':
         prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)     # writable, before any work
     print(json.dumps(run_config(args), default=str))
     with io_errors('--out_dir', args.out_dir):
         results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
         write_json(path, results, default=float)
-    plots = [os.path.join(args.out_dir, f'ts_{args.task}_{k}.png') for k in ('loss_flops', 'forecasts')]
     report_outputs(results=path, checkpoints=os.path.join(args.out_dir, f'ckpt_{args.task}_*.pt'),
-                   plots=', '.join(plots))
+                   plots=', '.join(p for p in plots if os.path.exists(p)))
     return results
 
 # -----------------------------------------------------------------------------
@@ -946,12 +965,8 @@ def saved_run(out_dir, task):
     """(the flags of the run in out_dir with its format, finished), or (None, False) where there is none."""
     path = os.path.join(out_dir, f'results_{task}.json')
     if os.path.exists(path):
-        try:
-            with open(path) as f:
-                results = json.load(f)
-            return {**results['args'], 'format': results.get('format')}, True
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}): delete it, or use --overwrite") from None
+        results = read_json(path, '--out_dir', ['args', 'task', 'runs'])
+        return {**results['args'], 'format': results.get('format')}, True
     ckpts = task_ckpts(out_dir, task)
     return ({**saved_settings(ckpts)[0], 'format': FORMAT}, False) if ckpts else (None, False)
 
@@ -973,8 +988,7 @@ def run_seeds(args, argv):
                          f"rerun to resume them")
     results = []
     for run in runs:
-        with open(os.path.join(run.out_dir, f'results_{args.task}.json')) as f:
-            results.append(json.load(f))
+        results.append(read_json(os.path.join(run.out_dir, f'results_{args.task}.json'), '--out_dir', ['runs']))
     summary = dict(format=FORMAT, task=args.task, seeds=args.seeds, **aggregate_seeds(results))
     print(f"mean ± std over {len(args.seeds)} seeds:")
     for k, v in summary['metrics'].items():
