@@ -532,18 +532,17 @@ class Run:
     seconds: float = 0.0   # estimated training time: the printed estimate, and runs start longest first
 
 
-def run_state(saved, want, free, where, finished):
+def run_state(saved, want, free, where, finished, redo='another --sweep_dir, or --no-reuse to train every run again'):
     """Whether a sweep reuses a run folder: 'new' (saved is None), 'done' (finished) or 'partial' (--resume it).
     saved: the folder's run config; want: the sweep's settings; free: keys that may differ. A folder holding a
-    run of other settings or another FORMAT is refused (ValueError)."""
+    run of other settings or another FORMAT is refused (ValueError; redo: the script's way out)."""
     if saved is None:
         return 'new'
     check_format(saved, where)
     diff = [k for k in sorted(want) if k in saved and k not in free and saved[k] != want[k]]
     if diff:
         k = diff[0]
-        raise ValueError(f"{where} holds a run with --{k} {saved[k]!r}, this sweep asks {want[k]!r}: use another "
-                         f"--sweep_dir, or --no-reuse to train every run again")
+        raise ValueError(f"{where} holds a run with --{k} {saved[k]!r}, this sweep asks {want[k]!r}: use {redo}")
     return 'done' if finished else 'partial'
 
 

@@ -1618,6 +1618,22 @@ def test_lm_by_position_refuses_runs_of_different_lengths(tmp_path, monkeypatch)
         train_lm.main(['--by_position', 'a', 'b', '--plot', str(tmp_path / 'p.png'), '--no-progress'])
 
 
+def test_lm_edited_corpus_is_neither_resumed_nor_reused(lm_corpus, tmp_path):
+    """A run records its corpus's bytes (prepare_data's cache key): once the text is edited (here its lines
+    reordered: the same vocabulary), --resume and a sweep's reuse of the run are refused."""
+    data = tmp_path / 'corpus.txt'
+    shutil.copy(lm_corpus['data'], data)
+    corpus = dict(lm_corpus, data=str(data))
+    train_lm.main(lm_args(corpus, tmp_path / 'run'))
+    sweep = lm_sweep_argv(corpus, tmp_path, '--workers', '0', '--seeds', '1', '--variants', 'standard')
+    train_lm.main(sweep)
+    data.write_text('\n'.join(reversed(data.read_text().splitlines())) + '\n')
+    with pytest.raises(ValueError, match='was trained on other bytes of'):
+        train_lm.main(lm_args(corpus, tmp_path / 'run', '--resume', '--max_iters', '4'))
+    with pytest.raises(ValueError, match='holds a run with --data_key'):
+        train_lm.main(sweep)
+
+
 def lm_random_model(attn, T=32):
     cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
                                     '--block_size', str(T), '--window', '8', '--global_layers', '1',
@@ -1843,8 +1859,11 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path, capsys):
             assert r['history'][-1]['flops'] >= more['budget'] and r['history'][-1]['step'] >= 4
             assert r['variant'] == 'mlr' or r['history'][-1]['step'] == 4
 
-    with pytest.raises(ValueError, match="holds a run with --weight_decay 0.0, this sweep asks 0.5"):
-        train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--weight_decay', '0.5'))
+    for flags, words in ((['--weight_decay', '0.5'], "holds a run with --weight_decay 0.0, this sweep asks 0.5"),
+                         (['--eval_iters', '3'], "holds a run with --eval_iters 2, this sweep asks 3"),
+                         (['--max_iters', '3'], "FLOPs, past this sweep's budget")):     # the first, shorter budget
+        with pytest.raises(ValueError, match=words):
+            train_lm.main(lm_sweep_argv(lm_corpus, tmp_path, '--workers', '0', '--max_iters', '4', *flags))
 
 
 def test_lm_sweep_lr_grid_then_each_at_its_best_lr(lm_corpus, tmp_path):
@@ -3280,7 +3299,7 @@ def test_ts_seeds_is_a_count_as_in_every_script_or_a_list():
 
 def test_seed_sweep_aggregates_and_reuses(tmp_path, quiet):
     """--seeds: one run per seed, mean ± std, the paired MLR − standard difference and Fig. 15's relative target
-    MAE from the per-seed runs; a rerun reuses the finished seeds."""
+    MAE from the per-seed runs; a rerun reuses the finished seeds, not once the CSV is edited."""
     csv = ett_csv(tmp_path / 'ETTtiny.csv', 300)
     argv = ts_argv(tmp_path / 'out', tmp_path, *ett_argv(csv, '--dlinear_steps', '1', '--horizons', '8,16'),
                    '--attn', 'standard,mlr', '--ranks', '4|2|2', '--max_iters', '3', '--warmup_iters', '0', '--lr',
@@ -3307,6 +3326,11 @@ def test_seed_sweep_aggregates_and_reuses(tmp_path, quiet):
     assert os.path.getmtime(out / 'seed3' / 'results_longhorizon.json') == mtime
     with pytest.raises(ValueError, match=r"seed3 holds a run with --horizons \[8, 16\]"):   # of another sweep
         ts.main(argv[:-2] + ['--horizons', '8,12', '--seeds', '3,5'])
+    csv.write_text(csv.read_text().replace(',1,', ',2,', 1))                  # the file edited: no run of it reused
+    with pytest.raises(ValueError, match="seed3 holds a run with --data_key"):
+        ts.main(argv)
+    with pytest.raises(ValueError, match="is not the file the run was trained on"):             # nor resumed
+        ts.main(argv[:-2] + ['--seed', '3', '--out_dir', str(out / 'seed3'), '--resume'])
 
 
 def test_chronos_seeds_plot_and_refused_mismatch(tmp_path, quiet):

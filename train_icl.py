@@ -732,11 +732,12 @@ def run_status(args, a, name, run_dir):
     if os.path.exists(json_path):
         saved = read_json(json_path, '--out_dir', ['config'])['config']
     try:
-        state = runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path))
-    except ValueError as e:
+        state = runs.run_state(saved, vars(want), NOT_TRAINING, run_dir, os.path.exists(json_path),
+                               redo='another --out_dir, or --overwrite to train these runs again')
+    except ValueError:
         if args.overwrite:
             return 'new', 0
-        raise ValueError(f'{e}'.replace('--sweep_dir', '--out_dir') + ' (or --overwrite: retrain these)') from None
+        raise
     return state, ck['step'] if ck else 0
 
 

@@ -565,8 +565,12 @@ def train(args):
         if len(splits[s]) <= T + 1:
             raise ValueError(f"the {s} split of {meta['source']!r} has {len(splits[s])} characters; "
                              f"--block_size {T} needs more than {T + 1}")
+    cfg['data_key'] = os.path.basename(os.path.normpath(cache))    # the corpus's bytes: prepare_data's cache key
     if ckpt is not None and ckpt['itos'] != meta['itos']:
         raise ValueError(f"checkpoint {ckpt_path!r} was trained on a different vocabulary than {meta['source']!r}")
+    if ckpt is not None and ckpt['config'].get('data_key', cfg['data_key']) != cfg['data_key']:
+        raise ValueError(f"checkpoint {ckpt_path!r} was trained on other bytes of {meta['source']!r} (cache "
+                         f"{ckpt['config']['data_key']}, now {cfg['data_key']}): train a new run in another --out_dir")
 
     # model and AdamW over its muP parameter groups; ranks 'auto' is stored resolved, so the checkpoint keeps it
     torch.manual_seed(cfg['seed'])
@@ -950,6 +954,10 @@ def saved_run(run_dir):
     return saved.get('config', {}), saved.get('history', []), os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
 
 
+# a resume may change these, but a sweep reuses only runs measured as it asks (and no run past its budget)
+MEASURED = {'eval_iters', 'eval_interval', 'dtype', 'compile'}
+
+
 def train_points(args, points, per, tag, log):
     """runs.sweep over the points: finished runs reused, cut-off ones resumed, a folder of other settings
     refused; a cut-off one without ckpt.pt is trained again. Each run's state ('new', 'partial', 'done') and exit
@@ -959,8 +967,13 @@ def train_points(args, points, per, tag, log):
     states = {}
     for r, pt in zip(runs, points):
         saved, history, has_ckpt = saved_run(r.out_dir)
-        want = {k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')}
-        free = RESUME_OVERRIDES | {'resume', 'overwrite'} | ({'ranks'} if want['ranks'] == 'auto' else set())
+        if args.reuse and saved and saved.get('max_flops', 0) > pt.budget * (1 + 1e-9):   # a shorter budget
+            raise ValueError(f"{r.out_dir} holds a run trained to {saved['max_flops']:.4g} FLOPs, past this sweep's "
+                             f"budget {pt.budget:.4g}: use another --sweep_dir, or --no-reuse to train every run again")
+        want = {**{k: v for k, v in vars(parse_args(r.argv)).items() if not k.startswith('_')},
+                'data_key': args._data_key}                        # a run of an edited corpus is not reused
+        auto = {'ranks'} if want['ranks'] == 'auto' else set()
+        free = (RESUME_OVERRIDES - MEASURED) | {'resume', 'overwrite'} | auto
         states[r.name] = run_state(saved, want, free, r.out_dir, reached(history, pt.budget)) if args.reuse else 'new'
         if states[r.name] == 'partial' and not has_ckpt:
             print(f"{tag}: {r.name} is short of the budget and has no ckpt.pt to resume: trained again from scratch")
@@ -1047,7 +1060,8 @@ def compare_sweep(args):
     prepare_out_dir(args.sweep_dir, flag='--sweep_dir')   # writable, and this sweep's alone
     variants, positions = args.variants.split(','), args._positions
     seeds = [args.seed + i for i in range(args.seeds)]
-    vocab_size = len(load_data(prepare_data(args.data, args.cache_dir))[1]['itos'])  # builds the cache once
+    cache = prepare_data(args.data, args.cache_dir)                          # builds the cache once
+    vocab_size, args._data_key = len(load_data(cache)[1]['itos']), os.path.basename(os.path.normpath(cache))
     budget = args.max_iters * run_model(args, 'standard', vocab_size)[2]   # the standard (learned) run's FLOPs
     per = seconds_per_step(args, variants, vocab_size)
     shared = [Point(v, pos, args.lr, s, budget) for s in seeds for pos in positions for v in variants]

@@ -35,8 +35,8 @@ from datetime import datetime
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_numbers,
-                  check_ranges, clear_earlier_run, ctrl_c_finishes_step, given_flags, guarded_update, io_errors,
-                  load_checkpoint, mean_std, model_config, no_repeats, owns_run_folders, paired_difference,
+                  check_ranges, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, guarded_update,
+                  io_errors, load_checkpoint, mean_std, model_config, no_repeats, owns_run_folders, paired_difference,
                   physical_memory, pick_device, plot_seed_bands, prepare_out_dir, read_json, remove_orphan_tmp,
                   report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
                   sweep, write_json)
@@ -170,6 +170,7 @@ def parse_args(argv=None, parser=None):
         parser.error(f"--horizons {','.join(map(str, args.horizons))!r}: expected comma-separated positive integers")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
+    args.data_key = csv_key(args)
     if args.target is not None and not args.target.strip():
         parser.error("--target '': name the column to forecast, or leave the flag out (OT; Demand for elecdemand)")
     # the largest tensors of these settings, in bytes: refused when this machine's memory cannot hold them
@@ -186,6 +187,12 @@ def parse_args(argv=None, parser=None):
         if n > have:
             parser.error(f"{what} would need {n / 2 ** 30:.3g} GiB, more than the {have / 2 ** 30:.3g} GiB memory")
     return args
+
+
+def csv_key(args):
+    """The long-horizon CSV's bytes, kept with the run: a resume or a seed sweep's reuse of a run on an edited file
+    is refused. '' for elecdemand and KernelSynth, fixed by their names and settings."""
+    return content_digest([args.data])[:16] if args.task == 'longhorizon' and os.path.isfile(args.data) else ''
 
 
 def config_for(args, attn, T, causal):
@@ -930,6 +937,9 @@ def main(argv=None):
             raise ValueError(f"--resume: no checkpoint ckpt_{args.task}_*.pt in --out_dir {args.out_dir!r}")
         saved, resumes = saved_settings(ckpts)
         resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
+        if csv_key(args) != args.data_key:
+            raise ValueError(f"--resume: --data {args.data!r} is not the file the run was trained on (its bytes "
+                             f"changed): train a new run in another --out_dir")
         args._resumes = resumes + 1
     check_task(args)
     plots = [os.path.join(args.out_dir, f'ts_{args.task}_{k}.png') for k in ('loss_flops', 'forecasts')]
@@ -979,10 +989,16 @@ def run_seeds(args, argv):
     for s in args.seeds:
         out = os.path.join(args.out_dir, f'seed{s}')
         run = Run(name=f'seed{s}', group=args.task, seed=s, argv=seed_run_argv(argv, s, out), out_dir=out)
-        saved, finished = saved_run(out, args.task) if not args.overwrite else (None, False)
-        states[run.name] = run_state(saved, vars(parse_args(run.argv)), SEED_RUN_FREE, out, finished)
+        try:              # --overwrite retrains only what cannot be reused, so that it resumes as well
+            saved, finished = saved_run(out, args.task)
+            states[run.name] = run_state(saved, vars(parse_args(run.argv)), SEED_RUN_FREE, out, finished,
+                                         redo='another --out_dir, or --overwrite to train every seed again')
+        except ValueError:
+            if not args.overwrite:
+                raise
+            states[run.name] = 'new'
         runs.append(run)
-    failed = [name for name, code in sweep(runs, states, SCRIPT, main, args.workers, tag='seeds').items() if code]
+    failed = [name for name, code in sweep(runs, states, __file__, main, args.workers, tag='seeds').items() if code]
     if failed:
         raise ValueError(f"--seeds: run(s) {', '.join(failed)} failed (see above, or <out_dir>/<run>/train.log); "
                          f"rerun to resume them")
