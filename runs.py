@@ -576,6 +576,9 @@ def sweep(runs, states, script, main, workers, tag='sweep'):
     logging to <out_dir>/train.log (0: main(argv) one after another in this process). On Ctrl-C or SIGTERM the
     running ones get SIGINT: they save a checkpoint after their step, and a rerun resumes them. -> {name: exit code}"""
     todo = sorted((r for r in runs if states[r.name] != 'done'), key=lambda r: -r.seconds)
+    blocked = [r.out_dir for r in todo if os.path.exists(r.out_dir) and not os.path.isdir(r.out_dir)]
+    if blocked:                                                      # refused before any run starts
+        raise ValueError(f"{blocked[0]} is a file where a run's folder goes: move it, or give the sweep another folder")
     wall = longest_first_wall([r.seconds for r in todo], workers)
     print(f"{tag}: {len(runs) - len(todo)} finished run(s) reused, {len(todo)} to train: "
           f"{sum(r.seconds for r in todo) / 60:.1f} min of 1-thread training, about {wall / 60:.1f} min wall with "
@@ -612,6 +615,9 @@ def sweep(runs, states, script, main, workers, tag='sweep'):
                     del running[name]
                     failed = f"FAILED (exit {proc.returncode}), see {log.name}"
                     print(f"{tag}: {name} {'finished' if proc.returncode == 0 else failed}", flush=True)
+    except KeyboardInterrupt:        # the runs save their checkpoints in `finally`, before this reaches run_main
+        raise Interrupted(f"{tag}: stopped; the runs in progress ({', '.join(running) or 'none'}) save a checkpoint "
+                          f"after their current step: the same command resumes the sweep") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         for proc, _ in running.values():

@@ -1248,9 +1248,10 @@ def test_one_run_per_folder_and_a_killed_owner_leaves_no_lock(tmp_path, capsys):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def test_sweep_trains_longest_first_resumes_partial_skips_done_each_in_its_own_session(tmp_path):
+def test_sweep_trains_longest_first_resumes_partial_skips_done_each_in_its_own_session(tmp_path, monkeypatch):
     """Done runs are not started, partial ones get --resume, new ones --overwrite, longest first; each run is a
-    session of its own, so that a Ctrl-C at the terminal reaches only the sweep, which passes one SIGINT on."""
+    session of its own, so that a Ctrl-C at the terminal reaches only the sweep, which passes one SIGINT on and
+    ends in Interrupted; a file where a run's folder goes is refused before any run starts."""
     script = tmp_path / 'child.py'
     script.write_text("import os, sys, time\n"
                       "print(' '.join(sys.argv[1:]), time.monotonic_ns(), os.getsid(0), os.getpgrp(), os.getpid())\n")
@@ -1263,6 +1264,19 @@ def test_sweep_trains_longest_first_resumes_partial_skips_done_each_in_its_own_s
     assert int(logs['long'][2]) < int(logs['short'][2])
     assert logs['long'][3] == logs['long'][4] == logs['long'][5] != str(os.getsid(0))
     assert R.longest_first_wall([1, 3, 2, 2], 2) == 4 and R.longest_first_wall([1, 2], 0) == 3
+    (tmp_path / 'short').rename(tmp_path / 'moved')
+    (tmp_path / 'short').write_text('a file where a run folder goes')             # refused before any run starts
+    with pytest.raises(ValueError, match="short is a file where a run's folder goes"):
+        R.sweep(runs, {'short': 'new', 'done': 'done', 'long': 'new'}, str(script), None, workers=1)
+    assert len((tmp_path / 'long' / 'train.log').read_text().splitlines()) == 1     # not started again
+    (tmp_path / 'slow.py').write_text('import time\ntime.sleep(60)\n')
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(R.time, 'sleep', ctrl_c)                # Ctrl-C once the run has started
+    with pytest.raises(R.Interrupted, match=r"stopped; the runs in progress \(slow\) save a checkpoint"):
+        R.sweep([R.Run('slow', 'v', 0, [], str(tmp_path / 'slow'))], {'slow': 'new'}, str(tmp_path / 'slow.py'),
+                None, workers=1)
 
 
 @pytest.mark.parametrize('value', [float('nan'), float('inf'), -float('inf'), 1e25])
