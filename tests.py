@@ -2637,6 +2637,11 @@ def test_release_loaders_and_runs(tmp_path, capsys):
                         ('pathfinder', ['--attn', 'brl', '--pixel_embed', 'linear'])):
         r = lra.main(['--task', task, '--data', str(folders[task]), '--out_dir', str(tmp_path / task), *common, *extra])
         assert r['history'][-1]['step'] == 1 and r['config']['task'] == task
+    (folders['pathfinder'] / 'metadata' / '0.npy').write_text(                     # the release edited: not resumed
+        (folders['pathfinder'] / 'metadata' / '0.npy').read_text().replace(' 1 ', ' 0 ', 1))
+    with pytest.raises(ValueError, match="is not the release the run was trained on"):
+        lra.main(['--task', 'pathfinder', '--data', str(folders['pathfinder']), '--cache_dir', common[1],
+                  '--out_dir', str(tmp_path / 'pathfinder'), '--resume', '--max_iters', '2'])
 
 
 @pytest.mark.parametrize('attn', ['standard', 'swa', 'brl', 'linear'])

@@ -446,9 +446,10 @@ def task_meta(task):
 
 
 def load_task(args):
-    """-> (splits {train, val, test: (x, y)}, task_meta). The release cache is keyed on the readers' version, the
-    task, max_len and the names and bytes of every file under --data: an edited release file is parsed again."""
-    meta, seed = task_meta(args.task), args.seed if args.data_seed < 0 else args.data_seed
+    """-> (splits {train, val, test: (x, y)}, task_meta with data_key). The release cache is keyed on the readers'
+    version, the task, max_len and the names and bytes of every file under --data (data_key; '' for generated data,
+    fixed by its settings): an edited release file is parsed again, and a run of it is not resumed."""
+    meta, seed = dict(task_meta(args.task), data_key=''), args.seed if args.data_seed < 0 else args.data_seed
     if not args.data:
         with io_errors('--cache_dir', args.cache_dir):
             if args.task == 'listops':
@@ -461,8 +462,8 @@ def load_task(args):
         files = sorted(os.path.join(root, n) for root, _, names in os.walk(args.data) for n in names)
         key = json.dumps([RELEASE_CACHE_FORMAT, args.task, args.max_len, [os.path.relpath(f, args.data) for f in files],
                           content_digest(files)])
-    path = os.path.join(args.cache_dir, f'release_{args.task}_{args.max_len}_'
-                                        f'{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz')
+    meta['data_key'] = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = os.path.join(args.cache_dir, f"release_{args.task}_{args.max_len}_{meta['data_key']}.npz")
     with io_errors('--cache_dir', args.cache_dir):
         return cached_splits(path, lambda: read_release(args.task, args.data, args.max_len, meta['classes'])), meta
 
@@ -583,6 +584,9 @@ def train(args):
     torch.manual_seed(args.seed)
     # data
     data, meta = load_task(args)
+    if state is not None and state['config'].get('data_key', meta['data_key']) != meta['data_key']:
+        raise ValueError(f"--resume: --data {args.data!r} is not the release the run was trained on (its bytes "
+                         f"changed): train a new run in another --out_dir")
     if args.show:
         path = os.path.join(args.out_dir, 'lra_pathfinder_samples.png')
         with io_errors('--out_dir', args.out_dir):
@@ -605,7 +609,8 @@ def train(args):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"LRA {args.task} | attn {args.attn} | {n_params / 1e6:.3f}M params | train/val/test {len(x)}/{len(xva)}/"
           f"{len(xte)} | T {x.shape[-1]} | device {device} | threads: {torch.get_num_threads()}")
-    config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT}
+    config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT,
+              'data_key': meta['data_key']}
     print('config: ' + json.dumps(config, sort_keys=True))
     clear_earlier_run(earlier)    # --overwrite: the earlier run goes now that this one has passed every check
 
