@@ -172,18 +172,19 @@ def check_model_settings(saved, what, set_by_task=TASK_FIELDS):
         raise ValueError(f"{what} lacks the model settings {lost[:3]}...: not a run of this script")
 
 
-def check_run_length(step, lr, old, new, flag):
+def check_run_length(step, schedule, old, new, flag, show=lambda lr: f'lr {lr:.4g}'):
     """--resume with another run length, `old` -> `new` steps: refused unless every step already taken (0 .. step - 1)
-    had the same lr in a `new`-step run (lr(s, n): step s's lr in an n-step run), so that the run continued is the
-    one trained that long from scratch. A constant lr does that; a cosine schedule, which scales with the run's
-    length, does not once past its warmup."""
+    trained as step s of a `new`-step run would (schedule(s, n): its lr, and whatever else scales with the run's
+    length), so that the run continued is the one trained that long from scratch. A constant lr does that; a cosine
+    schedule does not once past its warmup. show: a schedule value as the error line names it."""
     if new < step:
         raise ValueError(f"{flag}: {new} steps is below the checkpoint's step {step}; give at least {step}")
-    bad = next((s for s in range(step) if lr(s, old) != lr(s, new)), None)
+    bad = next((s for s in range(step) if schedule(s, old) != schedule(s, new)), None)
     if bad is not None:
         raise ValueError(f"{flag}: a {new}-step run cannot continue this {old}-step run: its step {bad} trained at "
-                         f"lr {lr(bad, old):.4g}, a {new}-step run's is {lr(bad, new):.4g} (the schedule scales with "
-                         f"the run's length); resume with its length, or train a new run in another --out_dir")
+                         f"{show(schedule(bad, old))}, a {new}-step run's at {show(schedule(bad, new))} (the schedule "
+                         f"scales with the run's length); resume with its length, or train a new run in another "
+                         f"--out_dir")
 
 
 def resume_settings(saved, args, given, may_change=()):

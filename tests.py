@@ -2229,7 +2229,7 @@ def test_icl_resume_to_a_longer_run_is_exact(tmp_path, monkeypatch, quiet):
     tap = LossTap(monkeypatch, 'mse_loss')
     again = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--n_points', '0'))   # 0 = 2d = 8, as it was
     assert again['model'] == done['model'] and not tap.values                       # finished: nothing redone
-    with pytest.raises(ValueError, match="--max_iters 3 is below the checkpoint's step 4"):
+    with pytest.raises(ValueError, match="--max_iters: 3 steps is below the checkpoint's step 4"):
         icl.main(icl_argv(tmp_path / 'b', '--resume', '--max_iters', '3'))
     longer = icl.main(icl_argv(tmp_path / 'b', *curr, '--resume', '--max_iters', '6'))
     assert len(tap.values) == 2                                                      # steps 5 and 6
@@ -2237,7 +2237,7 @@ def test_icl_resume_to_a_longer_run_is_exact(tmp_path, monkeypatch, quiet):
     assert no_time(longer) == no_time(scratch) and [h['step'] for h in longer['history']] == [0, 2, 4, 6]
     assert longer['model'] == scratch['model'] and longer['train_flops'] == scratch['train_flops']
     cosine = vars(icl_args(*curr, '--lr_schedule', 'cosine'))
-    with pytest.raises(ValueError, match='cannot continue this 4-step run: at step 3 it trained with lr x 0.55 and '):
+    with pytest.raises(ValueError, match=r'cannot continue this 4-step run: its step 3 trained at lr x 0.55, \(d, N\)'):
         icl.check_resume(cosine, icl_args('--max_iters', '6'), {'max_iters'}, 4)
 
 

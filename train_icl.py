@@ -402,18 +402,9 @@ def check_resume(saved, args, given, step):
     ended before `step` do this; a cosine schedule or a curriculum scaled to the run's length do not)."""
     may_change = set(NOT_TRAINING)
     if 'max_iters' in given and args.max_iters != saved['max_iters']:
-        if args.max_iters < step:
-            raise ValueError(f"--max_iters {args.max_iters} is below the checkpoint's step {step}; give "
-                             f"--max_iters >= {step} to continue the run")
-        old, new = argparse.Namespace(**saved), argparse.Namespace(**dict(saved, max_iters=args.max_iters))
-        for s in range(step):
-            was, now = (lr_at(s, old), curriculum(s, old)), (lr_at(s, new), curriculum(s, new))
-            if was != now:
-                raise ValueError(
-                    f"--max_iters {args.max_iters} cannot continue this {saved['max_iters']}-step run: at step {s} "
-                    f"it trained with lr x {was[0]:.4g} and (d, N) = {was[1]}, a {args.max_iters}-step run has lr x "
-                    f"{now[0]:.4g} and (d, N) = {now[1]} (--lr_schedule cosine and --curr_interval 0 scale with "
-                    "--max_iters); train a new run in another --out_dir")
+        run = lambda n: argparse.Namespace(**dict(saved, max_iters=n))   # the settings of an n-step run
+        runs.check_run_length(step, lambda s, n: (lr_at(s, run(n)), curriculum(s, run(n))), saved['max_iters'],
+                              args.max_iters, '--resume --max_iters', lambda x: f'lr x {x[0]:.4g}, (d, N) = {x[1]}')
         may_change.add('max_iters')
     resume_settings(saved, args, given, may_change)
 
