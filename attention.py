@@ -102,7 +102,9 @@ class ModelConfig:
             raise ValueError(f"layer_pattern names {len(kinds)} layers but n_layer = {self.n_layer}")
         for k in kinds:
             if k not in ATTENTION:
-                raise ValueError(f"unknown attention {k!r}; valid: {', '.join(ATTENTION)} or global_swa")
+                raise ValueError(f"unknown attention {k!r}; valid: {', '.join(ATTENTION)}" + (
+                    " (global_swa is an --attn of its own: in --layer_pattern, name standard and swa layers)"
+                    if self.layer_pattern else " or global_swa"))
         if 'brl' in kinds and set(kinds) != {'brl'}:
             raise ValueError(f"brl carries compressed tokens through every layer; it cannot be mixed: {kinds}")
         return kinds

@@ -1684,6 +1684,13 @@ def test_lm_sampling_with_cache_equals_without(attn, temperature):
     assert len(outs[0]) == 18 and len(set(outs[0])) > 1 and cached == [11, 0]
 
 
+def test_lm_sampling_with_a_context_of_one_token():
+    """T = 1: every step sees the last token alone (the restart keeps one token), with and without the cache."""
+    model = lm_random_model('standard', T=1)
+    outs = [train_lm.generate(model, [1, 2, 3], 6, temperature=0, use_cache=c)[0] for c in (True, False)]
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
 def test_lm_sample_command_reports_cache(lm_finished, tmp_path, capsys):
     shutil.copytree(lm_finished, tmp_path / 'run')
     common = ['--sample', '--out_dir', str(tmp_path / 'run'), '--prompt', 'def', '--max_new_tokens', '10',
@@ -1947,6 +1954,8 @@ LM_BAD = range_cases(
      ["'mrl' is not an attention variant"]),
     ('variants_twice', ['--sweep', 'compare', '--variants', 'mlr,swa,mlr'], None, 2, ["--variants names 'mlr' twice"]),
     ('global_layers_twice', ['--global_layers', '1,1'], None, 2, ["--global_layers names '1' twice"]),
+    ('global_swa_in_a_pattern', ['--layer_pattern', 'standard,global_swa'], None, 1,
+     ["unknown attention 'global_swa'", 'in --layer_pattern, name standard and swa layers']),
     ('by_position_twice', ['--by_position', 'a', 'a'], None, 2, ["--by_position names 'a' twice"]),
     ('by_position_missing', ['--by_position', 'NOWHERE'], None, 1, ["no checkpoint at 'NOWHERE/ckpt.pt'"]),
     ('compare_twice', ['--compare', 'a', 'a'], None, 2, ["--compare names 'a' twice"]),
@@ -2791,6 +2800,8 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('pathfinder_len', ['--task', 'pathfinder', '--max_len', '500'], None, 2, ['--max_len 500']),
     ('n_head', ['--n_head', '3'], None, 2, ['n_head', '3']),        # checked with the flags (meta-device model)
     ('min_len', ['--min_len', '63'], None, 1, ['need 0 <= min_len < max_len - 1', 'min_len=63']),
+    ('mlr_length', ['--max_len', '41', '--min_len', '5', '--attn', 'mlr', '--ranks', '8|4|4'], None, 2,
+     ['needs the sequence length (--max_len 41) divisible by 4']),
     ('no_data_dir', ['--data', '/nonexistent/lra'], None, 1, ["--data '/nonexistent/lra'"]),
     *[(f'tsv_{how}', ['--data', 'REL'], how, 1, ['basic_train.tsv line 3', w])
       for how, (_, w) in LRA_BAD_LINES.items()],

@@ -685,11 +685,11 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
     restarts from its last block_size // 2 tokens. With the same generator both paths sample the same text: the
     cached one feeds one token at a time, the other reruns the whole context (padded on the right to block_size,
     which a causal model cannot see). -> (new ids, cache, number of tokens in the cache)."""
-    T, device = model.config.block_size, model.lm_head.weight.device
+    T, device = model.config.block_size, model.lm_head.weight.device       # T = 1: the restart keeps 1 token
     tokens, start, cache, n_cached = list(prompt_ids), 0, None, 0
     for _ in range(max_new_tokens):
         if len(tokens) - start > T:
-            start, cache = len(tokens) - T // 2, None
+            start, cache = len(tokens) - max(T // 2, 1), None
         ctx = tokens[start:]
         if use_cache:
             if cache is None:

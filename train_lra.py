@@ -1156,8 +1156,9 @@ def check_args(p, a):
         try:
             with torch.device('meta'):
                 model = build_model(a, task_meta(a.task))[0]
-        except ValueError as e:
-            p.error(str(e))
+        except ValueError as e:     # the model's block_size is the sequence length: named by its flag
+            T = f"the sequence length (--max_len {a.max_len}{' + 1 CLS' if a.pooling == 'cls' else ''})"
+            p.error(str(e).replace('block_size', T))
         check_memory(p, a, model)
 
 
