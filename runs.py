@@ -267,6 +267,11 @@ def read_json(path, flag, keys=()):
             obj = json.load(f)
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{flag} {path!r} is not a JSON file ({e})") from None
+    return require_keys(obj, keys, flag, path)
+
+
+def require_keys(obj, keys, flag, path):
+    """obj, a JSON object holding every key; else one ValueError line naming flag and the file it came from."""
     missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
     if not isinstance(obj, dict) or missing:
         raise ValueError(f"{flag} {path!r} is not a file this script wrote (a JSON object"

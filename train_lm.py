@@ -358,6 +358,12 @@ def prepare_data(data, cache_dir):
     return out
 
 
+def data_key(cache):
+    """The corpus's bytes, as prepare_data keys its cache: what a run records, so that an edited corpus is neither
+    resumed nor reused."""
+    return os.path.basename(os.path.normpath(cache))
+
+
 def load_data(cache):
     meta = read_json(os.path.join(cache, 'meta.json'), '--cache_dir', ['dtype', 'itos', 'source'])
     with io_errors('--cache_dir', cache):
@@ -565,7 +571,7 @@ def train(args):
         if len(splits[s]) <= T + 1:
             raise ValueError(f"the {s} split of {meta['source']!r} has {len(splits[s])} characters; "
                              f"--block_size {T} needs more than {T + 1}")
-    cfg['data_key'] = os.path.basename(os.path.normpath(cache))    # the corpus's bytes: prepare_data's cache key
+    cfg['data_key'] = data_key(cache)
     if ckpt is not None and ckpt['itos'] != meta['itos']:
         raise ValueError(f"checkpoint {ckpt_path!r} was trained on a different vocabulary than {meta['source']!r}")
     if ckpt is not None and ckpt['config'].get('data_key', cfg['data_key']) != cfg['data_key']:
@@ -1061,7 +1067,7 @@ def compare_sweep(args):
     variants, positions = args.variants.split(','), args._positions
     seeds = [args.seed + i for i in range(args.seeds)]
     cache = prepare_data(args.data, args.cache_dir)                          # builds the cache once
-    vocab_size, args._data_key = len(load_data(cache)[1]['itos']), os.path.basename(os.path.normpath(cache))
+    vocab_size, args._data_key = len(load_data(cache)[1]['itos']), data_key(cache)
     budget = args.max_iters * run_model(args, 'standard', vocab_size)[2]   # the standard (learned) run's FLOPs
     per = seconds_per_step(args, variants, vocab_size)
     shared = [Point(v, pos, args.lr, s, budget) for s in seeds for pos in positions for v in variants]

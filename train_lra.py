@@ -45,8 +45,8 @@ from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_ar
                   ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall,
                   mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders, paired_difference,
                   paired_rows, physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, read_json,
-                  remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint,
-                  set_rng_state, sweep, write_json)
+                  remove_orphan_tmp, report_outputs, require_keys, resume_settings, rng_state, run_main, run_state,
+                  save_checkpoint, set_rng_state, sweep, write_json)
 
 import numpy as np
 import torch
@@ -839,8 +839,8 @@ def read_results(run_dir, flag):
     if not os.path.isfile(path):
         raise ValueError(f"{flag} {run_dir!r}: no results.json there (not a finished train_lra.py run?)")
     r = read_json(path, flag, ['config'])
-    check_format(r['config'], f"{flag} {run_dir!r}: its results.json")
-    return read_json(path, flag, ['attn', 'history', 'test_acc_at_best_val', 'majority_test_acc'])
+    check_format(r['config'], f"{flag} {run_dir!r}: its results.json")      # another version first, then what
+    return require_keys(r, ['attn', 'history', 'test_acc_at_best_val', 'majority_test_acc'], flag, path)
 
 
 def compare(args):
