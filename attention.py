@@ -148,6 +148,26 @@ def check_config(cfg):
     return kinds
 
 
+# The fields only some layer kinds read; every other field is read by every layer. brl_block and brl_history are
+# read by causal BRL only, global_layers by attn = 'global_swa' only. A flag none of a model's layers reads is
+# refused by the scripts (runs.check_flags_read) rather than ignored.
+READ_BY = dict(qk_ln=('standard', 'swa', 'mlr', 'linear', 'global_swa_split', 'brl'), n_kv_head=('standard',),
+               ranks=('mlr', 'bilinear_mlr'), mlr_block_sizes=('mlr',), mlr_divide_levels=('mlr',),
+               btt_rank=('bilinear_btt',), btt_factors=('bilinear_btt',), bilinear_mlr_ln=('bilinear_mlr',),
+               bilinear_rms_cap=('bilinear_mlr', 'bilinear_btt'), window=('swa', 'brl', 'global_swa_split'),
+               gswa_ranks=('global_swa_split',), global_layers=('global_swa',),
+               **dict.fromkeys(('n_compressed', 'brl_beta', 'brl_lambda_init', 'brl_gamma', 'brl_rel_buckets',
+                                'brl_block', 'brl_history'), ('brl',)))
+
+
+def unread(cfg, names):
+    """The fields among `names` that no layer of the model of cfg reads."""
+    kinds = set(cfg.layer_kinds()) | ({'global_swa'} if cfg.attn == 'global_swa' and not cfg.layer_pattern else set())
+    reads = lambda n: (n not in READ_BY or bool(kinds & set(READ_BY[n]))) and (
+        cfg.causal or n not in ('brl_block', 'brl_history'))
+    return [n for n in names if not reads(n)]
+
+
 # -----------------------------------------------------------------------------
 # attention logit scales: the one place their defaults live
 #

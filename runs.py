@@ -55,7 +55,7 @@ if os.path.basename(getattr(sys.modules['__main__'], '__file__', None) or '') in
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from attention import ModelConfig, check_config  # noqa: E402
+from attention import READ_BY, ModelConfig, check_config, unread  # noqa: E402
 
 FORMAT = 3  # the layout of checkpoints and run configs; a run written under another FORMAT is refused, not guessed at
 
@@ -112,6 +112,36 @@ def model_config(args, block_size, causal, **task):
     cfg = ModelConfig(**{**{f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name not in task}, **task})
     check_config(cfg)
     return cfg
+
+
+def unread_flags(args, names, causal, attn=None):
+    """The model flags among `names` that no layer of args' model (its --attn, or `attn`) reads."""
+    cfg = ModelConfig(attn=attn or args.attn, layer_pattern=args.layer_pattern, global_layers=args.global_layers,
+                      n_layer=args.n_layer, causal=causal)
+    return unread(cfg, names)
+
+
+def check_flags_read(args, given, causal, attns=None, what=''):
+    """ValueError at a model flag on the command line that no layer of the model reads (of any model, for a sweep
+    or ts's --attn list: attns, named by `what`), so that a setting that cannot take effect is not taken for one
+    that did."""
+    attns = attns or [args.attn]
+    idle = set(given).intersection(*(unread_flags(args, given, causal, a) for a in attns))
+    if idle:
+        n = min(idle)
+        causal_only = n in ('brl_block', 'brl_history') and not causal
+        model = f'--layer_pattern {args.layer_pattern}' if args.layer_pattern else what or f'--attn {args.attn}'
+        raise ValueError(f"--{n} is read only by {'causal brl' if causal_only else ', '.join(READ_BY[n])} attention, "
+                         f"which {model} does not have{' (bidirectional here)' if causal_only else ''}: leave --{n} out")
+
+
+def without_flags(argv, dests, parser):
+    """argv less the flags of these dests (parser's actions) and their values: --f v, --f=v; a switch's --f, --no-f."""
+    strip = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for a in parser._actions:
+        if a.dest in dests and a.option_strings:
+            strip.add_argument(*a.option_strings, **({'action': 'store_true'} if a.nargs == 0 else {}))
+    return strip.parse_known_args(argv)[1]
 
 
 CPUS, INT64 = os.cpu_count() or 1, 2 ** 63 - 1

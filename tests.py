@@ -76,6 +76,18 @@ def small_config(**kw):
     return A.ModelConfig(**base)
 
 
+READERS = dict(window={'swa', 'brl', 'global_swa', 'global_swa_split', 'local', 'brl_no_gamma', 'brl_beta0'},
+               global_layers={'global_swa'}, n_compressed={'brl', 'brl_no_gamma', 'brl_beta0'}, brl_block={'brl'})
+
+
+def read_flags(argv, default='standard', **values):
+    """--name value for each of `values` that a layer of the models argv names (its last --attn, --variants or
+    --layer_pattern; else `default`) reads: every script refuses a model flag that no layer reads."""
+    named = {v for f in ('--attn', '--variants', '--layer_pattern') if f in argv
+             for v in argv[len(argv) - 1 - argv[::-1].index(f) + 1].split(',')} or {default}
+    return [x for k, v in values.items() if named & READERS[k] for x in (f'--{k}', str(v))]
+
+
 @pytest.fixture(scope='module', autouse=True)
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and spinning threads cost a shared CPU dearly."""
@@ -693,6 +705,38 @@ def test_mlr_flops_of_a_short_causal_sequence_count_the_padded_length():
 def test_bad_config_raises_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         A.Transformer(small_config(**kw))
+
+
+# one valid value other than the default for each field of attention.READ_BY, at the model of test_read_by
+OTHER_VALUES = dict(qk_ln=True, n_kv_head=1, ranks='4|4|4|4', mlr_block_sizes='16|4|2|1', mlr_divide_levels=True,
+                    btt_rank=2, btt_factors='official', bilinear_mlr_ln='head', bilinear_rms_cap=True, window=3,
+                    gswa_ranks='4|12', global_layers='0', n_compressed=2, brl_beta=0.2, brl_lambda_init=0.1,
+                    brl_gamma=False, brl_rel_buckets=8, brl_block=4, brl_history='block')
+
+
+@pytest.mark.parametrize('causal', [True, False])
+def test_read_by_is_what_the_layers_read(causal):
+    """attention.unread against the layers themselves, for every variant and field of READ_BY: a field it calls
+    read changes the output of the same seed's model (or is refused), one it calls unread changes nothing."""
+    assert set(OTHER_VALUES) == set(A.READ_BY)
+    base = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, ranks='8|4|2|2', window=8, n_compressed=4,
+                global_layers='1', causal=causal)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+
+    def output(**kw):
+        torch.manual_seed(0)
+        try:
+            return randomize_(A.Transformer(A.ModelConfig(**{**base, **kw})), std=0.3)(x)
+        except ValueError:        # refused (GQA outside standard attention): not silently ignored either
+            return None
+    for attn in [*A.ATTENTION, 'global_swa']:
+        cfg, same = A.ModelConfig(**base, attn=attn), output(attn=attn)
+        for name, value in OTHER_VALUES.items():
+            other = output(attn=attn, **{name: value})
+            if A.unread(cfg, [name]):
+                assert other is None or torch.equal(other, same), f"{attn}: {name} is read"
+            else:
+                assert other is None or not torch.equal(other, same), f"{attn}: {name} is not read"
 
 
 def test_bad_sequence_lengths_raise():
@@ -1491,10 +1535,10 @@ def lm_corpus(tmp_path_factory):
 
 
 def lm_tiny_args(lm_corpus, out_dir, *extra):
-    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir),
-            '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--window', '8',
-            '--global_layers', '1', '--n_compressed', '4', '--batch_size', '4', '--eval_iters', '2',
-            '--warmup_iters', '2', '--log_interval', '1', '--no-progress', *extra]
+    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir), '--n_layer',
+            '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--batch_size', '4', '--eval_iters', '2',
+            '--warmup_iters', '2', '--log_interval', '1', '--no-progress',
+            *read_flags(extra, window=8, global_layers=1, n_compressed=4), *extra]
 
 
 def lm_args(lm_corpus, out, *extra):
@@ -1649,9 +1693,9 @@ def test_lm_edited_corpus_is_neither_resumed_nor_reused(lm_corpus, tmp_path):
 
 
 def lm_random_model(attn, T=32):
-    cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2',
-                                    '--block_size', str(T), '--window', '8', '--global_layers', '1',
-                                    '--n_compressed', '4', '--brl_block', '8']))
+    cfg = vars(train_lm.parse_args(['--attn', attn, '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size',
+                                    str(T), *read_flags(['--attn', attn], window=8, global_layers=1, n_compressed=4,
+                                                        brl_block=8)]))
     torch.manual_seed(0)
     return randomize_(train_lm.GPT(train_lm.build_config(cfg), 20), std=0.3).eval()
 
@@ -1746,7 +1790,7 @@ def test_lm_bench_runs():
 
 def lm_model(*flags):
     a = train_lm.parse_args(['--n_layer', '2', '--n_embd', '32', '--n_head', '4', '--block_size', '32',
-                             '--window', '8', '--n_compressed', '4', *flags])
+                             *read_flags(flags, window=8, n_compressed=4), *flags])
     torch.manual_seed(0)
     return train_lm.GPT(train_lm.build_config(vars(a)), 20, a.emb_std)
 
@@ -1831,6 +1875,9 @@ def test_lm_sweep_smoke_and_reuse(lm_corpus, tmp_path, capsys):
     run = train_lm.run_argv(train_lm.parse_args(argv), train_lm.Point('mlr', 'rope', 0.01, 1338, 1e9))  # a run's own
     assert '--sweep' not in run and '--workers' not in run and run[-1] == '--no-progress'   # command line: not the
     assert run[run.index('--pos') + 1] == 'rope' and run[run.index('--lr') + 1] == '0.01'   # sweep's flags
+    a = train_lm.parse_args([*argv, '--ranks', '8|4|4'])               # a model flag only MLR reads reaches MLR only
+    std, mlr = (train_lm.run_argv(a, train_lm.Point(v, 'learned', 0.01, 1337, 1e9)) for v in ('standard', 'mlr'))
+    assert '--ranks' not in std and mlr[mlr.index('--ranks') + 1] == '8|4|4'
     names = [f'{v}_learned_lr0.01_seed{s}' for s in (1337, 1338) for v in ('standard', 'mlr')]
     first = train_lm.main(argv)                                                  # seed 1337 in 2 processes
     assert first['codes'] == {n: 0 for n in names[:2]} and set(first['states'].values()) == {'new'}
@@ -1943,6 +1990,9 @@ LM_BAD = range_cases(
     mlp_hidden='-1', n_kv_head='-2', n_layer='0', window='0', workers='-1', seed='-1') + [
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1}]']),
+    ('unread_flag', ['--window', '4'], None, 1, ['--window is read only by swa, brl, global_swa_split', 'standard']),
+    ('sweep_unread_flag', ['--sweep', 'compare', '--variants', 'standard,mlr', '--n_compressed', '4'], None, 1,
+     ['--n_compressed is read only by brl', '--variants standard,mlr']),
     ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['--n_embd 65536', 'GiB of memory']),
     ('batch_size', ['--batch_size', '0'], None, 2, ['--batch_size', '0']),      # argparse type: its own words
     ('max_iters', ['--max_iters', '-1'], None, 2, ['--max_iters', '-1']),
@@ -1973,7 +2023,7 @@ LM_BAD = range_cases(
     ('resume_attn', ['--resume', '--attn', 'mlr'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'mlr'"]),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.003 vs given 0.5']),
     ('resume_shape', ['--resume', '--n_layer', '3', '--window', '4'], 'run', 1,
-     ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 8 vs given 4']),
+     ['--n_layer: checkpoint 2 vs given 3', '--window: checkpoint 32 vs given 4']),
     ('resume_other_format', ['--resume'], 'other_format', 1, ['written by another version of this code']),
     ('resume_below_step', ['--resume', '--max_iters', '1'], 'run', 1, ['1 steps is below the checkpoint', 'step 2']),
     ('overwrite_bad_data', ['--overwrite', '--data', '/nonexistent/corpus.txt'], 'run', 1, ['/nonexistent/corpus']),
@@ -1995,7 +2045,7 @@ LM_BAD = range_cases(
     ('sample_other_vocab', ['--sample'], 'other_vocab', 1, ['weights do not fit', 'wte.weight']),
     ('cache_dir_unwritable', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'UNWRITABLE']),
     ('plot_unwritable', ['--compare', 'RUN', '--plot', 'UNWRITABLE/p.png'], 'unwritable', 1, ['--plot', 'UNWRITABLE']),
-    ('sweep_dir_unwritable', ['--sweep', 'compare', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,
+    ('sweep_dir_unwritable', ['--sweep', 'compare', '--variants', 'standard,mlr', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,
      ['--sweep_dir', 'UNWRITABLE', 'cannot be written']),
 ] + shared_cases('train_lm.py', 'ckpt.pt', 'train_lra.py')
 
@@ -2017,7 +2067,7 @@ ICL_RANKS = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1']}
 def icl_argv(out, *extra, attn='standard'):
     """A run of a fraction of a second: d = 4, N = 8, 2 layers of width 16, 4 steps of 4 prompts."""
     return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
-            '--window', '4', '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
+            *read_flags(['--attn', attn, *extra], window=4), '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
             '--log_interval', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(out),
             '--no-progress', '--threads', '1', *ICL_RANKS.get(attn, []), *extra]
 
@@ -2200,6 +2250,7 @@ def test_icl_model_flags_reach_the_model():
 ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads='-2', log_interval='0',
                       eval_interval='-1', seeds='0') + [
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
+    ('unread_flag', ['--brl_beta', '0.2'], None, 1, ['--brl_beta is read only by brl', '--attn standard']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
@@ -2672,7 +2723,7 @@ def test_padding_and_trim_are_invisible(attn):
         assert_close(full[1], alone1[0], 1e-5, 1e-4, f'{attn}/{pooling} row 1')
 
 
-LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--window', '8', '--n_compressed', '4',
+LRA_SMALL = ['--n_layer', '1', '--n_embd', '32', '--n_head', '2',
              '--max_iters', '3', '--batch_size', '8', '--eval_interval', '3', '--log_interval', '1',
              '--warmup_iters', '1', '--no-progress', '--threads', '1']
 
@@ -2684,16 +2735,17 @@ def lra_cache(tmp_path_factory):
 
 def lra_argv(out, cache, *extra):
     return ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
-            '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL, *extra]
+            '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL,
+            *read_flags(extra, window=8, n_compressed=4), *extra]
 
 
 def test_smoke_every_attention_resume_and_compare(lra_cache, tmp_path, capsys):
     """One model with every variant but BRL (which cannot be mixed) as a layer, and one BRL model, train on
     ListOps; --resume with more steps goes on; --compare plots the two."""
     kinds = ','.join(k for k in A.ATTENTION if k != 'brl')
-    args = [*LRA_SMALL, '--task', 'listops', '--ranks', '8|4|2|2', '--max_len', '64', '--min_len', '8',
-            '--n_train', '24', '--n_val', '8', '--n_test', '8', '--cache_dir', lra_cache]
-    res = lra.main([*args, '--layer_pattern', kinds, '--n_layer', str(len(A.ATTENTION) - 1),
+    args = [*LRA_SMALL, '--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '24', '--n_val', '8',
+            '--n_test', '8', '--cache_dir', lra_cache]
+    res = lra.main([*args, '--ranks', '8|4|2|2', '--layer_pattern', kinds, '--n_layer', str(len(A.ATTENTION) - 1),
                     '--out_dir', str(tmp_path / 'a')])
     assert 0.0 <= res['final_test_acc'] <= 1.0 and res['history'][-1]['step'] == 3 and res['config']['trim'] == 0
     ck = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
@@ -2726,15 +2778,18 @@ def test_bench_points_skips_and_plot(tmp_path):
     assert rows[0]['ms'] > 0 and 'predicted' in rows[1]['skipped'] and 'GB' in rows[2]['skipped']
     assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
     assert (tmp_path / 'lra_bench.png').stat().st_size > 1000
-    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--window', '16',
-                                             '--n_compressed', '4', '--bench_reps', '1', '--threads', '1']), 'cpu')
+    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--attn', 'brl',
+                                             '--window', '16', '--n_compressed', '4', '--bench_reps', '1', '--threads',
+                                             '1']), 'cpu')
     r = lra.bench_one('brl', 64, opts)
     assert r['ms'] > 0 and np.isfinite(r['peak_mb'])
 
 
-def test_every_model_flag_reaches_the_model_and_the_bench():
+def test_every_model_flag_reaches_the_model_and_the_bench(monkeypatch):
     """One non-default value for every ModelConfig flag reaches build_model's config and the benchmark's
-    options; RoPE has no learned positions; --preset lra sets Table 12 where no flag is given."""
+    options (the refusal of flags no layer reads, off: no one model reads them all); RoPE has no learned
+    positions; --preset lra sets Table 12 where no flag is given."""
+    monkeypatch.setattr(lra, 'check_flags_read', lambda *a: None)
     values = dict(n_layer=3, n_head=2, n_embd=32, mlp_hidden=40, attn='standard', layer_pattern='standard,' * 2 +
                   'standard', global_layers='0,2', qk_ln=True, logit_scale='mup', mup_alpha=4.0, n_kv_head=1,
                   ranks='8|8', mlr_block_sizes='64|32', mlr_divide_levels=True, btt_rank=2, btt_factors='official',
@@ -2785,6 +2840,8 @@ def lra_setup(out, cache, how, tmp_path):
 LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0',
                       weight_decay='1.5', seed='-1', data_seed='-2', max_len=str(2 ** 63), bench_max_gb='inf') + [
     ('n_train_memory', ['--n_train', '10000000000000'], None, 2, ['GiB of memory', '--n_train']),
+    ('unread_flag', ['--attn', 'brl', '--brl_history', 'block'], None, 2, ['--brl_history', 'causal brl',
+                                                                           'bidirectional']),
     ('bench_lens_twice', ['--bench', '--bench_lens', '64,64'], None, 2, ["--bench_lens names 64 twice"]),
     ('bench_attn_twice', ['--bench', '--bench_attn', 'swa,swa'], None, 2, ["--bench_attn names 'swa' twice"]),
     ('bench_attn', ['--bench', '--bench_attn', 'swa,nope'], None, 2, ["'nope' is not valid"]),
@@ -2917,14 +2974,17 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
     # 4. --estimate: the minutes of every run, nothing trained
     est = lra.main(argv('--estimate', '--no-reuse'))
     assert set(est['minutes_per_run']) == {'local', 'brl'} and est['study_minutes'] > 0
-    # 5. a flag given to the study reaches every run; the variant's own flags come after it, so they win
+    # 5. a flag given to the study reaches every run whose layers read it (none else: a run refuses a model flag
+    # it does not read); the variant's own flags come after it, so they win
     args = lra.parse_args(['--sweep', 'listops', '--brl_beta', '0.3', '--lr', '3e-3'])
     runs = {v: lra.parse_args(lra.study_run_argv(args, v, 1)) for v in lra.STUDY_VARIANTS}
-    assert {v: (a.attn, a.brl_gamma, a.brl_beta) for v, a in runs.items()} == {
-        'local': ('swa', True, 0.3), 'full': ('standard', True, 0.3), 'brl': ('brl', True, 0.3),
-        'brl_no_gamma': ('brl', False, 0.3), 'brl_beta0': ('brl', True, 0.0)}
-    assert {(a.lr, a.seed, a.threads, a.max_len, a.window, a.data_seed, a.sweep) for a in runs.values()} == \
-        {(3e-3, 1, 1, 1000, 16, 0, None)}                              # the study's setting
+    default = lra.build_parser().get_default
+    assert {v: (a.attn, a.brl_gamma, a.brl_beta, a.window) for v, a in runs.items()} == {
+        'local': ('swa', True, default('brl_beta'), 16), 'full': ('standard', True, default('brl_beta'),
+                                                                   default('window')),
+        'brl': ('brl', True, 0.3, 16), 'brl_no_gamma': ('brl', False, 0.3, 16), 'brl_beta0': ('brl', True, 0.0, 16)}
+    assert {(a.lr, a.seed, a.threads, a.max_len, a.data_seed, a.sweep) for a in runs.values()} == \
+        {(3e-3, 1, 1, 1000, 0, None)}                                  # the study's setting
 
 
 @pytest.mark.parametrize('extra, named', [(['--seeds', '0'], '--seeds'),
@@ -3224,6 +3284,7 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
                      max_flops='-1', weight_decay='nan', dlinear_lr='inf', emb_lr_mult='0') + [
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
+    ('unread_flag', ['--ranks', '8|4|4'], None, 1, ['--ranks is read only by mlr, bilinear_mlr', '--attn standard']),
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1 - 10_000}]']),
     ('threads_too_many', ['--threads', str(4 * R.CPUS + 1)], None, 2, ['--threads', f'[0, {4 * R.CPUS}]']),
     ('low_high', ['--low', '5', '--high', '1'], None, 2, ['--low 5.0 --high 1.0', 'low < high']),

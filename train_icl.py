@@ -440,7 +440,7 @@ def train(args, run_name='run'):
             return None
         with io_errors('--out_dir', ckpt_path):
             save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
-                                        'config': dict(vars(args)), 'step': st['step'], 'state': st,
+                                        'config': run_config(args), 'step': st['step'], 'state': st,
                                         'data_rng': gen.get_state(), 'rng': rng_state()})
         return ckpt_path
 
@@ -499,7 +499,7 @@ def train(args, run_name='run'):
     if not evaluated(st, args.max_iters):
         curve(args.max_iters)
     # the final evaluation: the full held-out set (and the shifted one, --test_cov), the baselines on the same prompts
-    results = {'run': run_name, 'config': dict(vars(args)), 'body_params': body_params, 'train_flops': st['flops'],
+    results = {'run': run_name, 'config': run_config(args), 'body_params': body_params, 'train_flops': st['flops'],
                'train_time_s': st['time_s'], 'cpu_time_s': st['cpu_s'], 'history': st['history'],
                'steps_to_90': steps_to_90(st['history']), 'final_train_loss_ema': st['loss_ema']}
     results['model'], results['baselines'] = evaluate(model, ex, ey, args, device)
@@ -685,21 +685,28 @@ def run_tag(args):
 
 
 def variant(args, **overrides):
-    """One sweep run's settings; bilinear_mlr_ln stays at its default but for bilinear MLR (other runs are reused)."""
-    a = copy.copy(args)
+    """One sweep run's settings; a model flag its layers do not read (the recipe's bilinear_mlr_ln for standard
+    attention) stays at its default, so that its command line names only what it reads."""
+    a, parser = copy.copy(args), build_parser()
     vars(a).update(sweep='', **overrides)
-    if a.attn != 'bilinear_mlr':
-        a.bilinear_mlr_ln = attention.ModelConfig.bilinear_mlr_ln
+    for k in runs.unread_flags(a, attention.READ_BY, True):
+        setattr(a, k, parser.get_default(k))
     return a
+
+
+def run_config(args):
+    """The settings a run saves: its flags (not the command line's bookkeeping, args._given)."""
+    return {k: v for k, v in vars(args).items() if not k.startswith('_')}
 
 
 def run_argv(a, name, run_dir):
     """One sweep run's command line: every training setting of `a` as a flag, its own folder, one thread."""
     argv = [f'--run_name={name}', f'--out_dir={run_dir}', '--no-progress', '--threads=1',
             f'--log_interval={a.log_interval}', f'--device={a.device}', '--save' if a.save else '--no-save']
+    idle = runs.unread_flags(a, attention.READ_BY, True)   # at their defaults (variant)
     for act in build_parser()._actions:
         k, v = act.dest, getattr(a, act.dest, None)
-        if k in NOT_TRAINING or v is None or not act.option_strings:
+        if k in NOT_TRAINING or k in idle or v is None or not act.option_strings:
             continue
         if isinstance(act, argparse.BooleanOptionalAction):
             argv.append(f'--{k}' if v else f'--no-{k}')
@@ -783,6 +790,8 @@ def run_sweep(args, points, row, cols, plot, extra=lambda first, table: {}):
     per point, printed; <out_dir>/sweep_<name>.json (table, extra(first run, table), the baselines, every run)
     and icl_<name>.png (plot(path, that dict, by_point)), copied to --assets_dir. -> (that dict, by_point)"""
     t0 = time.time()
+    attns = sorted({a.attn for a, _ in points.values()})
+    runs.check_flags_read(args, args._given, True, attns, f"--sweep {args.sweep}'s models ({', '.join(attns)})")
     prepare_out_dir(args.out_dir)             # writable, and this sweep's own; each run locks its own folder
     if args.assets_dir:
         prepare_out_dir(args.assets_dir, flag='--assets_dir')
@@ -1003,12 +1012,16 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    given = given_flags(parser, argv)
+    args._given = sorted(given)
     if args.sweep:
-        apply_recipe(parser, args, given_flags(parser, argv))
+        apply_recipe(parser, args, given)
     a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work
     pick_device(args.device)
     if not args.sweep:
         Transformer(model_config(a))
+        if not args.resume:
+            runs.check_flags_read(a, args._given, True)
     if args.sweep:
         payload = SWEEPS[args.sweep](args)
         plots = [f"icl_{payload['sweep']}.png"] + [f'icl_position{run_tag(args)}.png'] * (args.sweep == 'bottleneck')
@@ -1026,7 +1039,7 @@ def main(argv=None):
                              f"of that run (or its --run_name)")
         ck = load_checkpoint(path, SCRIPT, ('config', 'state'))
         args.n_points = a.n_points                   # resolved: a given 0 is 2d, as the checkpoint holds it
-        check_resume(ck['config'], args, given_flags(parser, argv), ck['state']['step'])
+        check_resume(ck['config'], args, args._given, ck['state']['step'])
     results = train(args, run_name=run_name)
     plot = os.path.join(args.out_dir, 'icl_position.png')
     plot_positions({f'{args.attn}, H={args.n_head}, D={args.n_embd}': results}, plot, 'error per position')

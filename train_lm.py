@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_model_settings, check_numbers, check_run_length, check_writable, clear_earlier_run,
-                  content_digest, ctrl_c_finishes_step, given_flags, io_errors, load_checkpoint, longest_first_wall,
-                  mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders, paired_difference,
-                  paired_rows, physical_memory, pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir,
-                  read_json, remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state,
-                  save_checkpoint, set_rng_state, sweep, write_json)
+                  check_flags_read, check_model_settings, check_numbers, check_run_length, check_writable,
+                  clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, io_errors, load_checkpoint,
+                  longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders,
+                  paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands, pm, positive_int,
+                  prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main,
+                  run_state, save_checkpoint, set_rng_state, sweep, unread_flags, without_flags, write_json)
 
 import numpy as np
 import torch
@@ -208,6 +208,9 @@ def parse_args(argv=None):
         args.logit_scale = paper_logit_scale(args.attn, args.layer_pattern, args.n_layer, args.global_layers)
     args._given = sorted(given_flags(parser, argv))  # the flags on the command line
     args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
+    if not (args.resume or any(getattr(args, m) for m in ('sample', 'compare', 'by_position', 'bench'))):
+        check_flags_read(args, args._given, True, *(args.variants.split(','), f'--variants {args.variants}')
+                         if args.sweep else ())
     return args
 
 
@@ -903,18 +906,20 @@ class Point:
         return f"{'grid_' if self.grid else ''}{self.variant}_{self.pos}_lr{self.lr:g}_seed{self.seed}"
 
 
+SWEEP_OWN = ('sweep', 'variants', 'positions', 'lrs', 'seeds', 'workers', 'sweep_dir', 'preset', 'attn', 'pos', 'lr',
+             'seed', 'out_dir', 'max_flops', 'max_iters', 'threads', 'plot', 'estimate', 'resume', 'overwrite', 'reuse',
+             'progress')   # flags the sweep uses itself or sets per run
+
+
 def run_argv(args, pt):
     """The train_lm.py command line of one run of the sweep: the sweep's flags less those it uses itself or sets
-    per run, then the run's own (1 thread; it stops once its FLOPs reach the budget)."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ('--sweep', '--variants', '--positions', '--lrs', '--seeds', '--workers', '--sweep_dir', '--preset',
-                 '--attn', '--pos', '--lr', '--seed', '--out_dir', '--max_flops', '--max_iters', '--threads', '--plot'):
-        p.add_argument(flag)
-    for flag in ('--estimate', '--resume', '--overwrite', '--reuse', '--no-reuse', '--progress', '--no-progress'):
-        p.add_argument(flag, action='store_true')
-    return [*p.parse_known_args(args._argv)[1], '--preset', args.preset, '--attn', pt.variant, '--pos', pt.pos,
-            '--lr', repr(pt.lr), '--seed', str(pt.seed), '--out_dir', os.path.join(args.sweep_dir, pt.name),
-            '--max_flops', repr(pt.budget), '--max_iters', str(10 ** 9), '--threads', '1', '--no-progress']
+    per run and the model flags this variant does not read, then the run's own (1 thread; it stops once its
+    FLOPs reach the budget)."""
+    idle = unread_flags(args, args._given, True, pt.variant)                 # the other variants' flags
+    return [*without_flags(args._argv, SWEEP_OWN + tuple(idle), build_parser()), '--preset', args.preset, '--attn',
+            pt.variant, '--pos', pt.pos, '--lr', repr(pt.lr), '--seed', str(pt.seed), '--out_dir',
+            os.path.join(args.sweep_dir, pt.name), '--max_flops', repr(pt.budget), '--max_iters', str(10 ** 9),
+            '--threads', '1', '--no-progress']
 
 
 def run_model(args, variant, vocab_size, pos='learned'):

@@ -41,12 +41,12 @@ from dataclasses import fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write,
-                  check_format, check_numbers, check_ranges, check_run_length, clear_earlier_run, content_digest,
-                  ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall,
-                  mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders, paired_difference,
-                  paired_rows, physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir, read_json,
-                  remove_orphan_tmp, report_outputs, require_keys, resume_settings, rng_state, run_main, run_state,
-                  save_checkpoint, set_rng_state, sweep, write_json)
+                  check_flags_read, check_format, check_numbers, check_ranges, check_run_length, clear_earlier_run,
+                  content_digest, ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint,
+                  longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders,
+                  paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands, pm, prepare_out_dir,
+                  read_json, remove_orphan_tmp, report_outputs, require_keys, resume_settings, rng_state, run_main,
+                  run_state, save_checkpoint, set_rng_state, sweep, unread_flags, without_flags, write_json)
 
 import numpy as np
 import torch
@@ -884,8 +884,8 @@ STUDY = dict(min_len=300, max_len=1000, window=16, n_layer=2, n_embd=64, n_head=
 STUDY_QUICK = dict(STUDY, min_len=40, max_len=128, window=4, n_compressed=4, n_train=400, n_val=100, n_test=100,
                    max_iters=60, warmup_iters=10, eval_interval=20)   # --quick: the machinery end to end, ~2 min
 # set per run or used by the study itself: not passed on to its runs (check_args refuses --out_dir, --resume, ...)
-STUDY_OWN_FLAGS = ('--sweep', '--variants', '--seeds', '--workers', '--sweep_dir', '--attn', '--seed', '--threads')
-STUDY_OWN_SWITCHES = ('--quick', '--estimate', '--reuse', '--no-reuse', '--progress', '--no-progress')
+STUDY_OWN = ('sweep', 'variants', 'seeds', 'workers', 'sweep_dir', 'attn', 'seed', 'threads', 'quick', 'estimate',
+             'reuse', 'progress')
 STARTUP_SECONDS = 5.0             # a run's process start: import torch, read the data (for the estimate)
 
 
@@ -895,12 +895,10 @@ def study_run_dir(args, variant, seed):
 
 def study_run_argv(args, variant, seed):
     """One run's command line: the study's setting as resolved here, the other flags given to the study, the
-    variant's flags, then its seed and folder, one thread."""
-    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument(*STUDY_OWN_FLAGS)
-    own.add_argument(*STUDY_OWN_SWITCHES, action='store_true')
-    inherited = own.parse_known_args(args._argv)[1]
-    setting = [f'--{k}={getattr(args, k)!r}' for k in (STUDY_QUICK if args.quick else STUDY)]
+    variant's flags, then its seed and folder, one thread; no model flag the variant does not read."""
+    idle = unread_flags(args, [*args._given, *STUDY], False, STUDY_VARIANTS[variant][1])  # e.g. full: --window
+    inherited = without_flags(args._argv, STUDY_OWN + tuple(idle), build_parser())
+    setting = [f'--{k}={getattr(args, k)!r}' for k in (STUDY_QUICK if args.quick else STUDY) if k not in idle]
     return [*setting, *inherited, *STUDY_VARIANTS[variant], '--seed', str(seed),
             '--out_dir', study_run_dir(args, variant, seed), '--threads', '1', '--no-progress']
 
@@ -1152,6 +1150,12 @@ def check_args(p, a):
     a._compare = comma_list(p, a, 'compare') if a.compare else []
     if a.sweep:
         comma_list(p, a, 'variants', valid=tuple(STUDY_VARIANTS))
+    try:             # a model flag no layer reads (--window with full attention): refused, not ignored
+        if not (a.resume or a.bench or a.compare or a.show):
+            check_flags_read(a, a._given, False, *([STUDY_VARIANTS[v][1] for v in a.variants.split(',')],
+                                                    f'--variants {a.variants}') if a.sweep else ())
+    except ValueError as e:
+        p.error(str(e))
     if not a.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
         try:
             with torch.device('meta'):

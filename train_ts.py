@@ -34,12 +34,12 @@ import time
 from datetime import datetime
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
-from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_numbers,
-                  check_ranges, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, guarded_update,
-                  io_errors, load_checkpoint, mean_std, model_config, no_repeats, owns_run_folders, paired_difference,
-                  physical_memory, pick_device, plot_seed_bands, prepare_out_dir, read_json, remove_orphan_tmp,
-                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
-                  sweep, write_json)
+from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_flags_read,
+                  check_numbers, check_ranges, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags,
+                  guarded_update, io_errors, load_checkpoint, mean_std, model_config, no_repeats, owns_run_folders,
+                  paired_difference, physical_memory, pick_device, plot_seed_bands, prepare_out_dir, read_json,
+                  remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint,
+                  set_rng_state, sweep, without_flags, write_json)
 
 import matplotlib
 import numpy as np
@@ -928,6 +928,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
     print(f"device {device} | threads: {torch.get_num_threads()}")
+    if not args.resume:      # a model flag none of the --attn models reads (--ranks with standard) is refused
+        check_flags_read(args, given_flags(parser, argv), args.task == 'chronos', args.attn,
+                         f"--attn {','.join(args.attn)}")
     if args.seeds:
         return run_seeds(args, argv)
     path, ckpts = os.path.join(args.out_dir, f'results_{args.task}.json'), task_ckpts(args.out_dir, args.task)
@@ -963,12 +966,8 @@ SEED_RUN_FREE = {'out_dir', 'resume', 'overwrite', 'seeds', 'workers', 'threads'
 
 def seed_run_argv(argv, seed, out_dir):
     """One seed's command line: the sweep's own, less the flags the sweep sets per run or uses itself."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ('--seeds', '--seed', '--out_dir', '--workers'):
-        p.add_argument(flag)
-    for flag in ('--resume', '--overwrite'):
-        p.add_argument(flag, action='store_true')
-    return [*p.parse_known_args(argv)[1], '--seed', str(seed), '--out_dir', out_dir]
+    own = ('seeds', 'seed', 'out_dir', 'workers', 'resume', 'overwrite')
+    return [*without_flags(argv, own, build_parser()), '--seed', str(seed), '--out_dir', out_dir]
 
 
 def saved_run(out_dir, task):
