@@ -557,6 +557,15 @@ def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run fol
     return g
 
 
+def check_sweep_flags(parser, args, given, also=()):
+    """parser.error at a flag of the sweep's group (the one holding --sweep) or of `also`, given without --sweep:
+    a single run does not read it."""
+    group = next(g for g in parser._action_groups if any(a.dest == 'sweep' for a in g._group_actions))
+    stray = sorted(({a.dest for a in group._group_actions} | set(also)) & set(given) - {'sweep'})
+    if stray and not args.sweep:
+        parser.error(f"--{stray[0]} is a flag of --sweep, which is not given: a single run does not read it")
+
+
 @dataclass
 class Run:
     """One run of a sweep: `python <script> <argv>`, writing into out_dir (argv names it)."""

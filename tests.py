@@ -2032,7 +2032,8 @@ LM_BAD = range_cases(
     ('by_position_over_a_file', ['--by_position', 'RUN', '--plot', 'RUN/log.png'], 'run', 1,
      ['the curves would replace', 'log.json']),
     ('two_modes', ['--sample', '--bench'], None, 2, ['--sample and --bench: one mode at a time']),
-    ('estimate_alone', ['--estimate'], None, 2, ['--estimate: only with --sweep']),
+    ('estimate_alone', ['--estimate'], None, 2, ['--estimate is a flag of --sweep, which is not given']),
+    ('seeds_alone', ['--seeds', '5'], None, 2, ['--seeds is a flag of --sweep']),
     ('plot_alone', ['--plot', 'p.png'], None, 2, ["--plot 'p.png': only with --compare or --by_position"]),
     ('plot_not_an_image', ['--compare', 'RUN', '--plot', 'p'], None, 2, ["--plot 'p'", '.png, .pdf or .svg']),
     ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
@@ -2138,7 +2139,7 @@ def test_icl_smoke_run(kind, tmp_path, monkeypatch):
 
 def test_smoke_icl_defaults(tmp_path):
     r = icl.main(['--max_iters', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '10',
-                  '--eval_interval', '0', '--out_dir', str(tmp_path), '--assets_dir', '', '--no-progress',
+                  '--eval_interval', '0', '--out_dir', str(tmp_path), '--no-progress',
                   '--attn', 'bilinear_btt'])
     assert all(math.isfinite(v) for v in r['model']['mean'])
 
@@ -2251,6 +2252,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
                       eval_interval='-1', seeds='0') + [
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('unread_flag', ['--brl_beta', '0.2'], None, 1, ['--brl_beta is read only by brl', '--attn standard']),
+    ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is a flag of --sweep, which is not given']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
@@ -2993,7 +2995,7 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
                                           (['--workers', '-1'], '--workers -1'),
                                           (['--workers', '100000'], '--workers 100000'),
                                           (['--data', 'x'], '--data does not go with --sweep'),
-                                          (['--quick'], 'belongs to --sweep')])
+                                          (['--quick'], '--quick is a flag of --sweep')])
 def test_study_bad_input_is_one_line(extra, named, capsys):
     with pytest.raises(SystemExit) as e:
         lra.parse_args(extra if extra == ['--quick'] else ['--sweep', 'listops', *extra])
@@ -3284,6 +3286,7 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
                      max_flops='-1', weight_decay='nan', dlinear_lr='inf', emb_lr_mult='0') + [
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
+    ('workers_alone', ['--workers', '2'], None, 2, ['--workers', '--seeds is not given']),
     ('unread_flag', ['--ranks', '8|4|4'], None, 1, ['--ranks is read only by mlr, bilinear_mlr', '--attn standard']),
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1 - 10_000}]']),
     ('threads_too_many', ['--threads', str(4 * R.CPUS + 1)], None, 2, ['--threads', f'[0, {4 * R.CPUS}]']),

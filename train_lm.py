@@ -37,12 +37,13 @@ from dataclasses import dataclass
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_flags_read, check_model_settings, check_numbers, check_run_length, check_writable,
-                  clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, io_errors, load_checkpoint,
-                  longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds, owns_run_folders,
-                  paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands, pm, positive_int,
-                  prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main,
-                  run_state, save_checkpoint, set_rng_state, sweep, unread_flags, without_flags, write_json)
+                  check_flags_read, check_model_settings, check_sweep_flags, check_numbers, check_run_length,
+                  check_writable, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, io_errors,
+                  load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds,
+                  owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands, pm,
+                  positive_int, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, resume_settings,
+                  rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags, without_flags,
+                  write_json)
 
 import numpy as np
 import torch
@@ -202,11 +203,11 @@ def parse_args(argv=None):
     preset = args.sweep if args.sweep and 'preset' not in given_flags(parser, argv) else args.preset
     parser.set_defaults(**PRESETS[preset], preset=preset)  # --sweep compare: --preset compare unless one is given
     args = parser.parse_args(argv)
+    args._given = sorted(given_flags(parser, argv))  # the flags on the command line
     check_args(parser, args)
     args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
     if args.logit_scale == 'paper':  # the official LM run's scale for this --attn
         args.logit_scale = paper_logit_scale(args.attn, args.layer_pattern, args.n_layer, args.global_layers)
-    args._given = sorted(given_flags(parser, argv))  # the flags on the command line
     args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
     if not (args.resume or any(getattr(args, m) for m in ('sample', 'compare', 'by_position', 'bench'))):
         check_flags_read(args, args._given, True, *(args.variants.split(','), f'--variants {args.variants}')
@@ -262,11 +263,9 @@ def check_args(parser, args):
     modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
-    for flag, modes_ok in (('estimate', ['sweep']), ('lrs', ['sweep']), ('plot', ['compare', 'by_position'])):
-        value = getattr(args, flag)
-        if value and not any(getattr(args, m) for m in modes_ok):
-            parser.error(f"--{flag}{'' if value is True else f' {value!r}'}: only with "
-                         f"{' or '.join('--' + m for m in modes_ok)}")
+    check_sweep_flags(parser, args, args._given)
+    if args.plot and not (args.compare or args.by_position):
+        parser.error(f"--plot {args.plot!r}: only with --compare or --by_position")
     if args.plot and os.path.splitext(args.plot)[1].lower() not in ('.png', '.pdf', '.svg'):
         parser.error(f"--plot {args.plot!r}: an image file ending in .png, .pdf or .svg")
     args.plot = args.plot or os.path.join('out', 'lm_by_position.png' if args.by_position else 'lm_compare.png')

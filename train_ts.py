@@ -923,14 +923,15 @@ def task_ckpts(out_dir, task):
 def main(argv=None):
     """One run of --task in --out_dir (an earlier one refused, or continued with --resume), or one per --seeds."""
     parser = build_parser()
-    args = parse_args(argv, parser)
+    args, given = parse_args(argv, parser), given_flags(parser, argv)
+    if 'workers' in given and not args.seeds:
+        parser.error("--workers runs the --seeds in parallel, and --seeds is not given: a single run does not read it")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
     print(f"device {device} | threads: {torch.get_num_threads()}")
     if not args.resume:      # a model flag none of the --attn models reads (--ranks with standard) is refused
-        check_flags_read(args, given_flags(parser, argv), args.task == 'chronos', args.attn,
-                         f"--attn {','.join(args.attn)}")
+        check_flags_read(args, given, args.task == 'chronos', args.attn, f"--attn {','.join(args.attn)}")
     if args.seeds:
         return run_seeds(args, argv)
     path, ckpts = os.path.join(args.out_dir, f'results_{args.task}.json'), task_ckpts(args.out_dir, args.task)
@@ -939,7 +940,7 @@ def main(argv=None):
         if not ckpts:
             raise ValueError(f"--resume: no checkpoint ckpt_{args.task}_*.pt in --out_dir {args.out_dir!r}")
         saved, resumes = saved_settings(ckpts)
-        resume_settings(saved, args, given_flags(parser, argv), RESUME_OVERRIDES)
+        resume_settings(saved, args, given, RESUME_OVERRIDES)
         if csv_key(args) != args.data_key:
             raise ValueError(f"--resume: --data {args.data!r} is not the file the run was trained on (its bytes "
                              f"changed): train a new run in another --out_dir")
