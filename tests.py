@@ -2842,6 +2842,7 @@ def lra_setup(out, cache, how, tmp_path):
 LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1', threads='-1', window='0',
                       weight_decay='1.5', seed='-1', data_seed='-2', max_len=str(2 ** 63), bench_max_gb='inf') + [
     ('n_train_memory', ['--n_train', '10000000000000'], None, 2, ['GiB of memory', '--n_train']),
+    ('batch_beyond_data', ['--batch_size', '64'], None, 1, ['--batch_size 64', 'the 48 training examples']),
     ('unread_flag', ['--attn', 'brl', '--brl_history', 'block'], None, 2, ['--brl_history', 'causal brl',
                                                                            'bidirectional']),
     ('bench_lens_twice', ['--bench', '--bench_lens', '64,64'], None, 2, ["--bench_lens names 64 twice"]),

@@ -595,6 +595,9 @@ def train(args):
         return report_outputs(samples=path)
     pad = not meta['pixels']     # token tasks pad with 0 and mask it; pixel tasks are all 1024 long
     (x, y), (xva, _), (xte, yte) = data['train'], data['val'], data['test']
+    if args.batch_size > len(x):      # the batches would be the whole set, smaller than asked
+        raise ValueError(f"--batch_size {args.batch_size} is more than the {len(x)} training examples of --task "
+                         f"{args.task}: give at most {len(x)}")
     # model, optimizer and the loop's state: step, running log, best, training time and the batch order (gen)
     model = build_model(args, meta)[0].to(device)
     opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.weight_decay), lr=args.lr, betas=(0.9, 0.98))
