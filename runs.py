@@ -557,13 +557,18 @@ def add_sweep_args(p, name, variants, sweep_dir, title, about, dir_help='run fol
     return g
 
 
-def check_sweep_flags(parser, args, given, also=()):
-    """parser.error at a flag of the sweep's group (the one holding --sweep) or of `also`, given without --sweep:
-    a single run does not read it."""
-    group = next(g for g in parser._action_groups if any(a.dest == 'sweep' for a in g._group_actions))
-    stray = sorted(({a.dest for a in group._group_actions} | set(also)) & set(given) - {'sweep'})
-    if stray and not args.sweep:
-        parser.error(f"--{stray[0]} is a flag of --sweep, which is not given: a single run does not read it")
+def group_flags(parser, title):
+    """The dests of the flags in the --help group whose title starts with `title`."""
+    return next({a.dest for a in g._group_actions} for g in parser._action_groups if g.title.startswith(title))
+
+
+def check_mode_flags(parser, given, modes):
+    """parser.error at a flag given for a mode that is off (--temperature without --sample, --widths without
+    --sweep): the run does not read it. modes: (on, the flag that turns it on, the dests of its flags) each."""
+    for on, flag, dests in modes:
+        stray = sorted(set(dests) & set(given) - {flag.split()[0][2:]})
+        if stray and not on:
+            parser.error(f"--{stray[0]} is read only with {flag}, not given here: leave --{stray[0]} out")
 
 
 @dataclass

@@ -2032,8 +2032,9 @@ LM_BAD = range_cases(
     ('by_position_over_a_file', ['--by_position', 'RUN', '--plot', 'RUN/log.png'], 'run', 1,
      ['the curves would replace', 'log.json']),
     ('two_modes', ['--sample', '--bench'], None, 2, ['--sample and --bench: one mode at a time']),
-    ('estimate_alone', ['--estimate'], None, 2, ['--estimate is a flag of --sweep, which is not given']),
-    ('seeds_alone', ['--seeds', '5'], None, 2, ['--seeds is a flag of --sweep']),
+    ('estimate_alone', ['--estimate'], None, 2, ['--estimate is read only with --sweep, not given here']),
+    ('seeds_alone', ['--seeds', '5'], None, 2, ['--seeds is read only with --sweep']),
+    ('sample_flag_alone', ['--temperature', '0'], None, 2, ['--temperature is read only with --sample']),
     ('plot_alone', ['--plot', 'p.png'], None, 2, ["--plot 'p.png': only with --compare or --by_position"]),
     ('plot_not_an_image', ['--compare', 'RUN', '--plot', 'p'], None, 2, ["--plot 'p'", '.png, .pdf or .svg']),
     ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
@@ -2252,7 +2253,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
                       eval_interval='-1', seeds='0') + [
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('unread_flag', ['--brl_beta', '0.2'], None, 1, ['--brl_beta is read only by brl', '--attn standard']),
-    ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is a flag of --sweep, which is not given']),
+    ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is read only with --sweep, not given here']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
@@ -2780,9 +2781,9 @@ def test_bench_points_skips_and_plot(tmp_path):
     assert rows[0]['ms'] > 0 and 'predicted' in rows[1]['skipped'] and 'GB' in rows[2]['skipped']
     assert json.loads((tmp_path / 'bench.json').read_text())['rows'][0]['T'] == 64
     assert (tmp_path / 'lra_bench.png').stat().st_size > 1000
-    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--attn', 'brl',
-                                             '--window', '16', '--n_compressed', '4', '--bench_reps', '1', '--threads',
-                                             '1']), 'cpu')
+    opts = lra.bench_options(lra.parse_args(['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--window', '16',
+                                             '--n_compressed', '4', '--bench', '--bench_reps', '1', '--threads', '1']),
+                             'cpu')
     r = lra.bench_one('brl', 64, opts)
     assert r['ms'] > 0 and np.isfinite(r['peak_mb'])
 
@@ -2847,6 +2848,7 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
                                                                            'bidirectional']),
     ('bench_lens_twice', ['--bench', '--bench_lens', '64,64'], None, 2, ["--bench_lens names 64 twice"]),
     ('bench_attn_twice', ['--bench', '--bench_attn', 'swa,swa'], None, 2, ["--bench_attn names 'swa' twice"]),
+    ('bench_flag_alone', ['--bench_reps', '3'], None, 2, ['--bench_reps is read only with --bench']),
     ('bench_attn', ['--bench', '--bench_attn', 'swa,nope'], None, 2, ["'nope' is not valid"]),
     ('bench_layer_pattern', ['--bench', '--layer_pattern', 'standard,swa'], None, 2, ['--layer_pattern']),
     ('compare_twice', ['--compare', 'a,a'], None, 2, ["--compare names 'a' twice"]),
@@ -2996,7 +2998,7 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
                                           (['--workers', '-1'], '--workers -1'),
                                           (['--workers', '100000'], '--workers 100000'),
                                           (['--data', 'x'], '--data does not go with --sweep'),
-                                          (['--quick'], '--quick is a flag of --sweep')])
+                                          (['--quick'], '--quick is read only with --sweep')])
 def test_study_bad_input_is_one_line(extra, named, capsys):
     with pytest.raises(SystemExit) as e:
         lra.parse_args(extra if extra == ['--quick'] else ['--sweep', 'listops', *extra])
@@ -3163,12 +3165,14 @@ def ett_csv(path, n=400):
 
 
 def ts_argv(out, cache, *extra):
-    """A chronos run of standard attention, 4 steps on tiny KernelSynth windows; extra flags win."""
+    """A chronos run of standard attention, 4 steps on tiny KernelSynth windows; extra flags win (a --task
+    longhorizon in them: no chronos flags, which that task refuses)."""
+    chronos = ['--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8',
+               '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0']
     return ['--out_dir', str(out), '--cache_dir', str(cache), '--attn', 'standard', '--n_layer', '1',
             '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
-            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos', '--n_series', '6',
-            '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8', '--vocab', '64',
-            '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0', *extra]
+            '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos',
+            *(chronos if 'longhorizon' not in extra else []), *extra]
 
 
 def ett_argv(csv, *extra):
@@ -3287,7 +3291,8 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
                      max_flops='-1', weight_decay='nan', dlinear_lr='inf', emb_lr_mult='0') + [
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
-    ('workers_alone', ['--workers', '2'], None, 2, ['--workers', '--seeds is not given']),
+    ('workers_alone', ['--workers', '2'], None, 2, ['--workers is read only with --seeds']),
+    ('other_task_flag', ['--patch', '4'], None, 2, ['--patch is read only with --task longhorizon']),
     ('unread_flag', ['--ranks', '8|4|4'], None, 1, ['--ranks is read only by mlr, bilinear_mlr', '--attn standard']),
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1 - 10_000}]']),
     ('threads_too_many', ['--threads', str(4 * R.CPUS + 1)], None, 2, ['--threads', f'[0, {4 * R.CPUS}]']),

@@ -34,10 +34,11 @@ import time
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 import runs
-from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_sweep_flags, check_ranges,
-                  clear_earlier_run, ctrl_c_finishes_step, given_flags, guarded_update, io_errors, load_checkpoint,
-                  no_repeats, owns_run_folders, physical_memory, pick_device, prepare_out_dir, read_json,
-                  report_outputs, resume_settings, rng_state, run_main, save_checkpoint, set_rng_state, write_json)
+from runs import (FORMAT, ArgParser, Interrupted, add_model_args, check_numbers, check_mode_flags, check_ranges,
+                  clear_earlier_run, ctrl_c_finishes_step, given_flags, group_flags, guarded_update, io_errors,
+                  load_checkpoint, no_repeats, owns_run_folders, physical_memory, pick_device, prepare_out_dir,
+                  read_json, report_outputs, resume_settings, rng_state, run_main, save_checkpoint, set_rng_state,
+                  write_json)
 
 import matplotlib
 import numpy as np
@@ -1014,7 +1015,7 @@ def main(argv=None):
     given = given_flags(parser, argv)
     args._given = sorted(given)
     check_args(parser, args)
-    check_sweep_flags(parser, args, given, also=['assets_dir'])
+    check_mode_flags(parser, given, [(args.sweep, '--sweep', group_flags(parser, 'sweeps') | {'assets_dir'})])
     if args.sweep:
         apply_recipe(parser, args, given)
     a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work

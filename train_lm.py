@@ -37,13 +37,13 @@ from dataclasses import dataclass
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_flags_read, check_model_settings, check_sweep_flags, check_numbers, check_run_length,
-                  check_writable, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, io_errors,
-                  load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds,
-                  owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands, pm,
-                  positive_int, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, resume_settings,
-                  rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags, without_flags,
-                  write_json)
+                  check_flags_read, check_model_settings, check_mode_flags, check_numbers, check_run_length,
+                  check_writable, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, group_flags,
+                  io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
+                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
+                  plot_seed_bands, pm, positive_int, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs,
+                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags,
+                  without_flags, write_json)
 
 import numpy as np
 import torch
@@ -263,7 +263,9 @@ def check_args(parser, args):
     modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
-    check_sweep_flags(parser, args, args._given)
+    check_mode_flags(parser, args._given, [(args.sweep, '--sweep', group_flags(parser, 'seeded sweep')),
+                                           (args.sample, '--sample', group_flags(parser, 'sampling')),
+                                           (args.bench, '--bench', group_flags(parser, 'benchmark'))])
     if args.plot and not (args.compare or args.by_position):
         parser.error(f"--plot {args.plot!r}: only with --compare or --by_position")
     if args.plot and os.path.splitext(args.plot)[1].lower() not in ('.png', '.pdf', '.svg'):

@@ -41,13 +41,13 @@ from dataclasses import fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write,
-                  check_flags_read, check_format, check_sweep_flags, check_numbers, check_ranges, check_run_length,
-                  clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, guarded_update, io_errors,
-                  load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats, one_thread_seconds,
-                  owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device, plot_seed_bands, pm,
-                  prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, require_keys, resume_settings,
-                  rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags, without_flags,
-                  write_json)
+                  check_flags_read, check_format, check_mode_flags, check_numbers, check_ranges, check_run_length,
+                  clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, group_flags, guarded_update,
+                  io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
+                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
+                  plot_seed_bands, pm, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, require_keys,
+                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags,
+                  without_flags, write_json)
 
 import numpy as np
 import torch
@@ -1147,7 +1147,8 @@ def check_args(p, a):
               for flag, on in sweep_decides)):
         if bad:
             p.error(message)
-    check_sweep_flags(p, a, a._given)
+    check_mode_flags(p, a._given, [(a.sweep, '--sweep', group_flags(p, 'ListOps study')),
+                                   (a.bench, '--bench', group_flags(p, 'benchmark'))])
     a._bench_lens = comma_list(p, a, 'bench_lens', int)
     a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
     a._compare = comma_list(p, a, 'compare') if a.compare else []

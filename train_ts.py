@@ -35,11 +35,11 @@ from datetime import datetime
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, ArgParser, Diverged, Interrupted, Run, add_model_args, atomic_write, check_flags_read,
-                  check_numbers, check_ranges, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags,
-                  guarded_update, io_errors, load_checkpoint, mean_std, model_config, no_repeats, owns_run_folders,
-                  paired_difference, physical_memory, pick_device, plot_seed_bands, prepare_out_dir, read_json,
-                  remove_orphan_tmp, report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint,
-                  set_rng_state, sweep, without_flags, write_json)
+                  check_mode_flags, check_numbers, check_ranges, clear_earlier_run, content_digest,
+                  ctrl_c_finishes_step, given_flags, group_flags, guarded_update, io_errors, load_checkpoint, mean_std,
+                  model_config, no_repeats, owns_run_folders, paired_difference, physical_memory, pick_device,
+                  plot_seed_bands, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, resume_settings,
+                  rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, without_flags, write_json)
 
 import matplotlib
 import numpy as np
@@ -107,6 +107,7 @@ def build_parser():
     g.add_argument('--warmup_iters', type=int, default=50, help='linear warmup steps, then cosine to 10%%')
     g.add_argument('--grad_clip', type=float, default=1.0, help='gradient norm clip')
     g.add_argument('--eval_interval', type=int, default=100, help='steps between validation evals/checkpoints')
+    g.add_argument('--val_windows', type=int, default=256, help='validation windows (both tasks)')
     g = p.add_argument_group('chronos')
     g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres')
     g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
@@ -119,7 +120,6 @@ def build_parser():
     g.add_argument('--series_len', type=int, default=1024, help='KernelSynth series length')
     g.add_argument('--max_kernels', type=int, default=5, help='KernelSynth: at most this many kernels composed')
     g.add_argument('--data_seed', type=int, default=0, help='KernelSynth seed (val uses data_seed + 10000)')
-    g.add_argument('--val_windows', type=int, default=256, help='validation windows (both tasks)')
     g.add_argument('--forecast_series', type=int, default=32, help='held-out synthetic series to forecast')
     g.add_argument('--zero_shot', type=int, choices=[0, 1], default=1, help='1: zero-shot on real series')
     g.add_argument('--zs_windows', type=int, default=1, help='rolling forecast origins per real series')
@@ -924,8 +924,8 @@ def main(argv=None):
     """One run of --task in --out_dir (an earlier one refused, or continued with --resume), or one per --seeds."""
     parser = build_parser()
     args, given = parse_args(argv, parser), given_flags(parser, argv)
-    if 'workers' in given and not args.seeds:
-        parser.error("--workers runs the --seeds in parallel, and --seeds is not given: a single run does not read it")
+    check_mode_flags(parser, given, [(args.seeds, '--seeds', {'workers'})] + [
+        (args.task == task, f'--task {task}', group_flags(parser, task)) for task in ('chronos', 'longhorizon')])
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
