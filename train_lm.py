@@ -13,8 +13,8 @@ train/val by file, so the validation code is never seen in training.
     python train_lm.py --attn mlr --sample --prompt "def "   # generate from out/lm_mlr/ckpt.pt with the KV cache
     python train_lm.py --compare out/lm_standard out/lm_mlr --plot out/lm_compare.png
     python train_lm.py --by_position out/lm_standard out/lm_mlr   # val loss at each position of the context
-    python train_lm.py --sweep compare --seeds 3        # 5 variants x 3 seeds at equal FLOPs, T = 1024, in
-                                                        # out/lm_sweep (rerun the same command to resume it)
+    python train_lm.py --sweep compare --seeds 3        # 5 variants x learned / RoPE x 3 seeds at equal FLOPs,
+                                                        # T = 1024, in out/lm_sweep (rerun it to resume)
     python train_lm.py --sweep compare --estimate       # time a few steps per variant and print the sweep's minutes
     python train_lm.py --bench                          # tokens/s: ours vs a nanoGPT-equivalent model
     python train_lm.py --data input.txt                 # any text file, or a directory of text files
