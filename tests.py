@@ -1828,10 +1828,10 @@ def test_lm_model_flags_reach_the_model():
 def test_lm_presets_resolve_the_official_ranks_scales_and_layers():
     """--sweep compare selects --preset compare, whose 'auto' ranks at d = 64, T = 1024 are the official ones;
     global_swa is MHA|SWA|SWA|MHA|SWA|SWA in both presets; --preset paper scales as the official LM code."""
-    a = train_lm.parse_args(['--sweep', 'compare', '--attn', 'mlr'])
+    a = train_lm.parse_args(['--sweep', 'compare'])
     assert a.preset == 'compare' and a.block_size == 1024 and a.n_embd // a.n_head == 64
     assert train_lm.parse_args(['--sweep', 'compare', '--preset', 'cpu']).block_size == 256
-    assert train_lm.build_config(vars(a)).ranks == '32|8|6|4|4|4|4|2'
+    assert train_lm.build_config({**vars(a), 'attn': 'mlr'}).ranks == '32|8|6|4|4|4|4|2'
     for preset in ('compare', 'paper'):
         args = train_lm.parse_args(['--preset', preset, '--attn', 'global_swa'])
         assert train_lm.build_config(vars(args)).layer_kinds() == ['standard', 'swa', 'swa', 'standard', 'swa', 'swa']
@@ -2003,6 +2003,7 @@ LM_BAD = range_cases(
     ('variants_unknown', ['--sweep', 'compare', '--variants', 'standard,mrl'], None, 2,
      ["'mrl' is not an attention variant"]),
     ('variants_twice', ['--sweep', 'compare', '--variants', 'mlr,swa,mlr'], None, 2, ["--variants names 'mlr' twice"]),
+    ('sweep_attn', ['--sweep', 'compare', '--attn', 'mlr'], None, 2, ['--attn does not go with --sweep']),
     ('global_layers_twice', ['--global_layers', '1,1'], None, 2, ["--global_layers names '1' twice"]),
     ('global_swa_in_a_pattern', ['--layer_pattern', 'standard,global_swa'], None, 1,
      ["unknown attention 'global_swa'", 'in --layer_pattern, name standard and swa layers']),
@@ -2998,6 +2999,7 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
                                           (['--workers', '-1'], '--workers -1'),
                                           (['--workers', '100000'], '--workers 100000'),
                                           (['--data', 'x'], '--data does not go with --sweep'),
+                                          (['--attn', 'swa'], '--attn does not go with --sweep'),
                                           (['--quick'], '--quick is read only with --sweep')])
 def test_study_bad_input_is_one_line(extra, named, capsys):
     with pytest.raises(SystemExit) as e:

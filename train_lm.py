@@ -263,6 +263,10 @@ def check_args(parser, args):
     modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
+    per_run = sorted({'attn', 'layer_pattern', 'pos', 'max_flops', 'resume', 'overwrite'} & set(args._given))
+    if args.sweep and per_run:       # the sweep sets these for each run: --variants, --positions, its budget
+        parser.error(f"--{per_run[0]} does not go with --sweep: it sets that for each run (--variants, --positions, "
+                     f"the FLOPs of --max_iters standard steps; a rerun resumes by itself)")
     check_mode_flags(parser, args._given, [(args.sweep, '--sweep', group_flags(parser, 'seeded sweep')),
                                            (args.sample, '--sample', group_flags(parser, 'sampling')),
                                            (args.bench, '--bench', group_flags(parser, 'benchmark'))])

@@ -1129,7 +1129,8 @@ def check_args(p, a):
     check_ranges(p, a, POSITIVE, NON_NEGATIVE)
     sweep_decides = (('--task', a.task != 'listops'), ('--data', a.data), ('--preset', a.preset != 'none'),
                      ('--resume', a.resume), ('--overwrite', a.overwrite), ('--compare', a.compare),
-                     ('--bench', a.bench), ('--out_dir', a.out_dir), ('--show', a.show))
+                     ('--bench', a.bench), ('--out_dir', a.out_dir), ('--show', a.show),
+                     ('--attn', 'attn' in a._given), ('--layer_pattern', a.layer_pattern))
     for bad, message in (
             (a.data_seed < -1, f"--data_seed {a.data_seed}: must be >= 0, or -1 for --seed"),
             (a.attn not in (*ATTENTION, 'global_swa'), f"--attn {a.attn!r}: valid: {', '.join(ATTENTION)}, global_swa"),
@@ -1142,8 +1143,9 @@ def check_args(p, a):
                                        "of them"),
             (a.bench and a.layer_pattern, f"--layer_pattern {a.layer_pattern!r}: --bench times each --bench_attn "
                                           f"variant in every layer; drop --layer_pattern"),
-            *((a.sweep and on, f"{flag} does not go with --sweep listops (generated ListOps; its runs live in "
-                               f"--sweep_dir, finished ones are reused and cut-off ones resumed by themselves)")
+            *((a.sweep and on, f"{flag} does not go with --sweep listops (generated ListOps, the --variants' "
+                               f"models; its runs live in --sweep_dir, finished ones are reused and cut-off ones "
+                               f"resumed by themselves)")
               for flag, on in sweep_decides)):
         if bad:
             p.error(message)
