@@ -2068,11 +2068,16 @@ ICL_RANKS = {'mlr': ['--ranks', '4|2|2'], 'bilinear_mlr': ['--ranks', '2|1|1']}
 
 
 def icl_argv(out, *extra, attn='standard'):
-    """A run of a fraction of a second: d = 4, N = 8, 2 layers of width 16, 4 steps of 4 prompts."""
-    return ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
-            *read_flags(['--attn', attn, *extra], window=4), '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
+    """A run of a fraction of a second: d = 4, N = 8, 2 layers of width 16, 4 steps of 4 prompts; with --sweep in
+    extra, only the flags that sweep does not set itself (train_icl.SWEEP_SETS)."""
+    sweep = extra[extra.index('--sweep') + 1] if '--sweep' in extra else ''
+    model = ['--attn', attn, '--d', '4', '--n_points', '8', '--n_layer', '2', '--n_head', '2', '--n_embd', '16',
+             *read_flags(['--attn', attn, *extra], window=4), *ICL_RANKS.get(attn, [])]
+    model = [x for flag, value in zip(model[::2], model[1::2]) if flag[2:] not in icl.SWEEP_SETS.get(sweep, ())
+             for x in (flag, value)]
+    return [*model, '--max_iters', '4', '--batch_size', '4', '--warmup_iters', '2', '--eval_interval', '2',
             '--log_interval', '2', '--n_eval', '16', '--n_eval_during', '8', '--n_boot', '20', '--out_dir', str(out),
-            '--no-progress', '--threads', '1', *ICL_RANKS.get(attn, []), *extra]
+            '--no-progress', '--threads', '1', *extra]
 
 
 def icl_args(*extra, attn='standard'):
@@ -2081,7 +2086,8 @@ def icl_args(*extra, attn='standard'):
 
 def icl_sweep_argv(out, sweep, *extra):
     """A sweep of tiny runs (2 steps, 1 layer) trained one after another in this process."""
-    return icl_argv(out, '--sweep', sweep, '--max_iters', '2', '--n_layer', '1', '--workers', '0', *extra)
+    return icl_argv(out, '--sweep', sweep, '--max_iters', '2', *(['--n_layer', '1'] if sweep != 'linear' else []),
+                    '--workers', '0', *extra)
 
 
 def unrendered_save(fig, ax, path, **legend):
@@ -2255,6 +2261,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('unread_flag', ['--brl_beta', '0.2'], None, 1, ['--brl_beta is read only by brl', '--attn standard']),
     ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is read only with --sweep, not given here']),
+    ('sweep_sets_it', ['--sweep', 'linear', '--n_layer', '2'], None, 2, ['--n_layer does not go with --sweep linear']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),

@@ -627,6 +627,11 @@ SWEEP_RECIPE = {
 LARGER_D_RECIPE = {8: dict(widths='32,64', full_rank_widths='32', max_iters=8000, width_lrs='64:1e-4',
                            bottleneck_ranks='4:1|1|2')}
 PER_WIDTH = {'full_rank_widths', 'width_lrs'}   # they name the recipe's widths: not applied with --widths given
+# the flags each sweep sets for every run it trains (its models: --widths, --compute_ranks, --depths), refused with it
+SWEEP_SETS = dict(bottleneck=('attn', 'layer_pattern', 'n_head', 'n_embd', 'ranks'),
+                  compute=('attn', 'layer_pattern', 'n_head', 'n_embd', 'ranks'),
+                  linear=('attn', 'layer_pattern', 'n_head', 'n_embd', 'n_layer', 'd', 'n_points', 'test_cov',
+                          'grad_clip', 'qk_ln'))
 # --quick: the same ordering at lower precision, <= 8 min on an idle 2-core machine with --workers 2 (docs/icl.md)
 QUICK = {
     'bottleneck': dict(widths='24', max_iters=4000, seeds=1, n_eval=500, n_boot=200, bottleneck_ranks=''),
@@ -1016,6 +1021,9 @@ def main(argv=None):
     args._given = sorted(given)
     check_args(parser, args)
     check_mode_flags(parser, given, [(args.sweep, '--sweep', group_flags(parser, 'sweeps') | {'assets_dir'})])
+    per_run = sorted(set(SWEEP_SETS.get(args.sweep, ())) & given)
+    if per_run:
+        parser.error(f"--{per_run[0]} does not go with --sweep {args.sweep}: it sets that for each of its runs")
     if args.sweep:
         apply_recipe(parser, args, given)
     a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work
