@@ -2281,7 +2281,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('resume_other_model', ['--resume', '--n_embd', '8'], 'run', 1, ['no checkpoint icl_standard_H2_D8.pt',
                                                                   f'holds {ICL_RUN}.pt', '--n_embd']),
     ('resume_shape', ['--resume', '--n_layer', '3'], 'run', 1, ['--n_layer: checkpoint 2 vs given 3']),
-    ('quick_without_sweep', ['--quick'], None, 2, ['--quick shortens a sweep']),
+    ('quick_without_sweep', ['--quick'], None, 2, ['--quick is read only with --sweep']),
 ] + [(bad, ['--sweep', 'bottleneck', '--widths', '8', '--quick', f'--{bad}'], None, 2, [words]) for bad, words in (
     ('full_rank_widths=16', "--full_rank_widths '16': its widths must be among --widths '8'"),
     ('full_rank_models=btt', "'btt' is not a model here"), ('width_lrs=8:0', "'8:0'"), ('width_lrs=8', "'8'"),

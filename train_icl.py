@@ -993,8 +993,6 @@ def check_args(parser, args):
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")
     if os.path.basename(args.run_name) != args.run_name or args.run_name in ('.', '..'):
         parser.error(f"--run_name {args.run_name!r}: a file name in --out_dir, without a '/'")
-    if args.quick and not args.sweep:
-        parser.error('--quick shortens a sweep: give it with --sweep bottleneck | compute | linear')
 
 
 def apply_recipe(parser, args, given):
