@@ -130,9 +130,10 @@ def check_flags_read(args, given, causal, attns=None, what=''):
     if idle:
         n = min(idle)
         causal_only = n in ('brl_block', 'brl_history') and not causal
+        readers = 'causal brl' if causal_only else ', '.join(READ_BY[n])
         model = f'--layer_pattern {args.layer_pattern}' if args.layer_pattern else what or f'--attn {args.attn}'
-        raise ValueError(f"--{n} is read only by {'causal brl' if causal_only else ', '.join(READ_BY[n])} attention, "
-                         f"which {model} does not have{' (bidirectional here)' if causal_only else ''}: leave --{n} out")
+        raise ValueError(f"--{n} is read only by {readers} attention, which {model} does not have"
+                         f"{' (bidirectional here)' if causal_only else ''}: leave --{n} out")
 
 
 def without_flags(argv, dests, parser):

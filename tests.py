@@ -2048,8 +2048,8 @@ LM_BAD = range_cases(
     ('sample_other_vocab', ['--sample'], 'other_vocab', 1, ['weights do not fit', 'wte.weight']),
     ('cache_dir_unwritable', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ['--cache_dir', 'UNWRITABLE']),
     ('plot_unwritable', ['--compare', 'RUN', '--plot', 'UNWRITABLE/p.png'], 'unwritable', 1, ['--plot', 'UNWRITABLE']),
-    ('sweep_dir_unwritable', ['--sweep', 'compare', '--variants', 'standard,mlr', '--sweep_dir', 'UNWRITABLE'], 'unwritable', 1,
-     ['--sweep_dir', 'UNWRITABLE', 'cannot be written']),
+    ('sweep_dir_unwritable', ['--sweep', 'compare', '--variants', 'standard,mlr', '--sweep_dir', 'UNWRITABLE'],
+     'unwritable', 1, ['--sweep_dir', 'UNWRITABLE', 'cannot be written']),
 ] + shared_cases('train_lm.py', 'ckpt.pt', 'train_lra.py')
 
 

@@ -410,6 +410,11 @@ def check_resume(saved, args, given, step):
     resume_settings(saved, args, given, may_change)
 
 
+def run_config(args):
+    """The settings a run saves: its flags (not the command line's bookkeeping, args._given)."""
+    return {k: v for k, v in vars(args).items() if not k.startswith('_')}
+
+
 def train(args, run_name='run'):
     """Train one model -> the results dict (also <out_dir>/<run_name>.json). In nanoGPT's order: config, data,
     model, optimizer, resume, the loop with its evaluations and checkpoints, the final evaluation."""
@@ -698,11 +703,6 @@ def variant(args, **overrides):
     for k in runs.unread_flags(a, attention.READ_BY, True):
         setattr(a, k, parser.get_default(k))
     return a
-
-
-def run_config(args):
-    """The settings a run saves: its flags (not the command line's bookkeeping, args._given)."""
-    return {k: v for k, v in vars(args).items() if not k.startswith('_')}
 
 
 def run_argv(a, name, run_dir):

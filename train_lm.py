@@ -1059,7 +1059,8 @@ def grid_table(results, lrs, budget):
     """The lr grid's markdown table: each (variant, positions)'s val loss at each lr, the best in bold."""
     loss = {(r['variant'], r['pos'], r['lr']): r['val_loss'] for r in results if r['done']}
     lines = [f"**lr grid: val loss at a third of the budget ({budget / 3:.3g} FLOPs), one seed**", '',
-             '| variant | positions | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |', '| --- ' * (2 + len(lrs)) + '|']
+             '| variant | positions | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
+             '| --- ' * (2 + len(lrs)) + '|']
     for v, pos in dict.fromkeys((r['variant'], r['pos']) for r in results):
         row = [loss.get((v, pos, lr)) for lr in lrs]
         best = min((x for x in row if x is not None), default=None)
