@@ -2036,6 +2036,8 @@ LM_BAD = range_cases(
     ('estimate_alone', ['--estimate'], None, 2, ['--estimate is read only with --sweep, not given here']),
     ('seeds_alone', ['--seeds', '5'], None, 2, ['--seeds is read only with --sweep']),
     ('sample_flag_alone', ['--temperature', '0'], None, 2, ['--temperature is read only with --sample']),
+    ('sample_model_flag', ['--sample', '--n_layer', '8'], None, 2, ["--n_layer does not go with --sample", 'own']),
+    ('compare_lr', ['--compare', 'RUN', '--lr', '0.1'], None, 2, ['--lr does not go with --compare']),
     ('plot_alone', ['--plot', 'p.png'], None, 2, ["--plot 'p.png': only with --compare or --by_position"]),
     ('plot_not_an_image', ['--compare', 'RUN', '--plot', 'p'], None, 2, ["--plot 'p'", '.png, .pdf or .svg']),
     ('sample_nothing', ['--sample'], None, 1, ['no checkpoint']),
@@ -2860,6 +2862,7 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('bench_attn', ['--bench', '--bench_attn', 'swa,nope'], None, 2, ["'nope' is not valid"]),
     ('bench_layer_pattern', ['--bench', '--layer_pattern', 'standard,swa'], None, 2, ['--layer_pattern']),
     ('compare_twice', ['--compare', 'a,a'], None, 2, ["--compare names 'a' twice"]),
+    ('compare_model_flag', ['--compare', 'a', '--n_layer', '3'], None, 2, ['--n_layer does not go with --compare']),
     ('text_no_data', ['--task', 'text'], None, 2, ['pass --data with the release files']),
     ('show_listops', ['--show'], None, 2, ['--task pathfinder']),
     ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['GiB of memory']),
@@ -3482,7 +3485,8 @@ def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path
              'OLDRUN': tmp_path / 'old', 'BAD': tmp_path / 'bad.csv', 'KSBAD': tmp_path / 'ksbad'}
     if script == 'train_lm.py':
         lm_setup(fx('lm_finished'), out, setup)
-        argv = lambda *x: lm_args(fx('lm_corpus'), out, *x)
+        argv = lambda *x: (lm_args(fx('lm_corpus'), out, *x) if not {'--sample', '--compare', '--by_position'} & set(x)
+                           else ['--no-progress', *(['--out_dir', str(out)] if '--sample' in x else []), *x])
     elif script == 'train_icl.py':
         no_drawing(monkeypatch)
         setup_case(setup, out, str(out / f'{ICL_RUN}.pt'), lambda: icl.main(icl_argv(out)), 'train_lm.py')
@@ -3490,7 +3494,8 @@ def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path
     elif script == 'train_lra.py':
         lra_setup(out, fx('lra_cache'), setup, tmp_path)
         fresh = (tmp_path / 'rel').exists() or case == 'min_len'
-        argv = lambda *x: lra_argv(out, str(tmp_path / 'cache') if fresh else fx('lra_cache'), *x)
+        argv = lambda *x: (lra_argv(out, str(tmp_path / 'cache') if fresh else fx('lra_cache'), *x)
+                           if '--compare' not in x else ['--out_dir', str(out), '--no-progress', *x])
     else:
         ts_setup(out, fx('ts_data'), tmp_path, setup)
         paths['ETT'] = fx('ts_data') / 'ett.csv'

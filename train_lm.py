@@ -263,6 +263,13 @@ def check_args(parser, args):
     modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
+    reads = dict(sample={'out_dir', 'attn', 'seed', *group_flags(parser, 'sampling')}, compare={'plot'},
+                 by_position={'plot', 'cache_dir'})    # besides --device, --threads, --progress: a run's own settings
+    for mode in [m for m in reads if getattr(args, m)]:
+        stray = sorted(set(args._given) - reads[mode] - {mode, 'device', 'threads', 'progress'})
+        if stray:
+            parser.error(f"--{stray[0]} does not go with --{mode}, which reads the runs' own settings and only "
+                         f"{', '.join('--' + f for f in sorted(reads[mode]))} of the flags")
     per_run = sorted({'attn', 'layer_pattern', 'pos', 'max_flops', 'resume', 'overwrite'} & set(args._given))
     if args.sweep and per_run:       # the sweep sets these for each run: --variants, --positions, its budget
         parser.error(f"--{per_run[0]} does not go with --sweep: it sets that for each run (--variants, --positions, "

@@ -1151,6 +1151,9 @@ def check_args(p, a):
             p.error(message)
     check_mode_flags(p, a._given, [(a.sweep, '--sweep', group_flags(p, 'ListOps study')),
                                    (a.bench, '--bench', group_flags(p, 'benchmark'))])
+    stray = sorted(set(a._given) - {'compare', 'out_dir', 'threads', 'device', 'progress'}) if a.compare else []
+    if stray:        # --compare reads each run's results.json and writes the plot: no other flag reaches it
+        p.error(f"--{stray[0]} does not go with --compare, which reads the runs' own settings and only --out_dir")
     a._bench_lens = comma_list(p, a, 'bench_lens', int)
     a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
     a._compare = comma_list(p, a, 'compare') if a.compare else []
