@@ -572,6 +572,14 @@ def check_mode_flags(parser, given, modes):
             parser.error(f"--{stray[0]} is read only with {flag}, not given here: leave --{stray[0]} out")
 
 
+def check_mode_reads(parser, given, mode, reads, why):
+    """parser.error at a flag given with --mode that the mode does not read (besides --device, --threads,
+    --progress); why: what it reads instead, for the error line."""
+    stray = sorted(set(given) - set(reads) - {mode, 'device', 'threads', 'progress'})
+    if stray:
+        parser.error(f"--{stray[0]} does not go with --{mode}, which {why}")
+
+
 @dataclass
 class Run:
     """One run of a sweep: `python <script> <argv>`, writing into out_dir (argv names it)."""

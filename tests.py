@@ -1535,9 +1535,9 @@ def lm_corpus(tmp_path_factory):
 
 
 def lm_tiny_args(lm_corpus, out_dir, *extra):
-    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], '--out_dir', str(out_dir), '--n_layer',
-            '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32', '--batch_size', '4', '--eval_iters', '2',
-            '--warmup_iters', '2', '--log_interval', '1', '--no-progress',
+    return ['--data', lm_corpus['data'], '--cache_dir', lm_corpus['cache'], *(['--out_dir', str(out_dir)] if
+            '--sweep' not in extra else []), '--n_layer', '2', '--n_embd', '32', '--n_head', '2', '--block_size', '32',
+            '--batch_size', '4', '--eval_iters', '2', '--warmup_iters', '2', '--log_interval', '1', '--no-progress',
             *read_flags(extra, window=8, global_layers=1, n_compressed=4), *extra]
 
 
@@ -2036,7 +2036,9 @@ LM_BAD = range_cases(
     ('estimate_alone', ['--estimate'], None, 2, ['--estimate is read only with --sweep, not given here']),
     ('seeds_alone', ['--seeds', '5'], None, 2, ['--seeds is read only with --sweep']),
     ('sample_flag_alone', ['--temperature', '0'], None, 2, ['--temperature is read only with --sample']),
-    ('sample_model_flag', ['--sample', '--n_layer', '8'], None, 2, ["--n_layer does not go with --sample", 'own']),
+    ('sample_model_flag', ['--sample', '--n_layer', '8'], None, 2, ["--n_layer does not go with --sample", 'settings']),
+    ('bench_attn', ['--bench', '--attn', 'brl'], None, 2, ['--attn does not go with --bench']),
+    ('sweep_out_dir', ['--sweep', 'compare', '--out_dir', 'x'], None, 2, ['--out_dir does not go with --sweep']),
     ('compare_lr', ['--compare', 'RUN', '--lr', '0.1'], None, 2, ['--lr does not go with --compare']),
     ('plot_alone', ['--plot', 'p.png'], None, 2, ["--plot 'p.png': only with --compare or --by_position"]),
     ('plot_not_an_image', ['--compare', 'RUN', '--plot', 'p'], None, 2, ["--plot 'p'", '.png, .pdf or .svg']),
@@ -2264,6 +2266,8 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('unread_flag', ['--brl_beta', '0.2'], None, 1, ['--brl_beta is read only by brl', '--attn standard']),
     ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is read only with --sweep, not given here']),
     ('sweep_sets_it', ['--sweep', 'linear', '--n_layer', '2'], None, 2, ['--n_layer does not go with --sweep linear']),
+    ('other_sweeps_flag', ['--sweep', 'linear', '--widths', '8'], None, 2, ['--widths is a flag of --sweep bottle']),
+    ('pos_std_rope', ['--pos', 'rope', '--pos_std', '0.1'], None, 2, ['--pos_std', '--pos rope has none']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
@@ -2747,8 +2751,10 @@ def lra_cache(tmp_path_factory):
 
 
 def lra_argv(out, cache, *extra):
-    return ['--task', 'listops', '--max_len', '64', '--min_len', '8', '--n_train', '48', '--n_val', '16',
-            '--n_test', '16', '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL,
+    """A tiny ListOps run; generated-data flags only where data is generated (with --data they are refused)."""
+    generated = [] if '--data' in extra else ['--n_train', '48', '--n_val', '16', '--n_test', '16']
+    return ['--task', 'listops', '--max_len', '64', *(['--min_len', '8'] if '--data' not in extra and 'pathfinder'
+            not in extra else []), *generated, '--cache_dir', cache, '--out_dir', str(out), *LRA_SMALL,
             *read_flags(extra, window=8, n_compressed=4), *extra]
 
 
@@ -2863,6 +2869,9 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('bench_layer_pattern', ['--bench', '--layer_pattern', 'standard,swa'], None, 2, ['--layer_pattern']),
     ('compare_twice', ['--compare', 'a,a'], None, 2, ["--compare names 'a' twice"]),
     ('compare_model_flag', ['--compare', 'a', '--n_layer', '3'], None, 2, ['--n_layer does not go with --compare']),
+    ('bench_max_len', ['--bench', '--max_len', '512'], None, 2, ['--max_len does not go with --bench']),
+    ('data_n_train', ['--data', 'REL', '--n_train', '9'], None, 2, ['--n_train shapes generated data']),
+    ('mlr_trim', ['--attn', 'mlr', '--trim', '32'], None, 2, ['--trim 32: MLR keeps every batch at --max_len']),
     ('text_no_data', ['--task', 'text'], None, 2, ['pass --data with the release files']),
     ('show_listops', ['--show'], None, 2, ['--task pathfinder']),
     ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['GiB of memory']),
@@ -3010,6 +3019,7 @@ def test_study_smoke_reuse_and_resume(tmp_path, monkeypatch):
                                           (['--workers', '100000'], '--workers 100000'),
                                           (['--data', 'x'], '--data does not go with --sweep'),
                                           (['--attn', 'swa'], '--attn does not go with --sweep'),
+                                          (['--variants', 'brl_beta0', '--brl_beta', '0.3'], 'set it themselves'),
                                           (['--quick'], '--quick is read only with --sweep')])
 def test_study_bad_input_is_one_line(extra, named, capsys):
     with pytest.raises(SystemExit) as e:
@@ -3181,7 +3191,8 @@ def ts_argv(out, cache, *extra):
     longhorizon in them: no chronos flags, which that task refuses)."""
     chronos = ['--n_series', '6', '--val_series', '4', '--series_len', '64', '--context', '24', '--horizon', '8',
                '--vocab', '64', '--forecast_series', '1', '--num_samples', '2', '--zero_shot', '0']
-    return ['--out_dir', str(out), '--cache_dir', str(cache), '--attn', 'standard', '--n_layer', '1',
+    chronos += ['--cache_dir', str(cache)]
+    return ['--out_dir', str(out), '--attn', 'standard', '--n_layer', '1',
             '--n_head', '2', '--n_embd', '16', '--max_iters', '4', '--eval_interval', '2', '--batch_size', '4',
             '--val_windows', '8', '--no-progress', '--device', 'cpu', '--task', 'chronos',
             *(chronos if 'longhorizon' not in extra else []), *extra]
@@ -3305,6 +3316,7 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
     ('workers_alone', ['--workers', '2'], None, 2, ['--workers is read only with --seeds']),
     ('other_task_flag', ['--patch', '4'], None, 2, ['--patch is read only with --task longhorizon']),
+    ('cache_dir_longhorizon', ['--task', 'longhorizon', '--cache_dir', 'x'], None, 2, ['--cache_dir', 'chronos']),
     ('unread_flag', ['--ranks', '8|4|4'], None, 1, ['--ranks is read only by mlr, bilinear_mlr', '--attn standard']),
     ('seed_too_large', ['--seed', str(2 ** 63)], None, 2, [f'--seed {2 ** 63}', f'[0, {2 ** 63 - 1 - 10_000}]']),
     ('threads_too_many', ['--threads', str(4 * R.CPUS + 1)], None, 2, ['--threads', f'[0, {4 * R.CPUS}]']),
@@ -3495,7 +3507,7 @@ def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path
         lra_setup(out, fx('lra_cache'), setup, tmp_path)
         fresh = (tmp_path / 'rel').exists() or case == 'min_len'
         argv = lambda *x: (lra_argv(out, str(tmp_path / 'cache') if fresh else fx('lra_cache'), *x)
-                           if '--compare' not in x else ['--out_dir', str(out), '--no-progress', *x])
+                           if not {'--compare', '--bench'} & set(x) else ['--out_dir', str(out), '--no-progress', *x])
     else:
         ts_setup(out, fx('ts_data'), tmp_path, setup)
         paths['ETT'] = fx('ts_data') / 'ett.csv'

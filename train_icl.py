@@ -632,6 +632,8 @@ SWEEP_RECIPE = {
 LARGER_D_RECIPE = {8: dict(widths='32,64', full_rank_widths='32', max_iters=8000, width_lrs='64:1e-4',
                            bottleneck_ranks='4:1|1|2')}
 PER_WIDTH = {'full_rank_widths', 'width_lrs'}   # they name the recipe's widths: not applied with --widths given
+SWEEP_OWN = dict(bottleneck=('widths', 'full_rank_widths', 'full_rank_models', 'width_lrs', 'bottleneck_ranks'),
+                 compute=('compute_width', 'compute_ranks'), linear=('linear_width', 'depths'))   # read by it alone
 # the flags each sweep sets for every run it trains (its models: --widths, --compute_ranks, --depths), refused with it
 SWEEP_SETS = dict(bottleneck=('attn', 'layer_pattern', 'n_head', 'n_embd', 'ranks'),
                   compute=('attn', 'layer_pattern', 'n_head', 'n_embd', 'ranks'),
@@ -1022,6 +1024,11 @@ def main(argv=None):
     per_run = sorted(set(SWEEP_SETS.get(args.sweep, ())) & given)
     if per_run:
         parser.error(f"--{per_run[0]} does not go with --sweep {args.sweep}: it sets that for each of its runs")
+    other = {f: k for k, fs in SWEEP_OWN.items() if k != args.sweep for f in fs if f in given}
+    if args.sweep and other:
+        parser.error(f"--{min(other)} is a flag of --sweep {other[min(other)]}, not of --sweep {args.sweep}")
+    if 'pos_std' in given and args.pos != 'learned':
+        parser.error(f"--pos_std is the init std of learned positions, and --pos {args.pos} has none")
     if args.sweep:
         apply_recipe(parser, args, given)
     a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work

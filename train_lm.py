@@ -33,17 +33,17 @@ import sys
 import sysconfig
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_flags_read, check_model_settings, check_mode_flags, check_numbers, check_run_length,
-                  check_writable, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, group_flags,
-                  io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
-                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
-                  plot_seed_bands, pm, positive_int, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs,
-                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags,
-                  without_flags, write_json)
+                  check_flags_read, check_model_settings, check_mode_flags, check_mode_reads, check_numbers,
+                  check_run_length, check_writable, clear_earlier_run, content_digest, ctrl_c_finishes_step,
+                  given_flags, group_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
+                  no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory,
+                  pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir, read_json, remove_orphan_tmp,
+                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
+                  sweep, unread_flags, without_flags, write_json)
 
 import numpy as np
 import torch
@@ -209,9 +209,10 @@ def parse_args(argv=None):
     if args.logit_scale == 'paper':  # the official LM run's scale for this --attn
         args.logit_scale = paper_logit_scale(args.attn, args.layer_pattern, args.n_layer, args.global_layers)
     args._argv = list(sys.argv[1:] if argv is None else argv)  # --sweep: its runs inherit these flags
-    if not (args.resume or any(getattr(args, m) for m in ('sample', 'compare', 'by_position', 'bench'))):
-        check_flags_read(args, args._given, True, *(args.variants.split(','), f'--variants {args.variants}')
-                         if args.sweep else ())
+    if not (args.resume or args.sample or args.compare or args.by_position):
+        models = ((args.variants.split(','), f'--variants {args.variants}') if args.sweep else
+                  (['standard', 'mlr', 'swa'], '--bench (standard, mlr, swa)') if args.bench else ())
+        check_flags_read(args, args._given, True, *models)
     return args
 
 
@@ -263,17 +264,21 @@ def check_args(parser, args):
     modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
-    reads = dict(sample={'out_dir', 'attn', 'seed', *group_flags(parser, 'sampling')}, compare={'plot'},
-                 by_position={'plot', 'cache_dir'})    # besides --device, --threads, --progress: a run's own settings
-    for mode in [m for m in reads if getattr(args, m)]:
-        stray = sorted(set(args._given) - reads[mode] - {mode, 'device', 'threads', 'progress'})
-        if stray:
-            parser.error(f"--{stray[0]} does not go with --{mode}, which reads the runs' own settings and only "
-                         f"{', '.join('--' + f for f in sorted(reads[mode]))} of the flags")
-    per_run = sorted({'attn', 'layer_pattern', 'pos', 'max_flops', 'resume', 'overwrite'} & set(args._given))
+    model = {f.name for f in fields(ModelConfig)} - {'attn', 'layer_pattern'}
+    for mode, reads, why in (
+            ('sample', {'out_dir', 'attn', 'seed', *group_flags(parser, 'sampling')}, "reads the checkpoint's "
+             "settings (of the flags: --out_dir or --attn, --seed and the sampling group)"),
+            ('compare', {'plot'}, "reads the runs' log.json (of the flags: --plot)"),
+            ('by_position', {'plot', 'cache_dir'}, "reads the runs' checkpoints (of the flags: --plot, --cache_dir)"),
+            ('bench', model | {'batch_size', 'block_size', 'seed', 'preset', *group_flags(parser, 'benchmark')},
+             "times nanoGPT, standard, mlr and swa at the model flags' sizes (fp32, no compile; random tokens)")):
+        if getattr(args, mode):
+            check_mode_reads(parser, args._given, mode, reads, why)
+    per_run = {'attn', 'layer_pattern', 'pos', 'max_flops', 'resume', 'overwrite', 'out_dir'} & set(args._given)
     if args.sweep and per_run:       # the sweep sets these for each run: --variants, --positions, its budget
-        parser.error(f"--{per_run[0]} does not go with --sweep: it sets that for each run (--variants, --positions, "
-                     f"the FLOPs of --max_iters standard steps; a rerun resumes by itself)")
+        parser.error(f"--{min(per_run)} does not go with --sweep: it sets that for each run (--variants, "
+                     f"--positions, the FLOPs of --max_iters standard steps, a folder in --sweep_dir; a rerun "
+                     f"resumes by itself)")
     check_mode_flags(parser, args._given, [(args.sweep, '--sweep', group_flags(parser, 'seeded sweep')),
                                            (args.sample, '--sample', group_flags(parser, 'sampling')),
                                            (args.bench, '--bench', group_flags(parser, 'benchmark'))])

@@ -41,9 +41,9 @@ from dataclasses import fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write,
-                  check_flags_read, check_format, check_mode_flags, check_numbers, check_ranges, check_run_length,
-                  clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, group_flags, guarded_update,
-                  io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
+                  check_flags_read, check_format, check_mode_flags, check_mode_reads, check_numbers, check_ranges,
+                  check_run_length, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, group_flags,
+                  guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
                   one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
                   plot_seed_bands, pm, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, require_keys,
                   resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags,
@@ -1151,14 +1151,28 @@ def check_args(p, a):
             p.error(message)
     check_mode_flags(p, a._given, [(a.sweep, '--sweep', group_flags(p, 'ListOps study')),
                                    (a.bench, '--bench', group_flags(p, 'benchmark'))])
-    stray = sorted(set(a._given) - {'compare', 'out_dir', 'threads', 'device', 'progress'}) if a.compare else []
-    if stray:        # --compare reads each run's results.json and writes the plot: no other flag reaches it
-        p.error(f"--{stray[0]} does not go with --compare, which reads the runs' own settings and only --out_dir")
+    model = {f.name for f in fields(ModelConfig)} - {'attn', 'layer_pattern'}
+    for mode, reads, why in (
+            ('compare', {'compare', 'out_dir', 'task', 'attn'}, "reads the runs' results.json (of the flags: "
+             "--out_dir, or the --task and --attn that name its default)"),
+            ('bench', {'out_dir', *model, *group_flags(p, 'benchmark')}, "times each --bench_attn variant at each "
+             "--bench_lens length: random ListOps tokens, mean pooling, the model flags' sizes")):
+        if getattr(a, mode):
+            check_mode_reads(p, a._given, mode, reads, why)
+    generated = {'n_train', 'n_val', 'n_test', 'data_seed', 'min_len'} & a._given
+    if a.data and generated:
+        p.error(f"--{min(generated)} shapes generated data, and --data reads the release's own splits: leave it out")
+    if 'min_len' in a._given and a.task == 'pathfinder':
+        p.error("--min_len is the shortest generated ListOps sequence; Pathfinder images are 1024 pixels each")
     a._bench_lens = comma_list(p, a, 'bench_lens', int)
     a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
     a._compare = comma_list(p, a, 'compare') if a.compare else []
     if a.sweep:
         comma_list(p, a, 'variants', valid=tuple(STUDY_VARIANTS))
+        for k in sorted(a._given):    # a flag that every variant reading it sets itself (--brl_beta, brl_beta0)
+            readers = [v for v in a.variants.split(',') if not unread_flags(a, [k], False, STUDY_VARIANTS[v][1])]
+            if readers and all(f'--{k}' in STUDY_VARIANTS[v] or f'--no-{k}' in STUDY_VARIANTS[v] for v in readers):
+                p.error(f"--{k}: the variants here that read it ({', '.join(readers)}) set it themselves")
     try:             # a model flag no layer reads (--window with full attention): refused, not ignored
         if not (a.resume or a.bench or a.compare or a.show):
             check_flags_read(a, a._given, False, *([STUDY_VARIANTS[v][1] for v in a.variants.split(',')],
@@ -1191,6 +1205,8 @@ def parse_args(argv=None):
     args._given = given_flags(p, argv)  # the flags on the command line (--resume refuses conflicting ones)
     check_args(p, args)
     if 'mlr' in (args.layer_pattern.replace(' ', '').split(',') if args.layer_pattern else [args.attn]):
+        if 'trim' in args._given:
+            p.error(f"--trim {args.trim}: MLR keeps every batch at --max_len (its level blocks are fixed from it)")
         args.trim = 0            # MLR's level blocks are fixed from block_size: keep every batch at max_len
     args.out_dir = args.out_dir or os.path.join('out', f'lra_{args.task}_{args.attn}')
     return args
