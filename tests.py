@@ -2870,6 +2870,8 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('compare_twice', ['--compare', 'a,a'], None, 2, ["--compare names 'a' twice"]),
     ('compare_model_flag', ['--compare', 'a', '--n_layer', '3'], None, 2, ['--n_layer does not go with --compare']),
     ('bench_max_len', ['--bench', '--max_len', '512'], None, 2, ['--max_len does not go with --bench']),
+    ('show_model_flag', ['--task', 'pathfinder', '--show', '--max_len', '1024', '--lr', '0.1'], None, 2,
+     ['--lr does not go with --show']),
     ('data_n_train', ['--data', 'REL', '--n_train', '9'], None, 2, ['--n_train shapes generated data']),
     ('mlr_trim', ['--attn', 'mlr', '--trim', '32'], None, 2, ['--trim 32: MLR keeps every batch at --max_len']),
     ('text_no_data', ['--task', 'text'], None, 2, ['pass --data with the release files']),
@@ -3506,8 +3508,8 @@ def test_bad_input_is_one_line(script, case, extra, setup, code, words, tmp_path
     elif script == 'train_lra.py':
         lra_setup(out, fx('lra_cache'), setup, tmp_path)
         fresh = (tmp_path / 'rel').exists() or case == 'min_len'
-        argv = lambda *x: (lra_argv(out, str(tmp_path / 'cache') if fresh else fx('lra_cache'), *x)
-                           if not {'--compare', '--bench'} & set(x) else ['--out_dir', str(out), '--no-progress', *x])
+        argv = lambda *x: (lra_argv(out, str(tmp_path / 'cache') if fresh else fx('lra_cache'), *x) if not
+                           {'--compare', '--bench', '--show'} & set(x) else ['--out_dir', str(out), '--no-progress', *x])
     else:
         ts_setup(out, fx('ts_data'), tmp_path, setup)
         paths['ETT'] = fx('ts_data') / 'ett.csv'

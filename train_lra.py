@@ -1156,7 +1156,9 @@ def check_args(p, a):
             ('compare', {'compare', 'out_dir', 'task', 'attn'}, "reads the runs' results.json (of the flags: "
              "--out_dir, or the --task and --attn that name its default)"),
             ('bench', {'out_dir', *model, *group_flags(p, 'benchmark')}, "times each --bench_attn variant at each "
-             "--bench_lens length: random ListOps tokens, mean pooling, the model flags' sizes")):
+             "--bench_lens length: random ListOps tokens, mean pooling, the model flags' sizes"),
+            ('show', {'task', 'data', 'cache_dir', 'n_train', 'n_val', 'n_test', 'seed', 'data_seed', 'max_len',
+                      'out_dir'}, "draws the data's samples (of the flags: the data's and --out_dir)")):
         if getattr(a, mode):
             check_mode_reads(p, a._given, mode, reads, why)
     generated = {'n_train', 'n_val', 'n_test', 'data_seed', 'min_len'} & a._given
