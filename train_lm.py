@@ -261,6 +261,12 @@ def check_args(parser, args):
                         ('global_layers', [s.strip() for s in args.global_layers.split(',')]),
                         ('compare', args.compare or []), ('by_position', args.by_position or [])):
         no_repeats(parser, name, items)
+    check_modes(parser, args)
+
+
+def check_modes(parser, args):
+    """One mode at a time, and no flag given that the mode does not read (--lr with --sample, --temperature
+    without it) or that the sweep sets for each run: one line, exit 2."""
     modes = [f'--{m}' for m in ('sample', 'compare', 'by_position', 'bench', 'sweep') if getattr(args, m)]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")

@@ -1149,6 +1149,25 @@ def check_args(p, a):
               for flag, on in sweep_decides)):
         if bad:
             p.error(message)
+    a._bench_lens = comma_list(p, a, 'bench_lens', int)
+    a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
+    a._compare = comma_list(p, a, 'compare') if a.compare else []
+    if a.sweep:
+        comma_list(p, a, 'variants', valid=tuple(STUDY_VARIANTS))
+    check_unread(p, a)
+    if not a.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
+        try:
+            with torch.device('meta'):
+                model = build_model(a, task_meta(a.task))[0]
+        except ValueError as e:     # the model's block_size is the sequence length: named by its flag
+            T = f"the sequence length (--max_len {a.max_len}{' + 1 CLS' if a.pooling == 'cls' else ''})"
+            p.error(str(e).replace('block_size', T))
+        check_memory(p, a, model)
+
+
+def check_unread(p, a):
+    """One line (exit 2) at a flag given that this run would not read: of a mode that is off, one its mode does
+    not read, generated-data flags with --data, a model flag no layer reads (of no variant, for the study)."""
     check_mode_flags(p, a._given, [(a.sweep, '--sweep', group_flags(p, 'ListOps study')),
                                    (a.bench, '--bench', group_flags(p, 'benchmark'))])
     model = {f.name for f in fields(ModelConfig)} - {'attn', 'layer_pattern'}
@@ -1166,11 +1185,7 @@ def check_args(p, a):
         p.error(f"--{min(generated)} shapes generated data, and --data reads the release's own splits: leave it out")
     if 'min_len' in a._given and a.task == 'pathfinder':
         p.error("--min_len is the shortest generated ListOps sequence; Pathfinder images are 1024 pixels each")
-    a._bench_lens = comma_list(p, a, 'bench_lens', int)
-    a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
-    a._compare = comma_list(p, a, 'compare') if a.compare else []
     if a.sweep:
-        comma_list(p, a, 'variants', valid=tuple(STUDY_VARIANTS))
         for k in sorted(a._given):    # a flag that every variant reading it sets itself (--brl_beta, brl_beta0)
             readers = [v for v in a.variants.split(',') if not unread_flags(a, [k], False, STUDY_VARIANTS[v][1])]
             if readers and all(f'--{k}' in STUDY_VARIANTS[v] or f'--no-{k}' in STUDY_VARIANTS[v] for v in readers):
@@ -1181,14 +1196,6 @@ def check_args(p, a):
                                                     f'--variants {a.variants}') if a.sweep else ())
     except ValueError as e:
         p.error(str(e))
-    if not a.bench:   # the model on the meta device (no memory, no RNG draws): bad model flags before any data
-        try:
-            with torch.device('meta'):
-                model = build_model(a, task_meta(a.task))[0]
-        except ValueError as e:     # the model's block_size is the sequence length: named by its flag
-            T = f"the sequence length (--max_len {a.max_len}{' + 1 CLS' if a.pooling == 'cls' else ''})"
-            p.error(str(e).replace('block_size', T))
-        check_memory(p, a, model)
 
 
 def parse_args(argv=None):
