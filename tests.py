@@ -3317,6 +3317,8 @@ TS_BAD = range_cases(batch_size='0', max_iters='0', warmup_iters='-1', threads='
     # (case, extra flags, setup, exit code, words the one line must hold)
     ('lr_too_large', ['--lr', '11'], None, 2, ['--lr 11.0', '(0, 10]']),      # Adam overflows long before 1e300
     ('workers_alone', ['--workers', '2'], None, 2, ['--workers is read only with --seeds']),
+    ('argmax_samples', ['--decode', 'argmax', '--num_samples', '5'], None, 2, ['--num_samples', '--decode sample']),
+    ('no_zero_shot_windows', ['--zero_shot', '0', '--zs_windows', '2'], None, 2, ['--zs_windows', '--zero_shot 1']),
     ('other_task_flag', ['--patch', '4'], None, 2, ['--patch is read only with --task longhorizon']),
     ('cache_dir_longhorizon', ['--task', 'longhorizon', '--cache_dir', 'x'], None, 2, ['--cache_dir', 'chronos']),
     ('unread_flag', ['--ranks', '8|4|4'], None, 1, ['--ranks is read only by mlr, bilinear_mlr', '--attn standard']),

@@ -925,7 +925,9 @@ def main(argv=None):
     parser = build_parser()
     args, given = parse_args(argv, parser), given_flags(parser, argv)
     check_mode_flags(parser, given, [(args.seeds, '--seeds', {'workers'})] + [
-        (args.task == task, f'--task {task}', group_flags(parser, task)) for task in ('chronos', 'longhorizon')])
+        (args.task == task, f'--task {task}', group_flags(parser, task)) for task in ('chronos', 'longhorizon')] + [
+        (args.decode == 'sample', '--decode sample', {'num_samples'}),
+        (args.zero_shot, '--zero_shot 1', {'zs_windows'})])
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
