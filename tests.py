@@ -2268,6 +2268,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('sweep_sets_it', ['--sweep', 'linear', '--n_layer', '2'], None, 2, ['--n_layer does not go with --sweep linear']),
     ('other_sweeps_flag', ['--sweep', 'linear', '--widths', '8'], None, 2, ['--widths is a flag of --sweep bottle']),
     ('pos_std_rope', ['--pos', 'rope', '--pos_std', '0.1'], None, 2, ['--pos_std', '--pos rope has none']),
+    ('no_curriculum', ['--no-curriculum', '--curr_interval', '5'], None, 2, ['--curr_interval', '--curriculum']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
     ('n_points_below_2d', ['--n_points', '5'], None, 1, ['--n_points 5', '--d 4', 'N >= 2d = 8']),
@@ -2511,6 +2512,9 @@ def test_sweep_run_state_argv_and_estimate(tmp_path, monkeypatch):
     same = lambda ns: {k: v for k, v in vars(icl.resolve(ns)).items() if k not in icl.NOT_TRAINING}
     assert same(back) == same(a) and back.out_dir == str(tmp_path / 'r') and back.run_name == 'r'
     assert not any(f.startswith(('--sweep', '--workers', '--widths', '--seeds')) for f in argv)
+    quiet = icl.run_argv(job('--no-curriculum', '--pos', 'rope', '--attn', 'standard'), 'r', str(tmp_path / 'r'))
+    assert not any(f.startswith(('--curr_', '--pos_std', '--window', '--bilinear')) for f in quiet)   # unread:
+    assert icl.build_parser().parse_args(quiet).pos == 'rope'                                # a run refuses them
     lengths = []                                   # each step timed at its N: 10 ms per point
     real = icl.sample_prompts
     monkeypatch.setattr(icl, 'sample_prompts', lambda g, b, d, n, *x, **k: (lengths.append(n), real(g, b, d, n))[1])

@@ -697,12 +697,19 @@ def run_tag(args):
     return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
 
 
+def unread(a, parser):
+    """The flags a run of settings `a` does not read (and refuses when given): model flags no layer reads, the
+    curriculum's without --curriculum, --pos_std without learned positions."""
+    return {*runs.unread_flags(a, attention.READ_BY, True), *('pos_std',) * (a.pos != 'learned'),
+            *(group_flags(parser, 'curriculum') - {'curriculum'} if not a.curriculum else ())}
+
+
 def variant(args, **overrides):
-    """One sweep run's settings; a model flag its layers do not read (the recipe's bilinear_mlr_ln for standard
-    attention) stays at its default, so that its command line names only what it reads."""
+    """One sweep run's settings; a flag it does not read (the recipe's bilinear_mlr_ln for standard attention)
+    stays at its default, so that its command line (run_argv) names only what it reads."""
     a, parser = copy.copy(args), build_parser()
     vars(a).update(sweep='', **overrides)
-    for k in runs.unread_flags(a, attention.READ_BY, True):
+    for k in unread(a, parser):
         setattr(a, k, parser.get_default(k))
     return a
 
@@ -711,8 +718,9 @@ def run_argv(a, name, run_dir):
     """One sweep run's command line: every training setting of `a` as a flag, its own folder, one thread."""
     argv = [f'--run_name={name}', f'--out_dir={run_dir}', '--no-progress', '--threads=1',
             f'--log_interval={a.log_interval}', f'--device={a.device}', '--save' if a.save else '--no-save']
-    idle = runs.unread_flags(a, attention.READ_BY, True)   # at their defaults (variant)
-    for act in build_parser()._actions:
+    parser = build_parser()
+    idle = unread(a, parser)   # at their defaults (variant)
+    for act in parser._actions:
         k, v = act.dest, getattr(a, act.dest, None)
         if k in NOT_TRAINING or k in idle or v is None or not act.option_strings:
             continue
@@ -1020,7 +1028,8 @@ def main(argv=None):
     given = given_flags(parser, argv)
     args._given = sorted(given)
     check_args(parser, args)
-    check_mode_flags(parser, given, [(args.sweep, '--sweep', group_flags(parser, 'sweeps') | {'assets_dir'})])
+    check_mode_flags(parser, given, [(args.sweep, '--sweep', group_flags(parser, 'sweeps') | {'assets_dir'}),
+                                     (args.curriculum, '--curriculum', group_flags(parser, 'curriculum'))])
     per_run = sorted(set(SWEEP_SETS.get(args.sweep, ())) & given)
     if per_run:
         parser.error(f"--{per_run[0]} does not go with --sweep {args.sweep}: it sets that for each of its runs")
