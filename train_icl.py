@@ -632,9 +632,10 @@ SWEEP_RECIPE = {
 LARGER_D_RECIPE = {8: dict(widths='32,64', full_rank_widths='32', max_iters=8000, width_lrs='64:1e-4',
                            bottleneck_ranks='4:1|1|2')}
 PER_WIDTH = {'full_rank_widths', 'width_lrs'}   # they name the recipe's widths: not applied with --widths given
+# each sweep's own flags (its models), refused with another sweep
 SWEEP_OWN = dict(bottleneck=('widths', 'full_rank_widths', 'full_rank_models', 'width_lrs', 'bottleneck_ranks'),
-                 compute=('compute_width', 'compute_ranks'), linear=('linear_width', 'depths'))   # read by it alone
-# the flags each sweep sets for every run it trains (its models: --widths, --compute_ranks, --depths), refused with it
+                 compute=('compute_width', 'compute_ranks'), linear=('linear_width', 'depths'))
+# the flags each sweep sets for every run it trains, refused with it
 SWEEP_SETS = dict(bottleneck=('attn', 'layer_pattern', 'n_head', 'n_embd', 'ranks'),
                   compute=('attn', 'layer_pattern', 'n_head', 'n_embd', 'ranks'),
                   linear=('attn', 'layer_pattern', 'n_head', 'n_embd', 'n_layer', 'd', 'n_points', 'test_cov',
