@@ -3,7 +3,8 @@ The run plumbing the four train scripts share, so that each of them holds only i
 
     start-up     imported first by every train script: OpenMP's wait policy before torch loads, and a Ctrl-C
                  while it loads is one line and exit 130
-    flags        every attention.ModelConfig field is a flag of every train script (add_model_args)
+    flags        every attention.ModelConfig field is a flag of every train script (add_model_args); a flag the
+                 run would not read (no layer reads it, its mode is off, its sweep sets it) is refused, not ignored
     errors       run_main: one line on stderr, never a traceback. Exit 2: a bad flag value. Exit 1: a bad file,
                  a conflict (a refused --resume, a folder in use or holding another run) or an I/O failure.
                  Exit 130: Ctrl-C, after the current step and a checkpoint
