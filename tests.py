@@ -2267,7 +2267,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is read only with --sweep, not given here']),
     ('sweep_sets_it', ['--sweep', 'linear', '--n_layer', '2'], None, 2, ['--n_layer does not go with --sweep linear']),
     ('other_sweeps_flag', ['--sweep', 'linear', '--widths', '8'], None, 2, ['--widths is a flag of --sweep bottle']),
-    ('pos_std_rope', ['--pos', 'rope', '--pos_std', '0.1'], None, 2, ['--pos_std', '--pos rope has none']),
+    ('pos_std_rope', ['--pos', 'rope', '--pos_std', '0.1'], None, 2, ['--pos_std is read only with --pos learned']),
     ('no_curriculum', ['--no-curriculum', '--curr_interval', '5'], None, 2, ['--curr_interval', '--curriculum']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),

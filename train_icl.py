@@ -698,11 +698,18 @@ def run_tag(args):
     return (f'_d{args.d}' if other_d else '') + ('_quick' if args.quick else '')
 
 
+def switched(a, parser):
+    """(on, the flag that turns it on, its flags) of each part of a run that a setting turns off: runs.check_mode_flags
+    refuses those flags when it is off."""
+    return [(a.curriculum, '--curriculum', group_flags(parser, 'curriculum') - {'curriculum'}),
+            (a.pos == 'learned', '--pos learned', {'pos_std'})]
+
+
 def unread(a, parser):
     """The flags a run of settings `a` does not read (and refuses when given): model flags no layer reads, the
-    curriculum's without --curriculum, --pos_std without learned positions."""
-    return {*runs.unread_flags(a, attention.READ_BY, True), *('pos_std',) * (a.pos != 'learned'),
-            *(group_flags(parser, 'curriculum') - {'curriculum'} if not a.curriculum else ())}
+    curriculum's without --curriculum, --pos_std without learned positions (switched)."""
+    return {*runs.unread_flags(a, attention.READ_BY, True), *(f for on, _, fs in switched(a, parser) if not on
+                                                               for f in fs)}
 
 
 def variant(args, **overrides):
@@ -1030,15 +1037,13 @@ def main(argv=None):
     args._given = sorted(given)
     check_args(parser, args)
     check_mode_flags(parser, given, [(args.sweep, '--sweep', group_flags(parser, 'sweeps') | {'assets_dir'}),
-                                     (args.curriculum, '--curriculum', group_flags(parser, 'curriculum'))])
+                                     *switched(args, parser)])
     per_run = sorted(set(SWEEP_SETS.get(args.sweep, ())) & given)
     if per_run:
         parser.error(f"--{per_run[0]} does not go with --sweep {args.sweep}: it sets that for each of its runs")
     other = {f: k for k, fs in SWEEP_OWN.items() if k != args.sweep for f in fs if f in given}
     if args.sweep and other:
         parser.error(f"--{min(other)} is a flag of --sweep {other[min(other)]}, not of --sweep {args.sweep}")
-    if 'pos_std' in given and args.pos != 'learned':
-        parser.error(f"--pos_std is the init std of learned positions, and --pos {args.pos} has none")
     if args.sweep:
         apply_recipe(parser, args, given)
     a = resolve(args)          # bad settings: a ValueError, one line from runs.run_main, before any work

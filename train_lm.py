@@ -199,11 +199,11 @@ def build_parser():
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
-    preset = args.sweep if args.sweep and 'preset' not in given_flags(parser, argv) else args.preset
+    args, given = parser.parse_args(argv), given_flags(parser, argv)   # the flags on the command line
+    preset = args.sweep if args.sweep and 'preset' not in given else args.preset
     parser.set_defaults(**PRESETS[preset], preset=preset)  # --sweep compare: --preset compare unless one is given
     args = parser.parse_args(argv)
-    args._given = sorted(given_flags(parser, argv))  # the flags on the command line
+    args._given = sorted(given)
     check_args(parser, args)
     args.out_dir = args.out_dir or os.path.join('out', f"lm_{args.attn}")
     if args.logit_scale == 'paper':  # the official LM run's scale for this --attn
