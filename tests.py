@@ -483,6 +483,29 @@ def test_selftest_interpret_reruns_itself_under_the_interpreter(monkeypatch):
     assert e.value.code == 0 and runs[0][0][-1] == '--selftest-interpret' and runs[0][1]['TRITON_INTERPRET'] == '1'
 
 
+def test_kernels_bench_prints_each_core_against_its_flop_floor(monkeypatch, capsys):
+    """Each row's time over its floor, the floor being the core's FLOPs at SDPA's FLOP/s in the same run: SDPA
+    itself is at 1, and every other core's ratio is its time over SDPA's time scaled by their FLOP counts."""
+    monkeypatch.setattr(K, 'matmul_gflops', lambda *a, **k: 1.0)           # the 4096² product takes seconds
+    rows = {r['core']: r for r in K.benchmark('cpu', torch.float32, [128], reps=1, BH=2)}
+    flops = lambda r: r['gflops'] * r['ms']                                  # proportional to the core's FLOPs
+    assert rows['sdpa']['ms_vs_floor'] == 1.0 and 'x floor' in capsys.readouterr().out
+    for r in rows.values():
+        assert r['ms_vs_floor'] == pytest.approx(r['ms'] / (rows['sdpa']['ms'] * flops(r) / flops(rows['sdpa'])))
+    only = K.benchmark('cpu', torch.float32, [128], reps=1, BH=2, only=['swa_flash'])     # --cores swa_flash
+    assert [r['core'] for r in only] == ['sdpa', 'swa_flash']
+
+
+def test_kernels_accuracy_flags_a_fast_path_off_by_more_than_rounding(monkeypatch):
+    """accuracy() passes the fast paths as they are, and fails one whose output is off by 1e-3 of its scale in
+    float32 (rounding there is ~1e-7): the 2x-the-reference rule with its 1e-5 float32 floor has teeth."""
+    args = dict(T=128, BH=1, ranks=(8, 4, 2, 2), window=31)
+    assert K.accuracy('cpu', [torch.float32], **args)
+    flash = K.mlr_attention_flash
+    monkeypatch.setattr(K, 'mlr_attention_flash', lambda q, k, v, r: flash(q, k, v, r) * (1 + 1e-3))
+    assert not K.accuracy('cpu', [torch.float32], **args)
+
+
 def test_kernels_reads_top_to_bottom():
     """kernels.py opens with the three references; then each definition uses only names defined above it (the
     references may call the input checks after them); no function is longer than 60 lines."""
@@ -3619,8 +3642,8 @@ def test_kill_during_checkpoint_loses_nothing(script, tmp_path, monkeypatch, cap
 
 
 # -----------------------------------------------------------------------------
-# the repository stands on its own: README.md's links resolve inside it, no file points outside it, and the
-# train scripts set OpenMP's wait policy before torch loads
+# the repository stands on its own: README.md's links resolve inside it, no file points outside it, the train
+# scripts set OpenMP's wait policy before torch loads, and README's example variant works as it says
 
 # Hosts README.md may link to: the papers (arXiv, OpenReview) and public code (GitHub). Anything else leaves
 # the repository for no reason a reader can follow.
@@ -3709,14 +3732,10 @@ def test_no_file_points_outside_the_repository():
     assert 'README.md' in files and not hits, 'references to a folder outside the repository:\n' + '\n'.join(hits)
 
 
-if __name__ == '__main__':
-    sys.exit(pytest.main([__file__, '-q', *sys.argv[1:]]))
-
-
 def test_readme_example_variant_is_causal_decodes_and_counts_its_flops(monkeypatch):
     """The README's 'Adding an attention variant' class, registered as it says: no future leak, decoding with
     its cache equals the full forward, and its FLOPs are the convention's causal count."""
-    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')).read()
+    text = open(os.path.join(HERE, 'README.md'), encoding='utf-8').read()
     ns = dict(vars(A))
     exec(text.split('# Adding an attention variant')[1].split('```python')[1].split('```')[0], ns)
     monkeypatch.setitem(A.ATTENTION, 'sigmoid', ns['SigmoidAttention'])
@@ -3734,24 +3753,5 @@ def test_readme_example_variant_is_causal_decodes_and_counts_its_flops(monkeypat
     assert layer.core_flops(20) == 2 * layer.H * (20 * 21 // 2) * 2 * layer.d
 
 
-def test_kernels_bench_prints_each_core_against_its_flop_floor(monkeypatch, capsys):
-    """Each row's time over its floor, the floor being the core's FLOPs at SDPA's FLOP/s in the same run: SDPA
-    itself is at 1, and every other core's ratio is its time over SDPA's time scaled by their FLOP counts."""
-    monkeypatch.setattr(K, 'matmul_gflops', lambda *a, **k: 1.0)           # the 4096² product takes seconds
-    rows = {r['core']: r for r in K.benchmark('cpu', torch.float32, [128], reps=1, BH=2)}
-    flops = lambda r: r['gflops'] * r['ms']                                  # proportional to the core's FLOPs
-    assert rows['sdpa']['ms_vs_floor'] == 1.0 and 'x floor' in capsys.readouterr().out
-    for r in rows.values():
-        assert r['ms_vs_floor'] == pytest.approx(r['ms'] / (rows['sdpa']['ms'] * flops(r) / flops(rows['sdpa'])))
-    only = K.benchmark('cpu', torch.float32, [128], reps=1, BH=2, only=['swa_flash'])     # --cores swa_flash
-    assert [r['core'] for r in only] == ['sdpa', 'swa_flash']
-
-
-def test_kernels_accuracy_flags_a_fast_path_off_by_more_than_rounding(monkeypatch):
-    """accuracy() passes the fast paths as they are, and fails one whose output is off by 1e-3 of its scale in
-    float32 (rounding there is ~1e-7): the 2x-the-reference rule with its 1e-5 float32 floor has teeth."""
-    args = dict(T=128, BH=1, ranks=(8, 4, 2, 2), window=31)
-    assert K.accuracy('cpu', [torch.float32], **args)
-    flash = K.mlr_attention_flash
-    monkeypatch.setattr(K, 'mlr_attention_flash', lambda q, k, v, r: flash(q, k, v, r) * (1 + 1e-3))
-    assert not K.accuracy('cpu', [torch.float32], **args)
+if __name__ == '__main__':
+    sys.exit(pytest.main([__file__, '-q', *sys.argv[1:]]))
