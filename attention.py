@@ -12,8 +12,8 @@ Every attention variant of the project, and the one transformer backbone all tra
 
 Each variant maps (B, T, D) -> (B, T, D), causal or bidirectional, with rotary positions inside its scores when
 pos = 'rope' (learned ones are the scripts' embeddings), reports its forward FLOPs for a length-T sequence, and
-(causal ones) decodes token by token with a cache. The heavy math lives in kernels.py. The backbone is pre-LN:
-x + attn(LN(x)), x + MLP(LN(x)), no biases, muP init (paper §3.5, App. E).
+(the causal ones but the bilinear) decodes token by token with a cache. The heavy math lives in kernels.py. The
+backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), linear maps without biases, muP init (paper §3.5, App. E).
 
     python attention.py            # one full layer of every variant: fwd+bwd time, memory, FLOPs, x its floor
     python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
@@ -977,7 +977,7 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
     print(f"one attention layer, fwd+bwd, D = {D}, {H} heads, window {window}, m = {n_compressed}, "
           f"causal = {causal}, on {dev}")
-    print(f"{'layer':13s} {'T':>6s} {'ms':>9s} {'x std':>6s} {'peak MB':>8s} {'x std':>6s} {'GFLOP fwd':>10s} "
+    print(f"{'layer':16s} {'T':>6s} {'ms':>9s} {'x std':>6s} {'peak MB':>8s} {'x std':>6s} {'GFLOP fwd':>10s} "
           f"{'x floor':>8s}   (floor: the layer's FLOPs at the standard layer's FLOP/s)")
     rows = []
     for T in Ts:
@@ -996,7 +996,7 @@ def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', 
         b = res[kinds[0]]
         for kind, (ms, mb, fl) in res.items():
             floor = fl / b[2] * b[0]                                  # ms at the first (standard) layer's FLOP/s
-            print(f"{kind:13s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} "
+            print(f"{kind:16s} {T:6d} {ms:9.1f} {ms / b[0]:6.2f} {mb:8.1f} {mb / max(b[1], 1e-3):6.2f} "
                   f"{fl / 1e9:10.2f} {ms / floor:8.2f}")
             rows.append(dict(layer=kind, T=T, ms=ms, peak_mb=mb, gflop=fl / 1e9, vs_floor=ms / floor))
     return rows
@@ -1029,7 +1029,8 @@ def benchmark_main(argv=None):
     if not args.brl and any(T % 8 for T in args.Ts or []):
         p.error(f"--Ts {','.join(map(str, args.Ts))}: multiples of 8 (MLR's 4 levels halve T three times)")
     if not args.brl:
-        return benchmark_layers(['standard', 'mlr', 'swa', 'linear', 'bilinear_mlr', 'bilinear_btt', 'brl'],
+        return benchmark_layers(['standard', 'mlr', 'swa', 'global_swa_split', 'linear', 'bilinear_mlr',
+                                 'bilinear_btt', 'brl'],
                                 args.Ts or [256, 512, 1024], D=256, H=4, causal=True, ranks='32|16|8|8',
                                 n_compressed=16)
     rows = benchmark_layers(['standard', 'swa', 'brl'], args.Ts or [1024, 2048, 4096, 8192, 16384], causal=args.causal)

@@ -3,11 +3,13 @@ The run plumbing the four train scripts share, so that each of them holds only i
 
     start-up     imported first by every train script: OpenMP's wait policy before torch loads, and a Ctrl-C
                  while it loads is one line and exit 130
-    flags        every attention.ModelConfig field is a flag of every train script (add_model_args); a flag the
-                 run would not read (no layer reads it, its mode is off, its sweep sets it) is refused, not ignored
-    errors       run_main: one line on stderr, never a traceback. Exit 2: a bad flag value. Exit 1: a bad file,
-                 a conflict (a refused --resume, a folder in use or holding another run) or an I/O failure.
-                 Exit 130: Ctrl-C, after the current step and a checkpoint
+    flags        every attention.ModelConfig field but the task's (TASK_FIELDS) is a flag of every train script
+                 (add_model_args); a flag the run would not read (no layer reads it, its mode is off, its sweep
+                 sets it) is refused, not ignored
+    errors       run_main: one line on stderr, never a traceback. Exit 2: a bad flag value, or a flag of a mode
+                 that is off. Exit 1: a bad file or device, a model setting that does not fit or that no layer
+                 reads, a conflict (a refused --resume, a folder in use or holding another run) or an I/O
+                 failure. Exit 130: Ctrl-C, after the current step and a checkpoint
     run folders  prepare_out_dir: writable, owned by one process at a time, no earlier run replaced by accident
     checkpoints  one dict, written atomically, never with non-finite weights, stamped with FORMAT
     divergence   check_loss / guarded_update stop at the first non-finite loss, before any update

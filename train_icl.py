@@ -614,9 +614,9 @@ def plot_bottleneck(path, sweep, args):
 # Its CPU recipe (why each setting: docs/icl.md, "The CPU recipe") sets every flag not given, then QUICK's.
 
 CPU_RECIPE = dict(
-    max_iters=7000,          # official 500 001; at 5000 bilinear MLR 1|1|1 (D = 24) ended just above 0.1
+    max_iters=7000,          # official 500 001; at 5000 bilinear MLR 1|1|1 (D = 24) was still near 0.1, falling
     lr=5e-5,                 # at the official 1e-4 a 1-head run could stay on the "predict 0" plateau
-    # Garg's curriculum stretched (the official one ends after ~300 steps here): the full task from step 1500 on
+    # Garg's curriculum stretched (the official one, scaled, ends at step 28 here): the full task from step 1500 on
     curr_d_start=2, curr_n_start=4, curr_interval=500, curr_ratio=0.5,
     n_eval_during=128, eval_interval=250)    # fewer, smaller evals during training: CPU time
 SWEEP_RECIPE = {

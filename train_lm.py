@@ -1,9 +1,9 @@
-"""
+r"""
 Character-level language modelling with structured attention (paper §5.1, Fig. 4; §3.4, App. E).
 
 A GPT (token embeddings, + learned positions if --pos learned -> the attention.py Transformer -> a muP LM head)
 trained with AdamW in the nanoGPT manner. The default corpus needs no download: the source code of the Python
-standard library of the interpreter running this script (~11 MB of .py files, tests excluded), split into
+standard library of the interpreter running this script (~12 MB of .py files, tests excluded), split into
 train/val by file, so the validation code is never seen in training.
 
     python train_lm.py --attn mlr                       # MLR attention: val ~1.53 nats/char after 1000 steps,

@@ -1124,7 +1124,8 @@ def check_memory(p, args, model):
 
 
 def check_args(p, a):
-    """One-line errors (exit 2) for flags out of range or in conflict, before any work."""
+    """One-line errors before any work: flags out of range or in conflict (exit 2), a model they cannot build
+    (exit 1)."""
     check_numbers(p, a, LRA_RANGES)
     check_ranges(p, a, POSITIVE, NON_NEGATIVE)
     sweep_decides = (('--task', a.task != 'listops'), ('--data', a.data), ('--preset', a.preset != 'none'),
@@ -1159,15 +1160,16 @@ def check_args(p, a):
         try:
             with torch.device('meta'):
                 model = build_model(a, task_meta(a.task))[0]
-        except ValueError as e:     # the model's block_size is the sequence length: named by its flag
+        except ValueError as e:     # exit 1, as every script's model errors; block_size named by its flag
             T = f"the sequence length (--max_len {a.max_len}{' + 1 CLS' if a.pooling == 'cls' else ''})"
-            p.error(str(e).replace('block_size', T))
+            raise ValueError(str(e).replace('block_size', T)) from None
         check_memory(p, a, model)
 
 
 def check_unread(p, a):
-    """One line (exit 2) at a flag given that this run would not read: of a mode that is off, one its mode does
-    not read, generated-data flags with --data, a model flag no layer reads (of no variant, for the study)."""
+    """One line at a flag given that this run would not read (exit 2): of a mode that is off, one its mode does
+    not read, generated-data flags with --data; (exit 1) a model flag no layer reads (of no variant, for the
+    study), as every script refuses a setting that does not fit the model."""
     check_mode_flags(p, a._given, [(a.sweep, '--sweep', group_flags(p, 'ListOps study')),
                                    (a.bench, '--bench', group_flags(p, 'benchmark'))])
     model = {f.name for f in fields(ModelConfig)} - {'attn', 'layer_pattern'}
@@ -1190,12 +1192,10 @@ def check_unread(p, a):
             readers = [v for v in a.variants.split(',') if not unread_flags(a, [k], False, STUDY_VARIANTS[v][1])]
             if readers and all(f'--{k}' in STUDY_VARIANTS[v] or f'--no-{k}' in STUDY_VARIANTS[v] for v in readers):
                 p.error(f"--{k}: the variants here that read it ({', '.join(readers)}) set it themselves")
-    try:             # a model flag no layer reads (--window with full attention): refused, not ignored
-        if not (a.resume or a.bench or a.compare or a.show):
-            check_flags_read(a, a._given, False, *([STUDY_VARIANTS[v][1] for v in a.variants.split(',')],
-                                                    f'--variants {a.variants}') if a.sweep else ())
-    except ValueError as e:
-        p.error(str(e))
+    # a model flag no layer reads (--window with full attention): a setting that does not fit the model, exit 1
+    if not (a.resume or a.bench or a.compare or a.show):
+        check_flags_read(a, a._given, False, *([STUDY_VARIANTS[v][1] for v in a.variants.split(',')],
+                                                f'--variants {a.variants}') if a.sweep else ())
 
 
 def parse_args(argv=None):

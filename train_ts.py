@@ -928,12 +928,12 @@ def main(argv=None):
         (args.task == task, f'--task {task}', group_flags(parser, task)) for task in ('chronos', 'longhorizon')] + [
         (args.decode == 'sample', '--decode sample', {'num_samples'}),
         (args.zero_shot, '--zero_shot 1', {'zs_windows'})])
+    if not args.resume:      # a model flag none of the --attn models reads (--ranks with standard) is refused
+        check_flags_read(args, given, args.task == 'chronos', args.attn, f"--attn {','.join(args.attn)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(pick_device(args.device))
     print(f"device {device} | threads: {torch.get_num_threads()}")
-    if not args.resume:      # a model flag none of the --attn models reads (--ranks with standard) is refused
-        check_flags_read(args, given, args.task == 'chronos', args.attn, f"--attn {','.join(args.attn)}")
     if args.seeds:
         return run_seeds(args, argv)
     path, ckpts = os.path.join(args.out_dir, f'results_{args.task}.json'), task_ckpts(args.out_dir, args.task)
