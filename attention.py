@@ -6,14 +6,15 @@ Every attention variant of the project, and the one transformer backbone all tra
     bilinear_btt  score = c x^T LN(W_h x') with W_h a full-rank BTT per head (paper §3.2, Eq. 7)
     mlr           MLR attention: fewer features for distant pairs (paper §3.4, Eq. 9)
     swa           sliding-window attention (paper §2.3, §5.1); `global_swa` mixes it with standard layers
-    global_swa_split  global + sliding-window attention inside each head, two softmaxes summed (paper §5.1)
-    linear        causal linear attention, phi = ReLU^2 (seed 003 §2.2.2)
+    global_swa_split  global + sliding-window attention inside each head, two softmaxes summed (official code)
+    linear        linear attention, phi = ReLU^2 (seed 003 §2.2.2)
     brl           BRL attention: local attention + evolving compressed tokens (seed 004 §2.3-2.5, Alg. 1)
 
-Each variant maps (B, T, D) -> (B, T, D), causal or bidirectional, with rotary positions inside its scores when
-pos = 'rope' (learned ones are the scripts' embeddings), reports its forward FLOPs for a length-T sequence, and
-(the causal ones but the bilinear) decodes token by token with a cache. The heavy math lives in kernels.py. The
-backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), linear maps without biases, muP init (paper §3.5, App. E).
+Each variant maps (B, T, D) -> (B, T, D) (BRL also its compressed tokens), causal or bidirectional, with rotary
+positions inside its scores when pos = 'rope' (learned ones are the scripts' embeddings), reports its forward
+FLOPs for a length-T sequence, and (the causal ones but the bilinear) decodes token by token with a cache. The
+heavy math lives in kernels.py. The backbone is pre-LN: x + attn(LN(x)), x + MLP(LN(x)), linear maps without
+biases, muP init (paper §3.5, App. E).
 
     python attention.py            # one full layer of every variant: fwd+bwd time, memory, FLOPs, x its floor
     python attention.py --brl      # BRL vs full and local attention, n = 1k ... 16k (seed 004 Figs. 5-6)
@@ -37,7 +38,8 @@ import structured
 # config
 
 def opt(default, help):
-    """A ModelConfig field and its --help text: every train script has it as a flag (add_model_args)."""
+    """A ModelConfig field and its --help text: a flag of every train script (add_model_args) but for the fields
+    each task sets itself (runs.TASK_FIELDS)."""
     return field(default=default, metadata={'help': help})
 
 
@@ -61,7 +63,7 @@ class ModelConfig:
     pos: str = opt('learned', "positions: 'learned' (absolute, added to the input), 'rope' (rotary, inside "
                               "every variant's scores) or 'none'")
     # MLR and bilinear MLR
-    ranks: str = opt('', 'MLR / bilinear MLR rank allocation, e.g. 32|8|6|4|4|4|4|2 (sums to the head width)')
+    ranks: str = opt('', 'MLR / bilinear MLR rank allocation, e.g. 32|8|6|4|4|4|4|2 (MLR: sums to the head width)')
     mlr_block_sizes: str = opt('', 'MLR level block sizes, e.g. 1024|256|64 (default block_size / 2^l)')
     mlr_divide_levels: bool = opt(False, 'MLR: divide each score by the levels covering the pair (official: on)')
     # bilinear MLR and BTT
@@ -71,11 +73,11 @@ class ModelConfig:
     bilinear_mlr_ln: str = opt('level', "bilinear MLR's q / k LayerNorm: 'level' (official: over each level's "
                                         "p_l r_l features) or 'head' (over the head's features, all levels at once)")
     # SWA, global + SWA and BRL
-    window: int = opt(64, 'SWA / BRL look-back w: query i sees keys i-w..i (w + 1 keys)')
+    window: int = opt(64, 'SWA / BRL look-back w: query i sees keys i-w..i (w + 1 keys; bidirectional |i-j| <= w)')
     gswa_ranks: str = opt('', 'global_swa_split: "global|local" features per head (default half|half)')
     n_compressed: int = opt(16, 'BRL: m compressed tokens')
     brl_block: int = opt(0, 'BRL causal chunk length nc: tokens per set of compressed tokens (0 = window)')
-    brl_beta: float = opt(0.5, 'BRL: beta in ct = (1 - beta) LN(F_comp) + beta f_m(ct_prev) (0 = no carry-over)')
+    brl_beta: float = opt(0.5, 'BRL: beta in ct = (1 - beta) LN(F_comp) + beta f_m(c), c: the incoming ct')
     brl_lambda_init: float = opt(0.5, 'BRL: initial lambda, the per-head gain of F_prop\'s output')
     brl_gamma: bool = opt(True, 'BRL: learned gamma (--no-brl_gamma fixes gamma = 0: no differential compression)')
     brl_history: str = opt('global', "BRL causal: 'global' (ct_b reads ct_{b-1} and chunk b-1) or 'block' (chunk b-1)")
@@ -181,7 +183,8 @@ LOGIT_SCALES = ('auto', 'sqrt', 'mup', 'inv')
 LOGIT_SCALE_DEFAULTS = {          # kind: (auto, paper)
     'standard': ('sqrt', 'mup'),  # SDPA's 1/sqrt(d), as the official ICL runs; official LM: 8/d (mha_SP_... False)
     'swa': ('sqrt', 'mup'),       # as standard
-    'brl': ('sqrt', 'auto'),      # BRL's local attention is SWA (its compression / readout scales are fixed)
+    'brl': ('sqrt', 'auto'),      # BRL's local attention is an SWA layer and takes the 'swa' row (its compression
+                                  # and readout scales are fixed); this row: the checks and what 'paper' resolves to
     'mlr': ('inv', 'inv'),        # official AttentionMLR.forward: c_l = 1 / r_l, its only choice
     'bilinear_mlr': ('sqrt', 'mup'),      # official 1/sqrt(p_l r_l); the LM run's bilinear_mlr_muP_attn_logits_scaling
     'bilinear_btt': ('sqrt', 'auto'),     # official BilinearBTTAttention: 1/sqrt(D) (muP flag off by default)
@@ -232,7 +235,8 @@ class MupLinear(nn.Linear):
 
 
 def optimizer_groups(model, lr, weight_decay):
-    """AdamW parameter groups: lr * p.lr_mult (muP), weight decay only on matrices."""
+    """AdamW parameter groups: lr * p.lr_mult (muP), weight decay on every parameter of two or more dimensions
+    (weights, BTT cores, BRL's b_rel tables and compressed tokens), none on gains and vectors."""
     groups = {}
     for p in model.parameters():
         if p.requires_grad:
@@ -402,10 +406,10 @@ class SWAAttention(StandardAttention):
 
 
 class GlobalSWASplitAttention(SWAAttention):
-    """Global + SWA inside every head, the official `low_rank_with_gswa` (paper §5.1): the (QK-normed) q, k of
-    width d split into r_g global and r_s local features (gswa_ranks 'r_g|r_s'); one softmax over all keys on the
-    global part, one over the window on the local part, the two weight matrices summed (rows sum to 2, as the
-    official code) and applied to one shared v."""
+    """Global + SWA inside every head, the official code's `low_rank_with_gswa` (the paper's §5.1 names only the
+    layer-wise mix, global_swa): q, k of width d (QK-normed with --qk_ln) split into r_g global and r_s local
+    features (gswa_ranks 'r_g|r_s'); one softmax over all keys on the global part, one over the window on the
+    local part, the two weight matrices summed (rows sum to 2, as the official code) and applied to one shared v."""
     kind = 'global_swa_split'
 
     def __init__(self, cfg):
@@ -483,7 +487,7 @@ class MLRAttention(SelfAttention):
                     break
                 return Tp
         raise ValueError(f"sequence length {T} does not tile into the MLR blocks {self.level_sizes}; valid: "
-                         f"multiples of {min(self.level_sizes)} up to {self.level_sizes[0]}")
+                         f"{kernels.mlr_valid_lengths(self.level_sizes)}")
 
     def decode(self, q, k, v, cache, pos=None):
         """Level l keeps only the r_l key features of the current level-l block (paper §3.4, key cache)."""
@@ -637,7 +641,7 @@ class BilinearMLRAttention(BilinearAttention):
         return q.transpose(1, 2), torch.cat(ks, -1).transpose(1, 2)              # (B, H, T, sum p_l r_l)
 
     def feature_flops(self, T):
-        return 2 * 2 * T * sum(m.flops for m in self.q_maps)
+        return 2 * 2 * T * sum(m.macs for m in self.q_maps)
 
 
 def official_btt_factors(D):
@@ -678,7 +682,7 @@ class BilinearBTTAttention(BilinearAttention):
         return (self.c * x)[:, None].expand(B, self.H, T, D), kf
 
     def feature_flops(self, T):
-        return 2 * T * sum(b.flops for b in self.btts)
+        return 2 * T * sum(b.macs for b in self.btts)
 
 
 # -----------------------------------------------------------------------------
@@ -693,7 +697,8 @@ class BilinearBTTAttention(BilinearAttention):
 #   readout                   ReLU(LN(F_prop(x; ct))),                                                  line 8
 #                               F_prop(x; ct) = lambda_h softmax(phi(x) (ct Wk)^T / sqrt(D/H) + b_prop) ct Wv (Eq. 9)
 #   F_BRL(x) = F_gen(x) + readout; the block adds ct to c (BRL_BLOCK), so c evolves layer by layer. Eq. 7 wraps
-#   U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1.
+#   U in a ReLU that Algorithm 1 line 7 does not have; we follow Algorithm 1. Eq. 9's sqrt(d), written for one
+#   head, is the head width sqrt(D/H) here, as in multi-head attention; Eq. 12's m sqrt(d_ct) keeps the width D.
 #
 # Which tokens ct reads (the history h), chosen by compressed_tokens():
 #   bidirectional: one chunk, ct = U(c; x): the compressed tokens read the whole sequence.
@@ -713,7 +718,7 @@ class BilinearBTTAttention(BilinearAttention):
 
 def relative_buckets(dist, n_buckets, span):
     """T5's bucket of each distance dist >= 0 (long tensor): dist itself below n_buckets/2, then log-spaced
-    buckets up to span; every distance >= span lands in the last bucket."""
+    buckets up to span (at least n_buckets); every distance >= that lands in the last bucket."""
     exact = n_buckets // 2                                                # >= 1
     ratio = torch.log(dist.clamp(min=exact).float() / exact) / math.log(max(span, 2 * exact) / exact)
     far = (exact + ratio * (n_buckets - exact)).long().clamp(max=n_buckets - 1)
@@ -861,7 +866,9 @@ class BRLAttention(nn.Module):
 
     def flops(self, T):
         D, m, N = self.cfg.n_embd, self.m, self.n_chunks(T)
-        n_hist = T + (N - 1) * m if self.cfg.causal and self.cfg.brl_history == 'global' else T  # keys F_comp reads
+        # the keys F_comp reads, counted as all T tokens (+ ct_{b-1} with 'global'); causal, no chunk reads the last
+        # one (nor f_q the first): nc tokens' K1, K2, V and scores over, ~2 % of the LM study's BRL forward
+        n_hist = T + (N - 1) * m if self.cfg.causal and self.cfg.brl_history == 'global' else T
         comp = 2 * n_hist * D * D * 3 + 2 * 2 * 2 * m * n_hist * D   # K1, K2, V of the history; two score maps + AV
         upd = 2 * N * m * D * D * 4                                  # f_q, f_m, f_pk, f_pv per chunk
         prop = 2 * T * D * D + 2 * 2 * T * m * D
@@ -973,7 +980,7 @@ class Transformer(nn.Module):
 # benchmark: python attention.py
 
 def benchmark_layers(kinds, Ts, D=512, H=8, causal=False, window=128, ranks='', n_compressed=64):
-    """fwd+bwd of one full attention layer of each kind (projections included), same input."""
+    """fwd+bwd of one full attention layer of each kind (projections included), inputs of the same shape."""
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
     print(f"one attention layer, fwd+bwd, D = {D}, {H} heads, window {window}, m = {n_compressed}, "
           f"causal = {causal}, on {dev}")

@@ -131,6 +131,13 @@ def _check_key_mask(key_mask, q):
         raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}")
 
 
+def mlr_valid_lengths(sizes):
+    """The sequence lengths that tile into the level blocks `sizes`, as text: up to the finest block, then those
+    that every smaller block divides."""
+    more = [t for t in range(sizes[-1] + 1, sizes[0] + 1) if all(b >= t or t % b == 0 for b in sizes)]
+    return f"1 to {sizes[-1]}, " + ', '.join(map(str, more[:8])) + (', ...' if len(more) > 8 else '')
+
+
 def mlr_level_sizes(T, n_levels, level_sizes=None):
     """Block size of each level, as used on a sequence of length T. Default T / 2^l. An explicit list must
     strictly decrease, each size dividing the one before; sizes >= T make their level global (the model
@@ -156,7 +163,7 @@ def mlr_level_sizes(T, n_levels, level_sizes=None):
     bad = [b for b in sizes if b < T and T % b != 0]
     if bad:
         raise ValueError(f"T = {T} is not a multiple of the MLR block size(s) {bad} (block sizes {sizes}); "
-                         f"valid T are multiples of {max(bad)} up to {sizes[0]}")
+                         f"valid T: {mlr_valid_lengths(sizes)}")
     return [min(b, T) for b in sizes]
 
 
@@ -1004,7 +1011,8 @@ def _check_triton(q, k, v, key_mask):
     _check_qkv(q, k, v)
     _check_key_mask(key_mask, q)
     if not HAS_TRITON:
-        raise ValueError("the Triton kernels need triton (pip install triton); use the *_torch functions")
+        raise ValueError("the Triton kernels need triton (pip install triton); without it mlr_attention and "
+                         "sliding_window_attention take the *_flash paths")
     if q.dtype not in _TRITON_DTYPES:
         raise ValueError(f"the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
     if not (q.is_cuda or _interpreting()):
@@ -1034,13 +1042,13 @@ def sliding_window_attention_triton(q, k, v, window, causal=True, scale=None, ke
 # -----------------------------------------------------------------------------
 # public functions: MLR and SWA take the path backend() names; linear attention has one path
 
-USE_TRITON = True  # tests (or a user) may set False to force the torch paths on a GPU
+USE_TRITON = True  # tests (or a user) may set False to force the flash paths on a GPU
 
 
 def backend(x):
     """Which path the public functions take for tensors like x: 'triton' for CUDA tensors of a dtype the
-    kernels take when triton imports, else 'torch' (always on CPU: Triton has no CPU backend)."""
-    return 'triton' if USE_TRITON and HAS_TRITON and x.is_cuda and x.dtype in _TRITON_DTYPES else 'torch'
+    kernels take when triton imports, else 'flash' (always on CPU: Triton has no CPU backend)."""
+    return 'triton' if USE_TRITON and HAS_TRITON and x.is_cuda and x.dtype in _TRITON_DTYPES else 'flash'
 
 
 def mlr_attention(q, k, v, ranks, causal=True, level_sizes=None, scales=None, divide_by_levels=False,
@@ -1271,7 +1279,8 @@ def _bench_cores(device, dtype, ranks, window=127):
 def benchmark(device, dtype, Ts, reps, BH=16, ranks=(32, 8, 6, 4, 4, 4, 4, 2), dense_max_T=2048, only=()):
     """Forward + backward of each core on (1, BH, T, 64) causal inputs: wall time and peak memory, both also as
     ratios to SDPA in this process, and GFLOP/s, also as a share of a large matrix product's (the limit).
-    GFLOP counts the algorithm (3 x the forward: backward = 2 x forward), not what a path recomputes.
+    GFLOP is each core's count (3 x the forward: backward = 2 x forward), not what a path recomputes; SWA's is
+    its blocked path's, ~2x the w + 1 keys a query needs at T = 1024 (sliding_window_attention_flops).
     only: the cores to run besides SDPA (default: all)."""
     ranks = list(ranks)
     peak = matmul_gflops(device, dtype)
@@ -1365,7 +1374,7 @@ def _checked_flags(p, args):
 def main(argv=None):
     """Checks the flags, then runs one of: the interpreter self-test, the compile check, or (default) the
     correctness check (on a GPU also the compiled Triton self-test), the benchmark and the accuracy check.
-    Exits 0 when every check passed."""
+    Exits 1 when a self-test or the accuracy check fails (the correctness check prints its differences)."""
     p = _parser()
     args = p.parse_args(argv)
     device, Ts, dtypes, only = _checked_flags(p, args)
@@ -1394,7 +1403,7 @@ def main(argv=None):
             print("the Triton kernels compiled, against the references (float32 against float64):")
             ok = _selftest_triton('cuda')
     if device == 'cpu':
-        print("no GPU here: the torch paths only (`--selftest-interpret` checks the Triton kernels on CPU)")
+        print("no GPU here: the flash and torch paths only (`--selftest-interpret` checks the Triton kernels on CPU)")
     rows = [row for dtype in dtypes for row in benchmark(device, dtype, Ts, args.reps, only=only)]
     print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks, SWA window 127):")
     ok &= accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16])

@@ -6,10 +6,10 @@ The run plumbing the four train scripts share, so that each of them holds only i
     flags        every attention.ModelConfig field but the task's (TASK_FIELDS) is a flag of every train script
                  (add_model_args); a flag the run would not read (no layer reads it, its mode is off, its sweep
                  sets it) is refused, not ignored
-    errors       run_main: one line on stderr, never a traceback. Exit 2: a bad flag value, or a flag of a mode
-                 that is off. Exit 1: a bad file or device, a model setting that does not fit or that no layer
-                 reads, a conflict (a refused --resume, a folder in use or holding another run) or an I/O
-                 failure. Exit 130: Ctrl-C, after the current step and a checkpoint
+    errors       run_main: bad input is one line on stderr, never a traceback. Exit 2: a bad flag value, or a
+                 flag of a mode that is off. Exit 1: a bad file or device, a model setting that does not fit or
+                 that no layer reads, a conflict (a refused --resume, a folder in use or holding another run) or
+                 an I/O failure. Exit 130: Ctrl-C, after the current step and a checkpoint
     run folders  prepare_out_dir: writable, owned by one process at a time, no earlier run replaced by accident
     checkpoints  one dict, written atomically, never with non-finite weights, stamped with FORMAT
     divergence   check_loss / guarded_update stop at the first non-finite loss, before any update
@@ -251,8 +251,9 @@ def pick_device(name):
 # files: atomic writes, run folders owned by one process, checkpoints, content digests
 
 def atomic_write(path, write):
-    """write(tmp), then rename tmp over path: a failed write (disk full, Ctrl-C) leaves path as it was, no tmp
-    file, and one OSError naming path. A kill -9 leaves <path>.tmp<pid>: remove_orphan_tmp's to delete."""
+    """write(tmp), then rename tmp over path: a failed write (disk full, Ctrl-C) leaves path as it was and no tmp
+    file, and raises on (torch.save's RuntimeError as an OSError naming path; io_errors names the flag). A kill -9
+    leaves <path>.tmp<pid>: remove_orphan_tmp's to delete."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)

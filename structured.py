@@ -7,7 +7,7 @@ Every family is an nn.Module mapping (..., d_in) -> (..., d_out) and has
     forward(x)    x @ W.T, never forming W: one einsum per core, O(#params) multiply-adds per vector
     to_dense()    the (d_out, d_in) matrix W, built straight from the definition (for tests / tables)
     num_params    trainable numbers
-    flops         multiply-adds of ONE matvec (FlopCounterMode reports 2x this)
+    macs          multiply-adds of ONE matvec (FlopCounterMode reports 2x this: FLOPs)
     rank          rank of W for generic (random) cores, capped by min(d_in, d_out); the constructor argument
                   `rank` of LowRank / BTT is the family's r or BTT rank s
     bilinear(x,y) the bilinear form x^T W y
@@ -123,7 +123,7 @@ class Dense(StructuredLinear):
     def __init__(self, d_in, d_out, base_width=None):
         super().__init__(d_in, d_out, base_width)
         self.weight = self.core((d_out, d_in), fan_in=d_in)
-        self.flops, self.rank = d_in * d_out, min(d_in, d_out)
+        self.macs, self.rank = d_in * d_out, min(d_in, d_out)
 
     def forward(self, x):
         self.check_input(x)
@@ -141,7 +141,7 @@ class LowRank(StructuredLinear):
         self.r = _positive_int('rank', rank)
         self.R = self.core((d_in, rank), fan_in=d_in)   # applied first: contracts the d_in input
         self.L = self.core((d_out, rank), fan_in=rank)  # contracts the r latent features
-        self.flops, self.rank = rank * (d_in + d_out), min(rank, d_in, d_out)
+        self.macs, self.rank = rank * (d_in + d_out), min(rank, d_in, d_out)
 
     def forward(self, x):
         self.check_input(x)
@@ -159,7 +159,7 @@ class BlockDiagonal(StructuredLinear):
         super().__init__(d_in, d_out, base_width)
         self.p, self.bi, self.bo = _blocks(n_blocks, d_in, d_out)
         self.weight = self.core((self.p, self.bo, self.bi), fan_in=self.bi)
-        self.flops, self.rank = self.p * self.bo * self.bi, self.p * min(self.bo, self.bi)
+        self.macs, self.rank = self.p * self.bo * self.bi, self.p * min(self.bo, self.bi)
 
     def forward(self, x):
         self.check_input(x)
@@ -181,7 +181,7 @@ class LowRankBlockDiagonal(StructuredLinear):
         self.r = _positive_int('rank', rank)
         self.R = self.core((self.p, self.bi, rank), fan_in=self.bi)
         self.L = self.core((self.p, self.bo, rank), fan_in=rank)
-        self.flops, self.rank = self.p * rank * (self.bi + self.bo), self.p * min(rank, self.bi, self.bo)
+        self.macs, self.rank = self.p * rank * (self.bi + self.bo), self.p * min(rank, self.bi, self.bo)
 
     def forward(self, x):
         self.check_input(x)
@@ -228,7 +228,7 @@ class MLR(StructuredLinear):
             except ValueError as e:
                 raise ValueError(f"MLR level {l} (ranks={ranks}, n_blocks={n_blocks}): {e}") from None
         self.ranks, self.n_blocks = ranks, n_blocks
-        self.flops = sum(level.flops for level in self.levels)
+        self.macs = sum(level.macs for level in self.levels)
         self.rank = min(sum(level.rank for level in self.levels), d_in, d_out)
 
     def forward(self, x):
@@ -250,7 +250,8 @@ class BTT(StructuredLinear):
     block_coupled=True keeps only k = i (needs c1 = e2): then R is stored as (c1, s, c2) and L as
     (e2, e1, s), and W is low-rank block diagonal with c1 blocks whose outputs are strided (m*e2 + i);
     this is the MLBTC level that makes MLR.
-    params s(d_in e2 + d_out c1) (= 2 D^1.5 s at sqrt factors), rank min(d_in, d_out, c1 e2 s)."""
+    params s(d_in e2 + d_out c1) (= 2 D^1.5 s at sqrt factors), rank min(d_in, d_out, c1 e2 s); block-coupled:
+    params s(d_in + d_out), rank c1 min(s, c2, e1)."""
 
     def __init__(self, d_in, d_out, rank=1, in_factors=None, out_factors=None, block_coupled=False,
                  base_width=None):
@@ -271,7 +272,7 @@ class BTT(StructuredLinear):
             self.L = self.core((e2, e1, c1, s), fan_in=c1 * s)  # L[i, m, k, ρ]
         # every core entry is used once per vector; the rank of a block-coupled BTT: c1 blocks (e1 x c2) of rank
         # <= s; of a dense one, the min vertex cut of the layered network d_in | c1 e2 s middle h[k, i, ρ] | d_out
-        self.flops = s * (d_in + d_out) if self.block_coupled else s * (d_in * e2 + d_out * c1)
+        self.macs = s * (d_in + d_out) if self.block_coupled else s * (d_in * e2 + d_out * c1)
         self.rank = c1 * min(s, c2, e1) if self.block_coupled else min(d_in, d_out, c1 * e2 * s)
 
     @classmethod
@@ -334,7 +335,7 @@ class MLBTC(StructuredLinear):
     """Multi-level block tensor contraction (paper §3.3, Eq. 8, as read here; see README): W = Σ_l P_out,l W_l
     P_in,l, each W_l a BTT with its own (c1, c2, e1, e2, s), dense- or block-coupled. MLR = all levels
     block-coupled with c1 = e2 = p_l, s = r_l and an output transpose (MLBTC.from_mlr); BTT = one level
-    (MLBTC.from_btt). params and flops sum over levels; rank = min(Σ_l rank_l, d_in, d_out), an upper bound
+    (MLBTC.from_btt). params and macs sum over levels; rank = min(Σ_l rank_l, d_in, d_out), an upper bound
     that random cores attain in the settings tested."""
 
     def __init__(self, d_in, d_out, levels, base_width=None):
@@ -354,7 +355,7 @@ class MLBTC(StructuredLinear):
             # fixed by the config, so not saved in state_dict
             self.register_buffer(f'in_perm_{l}', in_perm, persistent=False)
             self.register_buffer(f'out_perm_{l}', out_perm, persistent=False)
-        self.flops = sum(btt.flops for btt in self.levels)
+        self.macs = sum(btt.macs for btt in self.levels)
         self.rank = min(sum(btt.rank for btt in self.levels), d_in, d_out)
 
     def perms(self, l):
@@ -474,7 +475,7 @@ if __name__ == '__main__':
 
     results = []
     for (d_in, d_out), table in rows.items():
-        print(f"\n{d_in} -> {d_out}   (FLOPs = multiply-adds of one matvec; FlopCounterMode/2;"
+        print(f"\n{d_in} -> {d_out}   (MACs = multiply-adds of one matvec; FlopCounterMode/2;"
               f" rank = torch.linalg.matrix_rank in float64)")
         print(f"{'family':<34}{'params':>8}{'formula':>9}{'MACs':>8}{'measured':>9}{'rank':>6}"
               f"{'formula':>8}{'measured':>9}")
@@ -486,10 +487,10 @@ if __name__ == '__main__':
                 with FlopCounterMode(display=False) as counter:
                     m(torch.randn(1, d_in, dtype=torch.float64))
                 macs, rank = counter.get_total_flops() // 2, int(torch.linalg.matrix_rank(m.to_dense()))
-            print(f"{name:<34}{m.num_params:>8}{params_formula:>9}{m.flops:>8}{macs:>9}{m.rank:>6}"
+            print(f"{name:<34}{m.num_params:>8}{params_formula:>9}{m.macs:>8}{macs:>9}{m.rank:>6}"
                   f"{rank_formula:>8}{rank:>9}")
             results.append(dict(d_in=d_in, d_out=d_out, family=name, params=m.num_params,
-                                params_formula=params_formula, flops=m.flops, flops_measured=macs,
+                                params_formula=params_formula, macs=m.macs, macs_measured=macs,
                                 rank=m.rank, rank_formula=rank_formula, rank_measured=rank))
     print("\nKronecker: 'params' counts what the BTT stores (A repeated per i, B per k); 'formula' "
           "counts the free numbers of A and B.")

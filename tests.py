@@ -130,7 +130,7 @@ FAMILIES = {   # (d_in, d_out) -> a module; d_in, d_out multiples of 4
 @pytest.mark.parametrize('d_in,d_out', [(16, 16), (12, 24), (24, 8), (64, 64)])
 def test_family_is_its_dense_matrix(family, d_in, d_out):
     """forward, gradients and the bilinear form equal those of to_dense() for any batch shape; .rank is the
-    numerical rank; .flops is what the flop counter measures and the parameter count; a wrong width is refused."""
+    numerical rank; .macs is half what the flop counter measures and the parameter count; a wrong width is refused."""
     torch.manual_seed(0)
     m = FAMILIES[family](d_in, d_out).double()
     W = m.to_dense()
@@ -141,13 +141,13 @@ def test_family_is_its_dense_matrix(family, d_in, d_out):
             y = m(x)
         assert y.shape == (*batch, d_out)
         assert_exact(y, x @ W.T, msg=f"{family} {d_in}->{d_out} batch {batch}")
-        assert counter.get_total_flops() == 2 * m.flops * math.prod(batch), batch   # the counter: 2 per MAC
+        assert counter.get_total_flops() == 2 * m.macs * math.prod(batch), batch   # the counter: 2 per MAC
     x, g = x.reshape(6, d_in), torch.randn(6, d_out, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((m(x) * g).sum(), list(m.parameters())),
                     torch.autograd.grad((x @ W.T * g).sum(), list(m.parameters()))):
         assert_exact(a, b)
     assert_exact(m.bilinear(g, x), torch.einsum('no,oi,ni->n', g, W, x))
-    assert m.flops == m.num_params and (family == 'dense' or d_in < 64 or m.flops < d_in * d_out)
+    assert m.macs == m.num_params and (family == 'dense' or d_in < 64 or m.macs < d_in * d_out)
     rank = torch.linalg.matrix_rank(W.detach()).item()
     if family == 'kronecker':   # not a generic BTT: rank(A ⊗ B) = rank(A) rank(B), below BTT's generic rank
         assert rank == min(d_out // 4, d_in // 2) * 2 <= m.rank
@@ -213,7 +213,7 @@ def test_mlbtc_contains_mlr_and_btt(build):
     x = torch.randn(3, m.d_in, dtype=torch.float64)
     assert_exact(mlbtc.to_dense(), m.to_dense())
     assert_exact(mlbtc(x), m(x))
-    assert (mlbtc.num_params, mlbtc.flops, mlbtc.rank) == (m.num_params, m.flops, m.rank)
+    assert (mlbtc.num_params, mlbtc.macs, mlbtc.rank) == (m.num_params, m.macs, m.rank)
 
 
 def test_btt_contains_monarch_kronecker_and_low_rank():
@@ -430,7 +430,7 @@ def test_kernels_compile_for_gpu():
 
 
 @pytest.mark.parametrize('triton', ['installed', 'missing'])
-def test_cpu_tensors_take_the_torch_path(triton, monkeypatch):
+def test_cpu_tensors_take_the_flash_path(triton, monkeypatch):
     """On CPU tensors the public functions are the flash paths, with or without triton installed; without it the
     Triton functions refuse in one line."""
     KM = K
@@ -443,7 +443,7 @@ def test_cpu_tensors_take_the_torch_path(triton, monkeypatch):
     assert KM.HAS_TRITON == (triton == 'installed' and K.HAS_TRITON)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
-    assert KM.backend(q) == 'torch'
+    assert KM.backend(q) == 'flash'
     assert torch.equal(KM.mlr_attention(q, k, v, [8, 4, 4]), K.mlr_attention_flash(q, k, v, [8, 4, 4]))
     assert torch.equal(KM.sliding_window_attention(q, k, v, 8, False),
                        K.sliding_window_attention_flash(q, k, v, 8, False))
