@@ -252,8 +252,8 @@ def pick_device(name):
 
 def atomic_write(path, write):
     """write(tmp), then rename tmp over path: a failed write (disk full, Ctrl-C) leaves path as it was and no tmp
-    file, and raises on (torch.save's RuntimeError as an OSError naming path; io_errors names the flag). A kill -9
-    leaves <path>.tmp<pid>: remove_orphan_tmp's to delete."""
+    file, and re-raises (torch.save's RuntimeError of a full disk as an OSError naming path). A kill -9 leaves
+    <path>.tmp<pid>: remove_orphan_tmp's to delete."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
