@@ -371,7 +371,8 @@ def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='
     """Start-up checks of a run's folder, before any work: it can be written, this process owns it (lock_folder),
     a killed writer's tmp files go, and it holds no earlier run's files (run_files) unless --resume continues
     that run or --overwrite replaces it. -> the earlier run's files that --overwrite replaces: clear_earlier_run
-    deletes them once the new run has passed its checks, so that a refused start leaves the earlier run whole."""
+    deletes them once the new run has written its first file over theirs, so that a run that fails before that
+    (a refused start, a full disk, a NaN in its first steps) leaves the earlier run whole."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
@@ -388,11 +389,14 @@ def prepare_out_dir(out_dir, run_files=(), resume=False, overwrite=False, flag='
     return existing if overwrite and not resume else []
 
 
-def clear_earlier_run(paths):
-    """Deletes prepare_out_dir's list of the earlier run's files (emptying the list: a second call does nothing)."""
+def clear_earlier_run(paths, written):
+    """Deletes prepare_out_dir's list of the earlier run's files but those the new run has just written over
+    (`written`), emptying the list: a later call does nothing."""
     while paths:
-        with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
-            os.remove(paths.pop())
+        path = paths.pop()
+        if path not in written:
+            with contextlib.suppress(FileNotFoundError):   # another DDP rank may have removed it
+                os.remove(path)
 
 
 def save_checkpoint(path, ckpt):

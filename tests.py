@@ -3585,7 +3585,8 @@ def test_nan_stops_at_that_step_without_nan_checkpoint(script, tmp_path, monkeyp
 @pytest.mark.parametrize('script', TRAIN_SCRIPTS)
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last(script, tmp_path, monkeypatch, capsys, request):
     """torch's writer fails at the second checkpoint: one line naming --out_dir and the file, exit 1; the first
-    checkpoint is intact and no tmp file is left."""
+    checkpoint is intact and no tmp file is left. Then an --overwrite run whose first checkpoint fails: the earlier
+    run's files are all as they were (they go only once the new run has written its first checkpoint)."""
     argv, _, ckpt, _ = six_step_run(script, request, tmp_path)
     real, saved = torch.save, []
 
@@ -3600,6 +3601,9 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last(script, tmp_
     code, err = run_cli(TRAIN_SCRIPTS[script].main, argv, capsys)
     assert_one_line_error(code, err, 1, [f"--out_dir '{tmp_path}", f"cannot write {tmp_path / ckpt}",
                                          'PytorchStreamWriter'], script)
+    files = lambda: {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file() and p.name != '.lock'}
+    earlier = files()
+    assert run_cli(TRAIN_SCRIPTS[script].main, argv + ['--overwrite'], capsys)[0] == 1 and files() == earlier
     monkeypatch.undo()
     assert torch.load(tmp_path / ckpt, weights_only=True)['step'] == saved[0] and not tmp_files(tmp_path)
 

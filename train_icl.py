@@ -428,7 +428,7 @@ def train(args, run_name='run'):
     model = ICLModel(model_config(args), args.d, args.pos_std, args.read_in_std).to(device)   # model
     opt = make_optimizer(model, args)                            # optimizer
     ckpt_path, json_path = (os.path.join(args.out_dir, f'{run_name}.{ext}') for ext in ('pt', 'json'))
-    clear_earlier_run(prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite))
+    earlier = prepare_out_dir(args.out_dir, [ckpt_path, json_path], args.resume, args.overwrite)
     # the run state: what a checkpoint holds besides weights, optimizer and RNGs, to continue exactly
     st = dict(step=0, flops=0, history=[], loss_ema=None, time_s=0.0, cpu_s=0.0, step_ms=0.0)
     if args.resume and os.path.exists(ckpt_path):               # every training setting must agree (check_resume)
@@ -448,6 +448,7 @@ def train(args, run_name='run'):
             save_checkpoint(ckpt_path, {'script': SCRIPT, 'model': model.state_dict(), 'optimizer': opt.state_dict(),
                                         'config': run_config(args), 'step': st['step'], 'state': st,
                                         'data_rng': gen.get_state(), 'rng': rng_state()})
+        clear_earlier_run(earlier, {ckpt_path})     # --overwrite: the earlier run goes with the first one
         return ckpt_path
 
     def curve(step):   # a point of the training curve: the held-out error at N = 2d, at the query and overall
@@ -519,6 +520,7 @@ def train(args, run_name='run'):
     results['outputs'] = {'checkpoint': save(), 'results': json_path}
     with io_errors('--out_dir', json_path):
         write_json(json_path, results)
+    clear_earlier_run(earlier, {ckpt_path, json_path})
     results['_model'] = model   # handy for in-process callers (tests); not serialized
     return results
 

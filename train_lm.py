@@ -576,9 +576,9 @@ def train(args):
     """Train (or --resume) one GPT. -> its train losses of this invocation and val history (for tests)."""
     proc = setup_processes(args.device)
     # the run folder (DDP: rank 0 owns it for all ranks); --resume: the checkpoint's settings win (resume_settings)
-    ckpt_path, ckpt = os.path.join(args.out_dir, 'ckpt.pt'), None
-    earlier = prepare_out_dir(args.out_dir, [ckpt_path, os.path.join(args.out_dir, 'log.json')], args.resume,
-                              args.overwrite, lock=int(os.environ.get('RANK', 0)) == 0)
+    ckpt_path, log_path, ckpt = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'log.json'), None
+    earlier = prepare_out_dir(args.out_dir, [ckpt_path, log_path], args.resume, args.overwrite,
+                              lock=int(os.environ.get('RANK', 0)) == 0)
     if args.resume:
         ckpt = load_checkpoint(ckpt_path, SCRIPT, CKPT_KEYS)
         resume_settings(ckpt['config'], args, args._given, RESUME_OVERRIDES)
@@ -650,10 +650,9 @@ def train(args):
                 script=SCRIPT, model=raw_model.state_dict(), optimizer=optimizer.state_dict(), config=cfg,
                 step=step, flops=flops, train_time=train_time, history=history, itos=meta['itos'],
                 data_rng=gen.get_state(), rng=rng_state()))
-            write_json(os.path.join(args.out_dir, 'log.json'), dict(config=cfg, history=history))
+            write_json(log_path, dict(config=cfg, history=history))
+        clear_earlier_run(earlier, {ckpt_path, log_path})     # --overwrite: the earlier run goes with the first one
 
-    if proc.master:
-        clear_earlier_run(earlier)  # --overwrite: the earlier run goes now that this one has passed every check
     losses = []  # (step, train loss) of every step of this invocation, for tests
     bar = tqdm(total=max_iters, initial=step, disable=not (proc.master and args.progress), leave=False,
                dynamic_ncols=True)
@@ -704,7 +703,7 @@ def train(args):
         dist.barrier()     # no rank tears gloo down while another still uses it (seen once: SIGABRT at exit)
         dist.destroy_process_group()
     if proc.master:
-        report_outputs(checkpoint=ckpt_path, log=os.path.join(args.out_dir, 'log.json'),
+        report_outputs(checkpoint=ckpt_path, log=log_path,
                        ddp_check=os.path.join(args.out_dir, 'ddp.json') if proc.ddp else None)
     return result
 

@@ -616,7 +616,6 @@ def train(args):
     config = {**{k: v for k, v in vars(args).items() if not k.startswith('_')}, 'format': FORMAT,
               'data_key': meta['data_key']}
     print('config: ' + json.dumps(config, sort_keys=True))
-    clear_earlier_run(earlier)    # --overwrite: the earlier run goes now that this one has passed every check
 
     def save():   # ckpt.pt: all that an exact resume needs
         if not args.save:
@@ -626,6 +625,7 @@ def train(args):
                                         'config': config, 'step': st['step'], 'history': st['history'],
                                         'best': st['best'], 'loop': st, 'data_rng': gen.get_state(),
                                         'rng': rng_state()})
+        clear_earlier_run(earlier, {ckpt_path})     # --overwrite: the earlier run goes with the first one
         return ckpt_path
     # the loop: evaluates and saves every eval_interval steps and at the end
     start, t_start, n_tokens = st['step'], st['t_train'], 0
@@ -688,6 +688,7 @@ def train(args):
                'tokens_per_second': n_tokens / max(seconds, 1e-9), 'history': history}
     with io_errors('--out_dir', args.out_dir):
         write_json(results_path, results)
+    clear_earlier_run(earlier, {ckpt_path, results_path})
     print(f"done: val {results['final_val_acc']:.4f} test {results['final_test_acc']:.4f} | best val "
           f"{best['val']:.4f} -> test {best['test']:.4f} | {st['t_train']:.0f} s training")
     report_outputs(checkpoint=ckpt_path if args.save else None, results=results_path)

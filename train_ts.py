@@ -594,7 +594,6 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
     uninterrupted one). config: the settings a resume must match. -> (history, best_val, steps)."""
     steps = min(max_iters, max(1, int(args.max_flops // flops_per_step))) if args.max_flops > 0 else max_iters
     config = dict(config, steps=steps)   # the cosine schedule's length: a resume must keep it, as every setting
-    clear_earlier_run(args._earlier)     # --overwrite: the earlier run goes once the data is read and a model built
     opt = torch.optim.AdamW(optimizer_groups(model, lr, args.weight_decay), lr=lr, betas=(0.9, 0.95))
     for g in opt.param_groups:
         g['base_lr'] = g['lr']                                          # the schedule scales each group's own lr
@@ -616,6 +615,7 @@ def train(model, config, batch_fn, loss_fn, eval_fn, flops_per_step, args, tag, 
         save_checkpoint(ckpt_path, dict(script=SCRIPT, model=model.state_dict(), optimizer=opt.state_dict(),
                                         config=config, args=run_config(args), resumes=args._resumes, rng=rng_state(),
                                         **{**run, 'best_state': run['best_state'] if keep_best else None}))
+        clear_earlier_run(args._earlier, {ckpt_path})   # --overwrite: the earlier run goes with the first one
     t0 = time.time()
     with ctrl_c_finishes_step() as ctrl_c:
         for step in tqdm(range(run['step'], steps + 1), desc=tag, leave=False, disable=not args.progress):
@@ -949,13 +949,14 @@ def main(argv=None):
         args._resumes = resumes + 1
     check_task(args)
     plots = [os.path.join(args.out_dir, f'ts_{args.task}_{k}.png') for k in ('loss_flops', 'forecasts')]
-    args._earlier = prepare_out_dir(args.out_dir, [path] + ckpts + plots, args.resume, args.overwrite)  # train() clears
+    args._earlier = prepare_out_dir(args.out_dir, [path] + ckpts + plots, args.resume, args.overwrite)  # see train()
     if args.task == 'chronos':
         prepare_out_dir(args.cache_dir, flag='--cache_dir', lock=False)     # writable, before any work
     print(json.dumps(run_config(args), default=str))
     with io_errors('--out_dir', args.out_dir):
         results = (run_chronos if args.task == 'chronos' else run_longhorizon)(args, device)
         write_json(path, results, default=float)
+    clear_earlier_run(args._earlier, {path})
     report_outputs(results=path, checkpoints=os.path.join(args.out_dir, f'ckpt_{args.task}_*.pt'),
                    plots=', '.join(p for p in plots if os.path.exists(p)))
     return results
