@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep_args, atomic_write, check_loss,
-                  check_flags_read, check_model_settings, check_mode_flags, check_mode_reads, check_numbers,
+                  brl_bytes, check_flags_read, check_model_settings, check_mode_flags, check_mode_reads, check_numbers,
                   check_run_length, check_writable, clear_earlier_run, content_digest, ctrl_c_finishes_step,
                   given_flags, group_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
                   no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory,
@@ -228,13 +228,15 @@ def check_args(parser, args):
     consistency (ranks summing to d, ...) is checked when it is built (attention.check_config)."""
     check_numbers(parser, args, RANGES)
     # a lower bound of a training step's fp32 bytes: weights, gradients and AdamW's moments of the MLPs and position
-    # embeddings (16 bytes a parameter), and the residual stream and MLP activations kept for the backward pass
+    # embeddings (16 bytes a parameter), the residual stream and MLP activations kept for the backward pass, and
+    # BRL's compressed tokens (brl_bytes)
     a, hidden, ram = args, args.mlp_hidden or 4 * args.n_embd, physical_memory()
-    need = (16 * (a.n_layer * 2 * a.n_embd * hidden + a.block_size * a.n_embd) +
+    need = (16 * (a.n_layer * 2 * a.n_embd * hidden + a.block_size * a.n_embd) + brl_bytes(a, a.block_size, True) +
             4 * a.n_layer * a.batch_size * a.block_size * (a.n_embd + hidden))
     if need > ram:
+        brl = f" --n_compressed {a.n_compressed}" if a.attn == 'brl' else ''
         parser.error(f"--batch_size {a.batch_size} --block_size {a.block_size} --n_embd {a.n_embd} "
-                     f"--n_layer {a.n_layer} --mlp_hidden {a.mlp_hidden}: a training step needs at least "
+                     f"--n_layer {a.n_layer} --mlp_hidden {a.mlp_hidden}{brl}: a training step needs at least "
                      f"{need / 2 ** 30:.0f} GiB of memory, this machine has {ram / 2 ** 30:.0f} GiB")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite replaces it: give one of them")

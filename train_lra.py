@@ -41,13 +41,13 @@ from dataclasses import fields
 
 # runs first: before torch loads, it sets OpenMP's wait policy and a start-up Ctrl-C handler
 from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_args, add_sweep_args, atomic_write,
-                  check_flags_read, check_format, check_mode_flags, check_mode_reads, check_numbers, check_ranges,
-                  check_run_length, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags, group_flags,
-                  guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config, no_repeats,
-                  one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory, pick_device,
-                  plot_seed_bands, pm, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs, require_keys,
-                  resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep, unread_flags,
-                  without_flags, write_json)
+                  brl_bytes, check_flags_read, check_format, check_mode_flags, check_mode_reads, check_numbers,
+                  check_ranges, check_run_length, clear_earlier_run, content_digest, ctrl_c_finishes_step, given_flags,
+                  group_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
+                  no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory,
+                  pick_device, plot_seed_bands, pm, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs,
+                  require_keys, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep,
+                  unread_flags, without_flags, write_json)
 
 import numpy as np
 import torch
@@ -1117,11 +1117,11 @@ def check_memory(p, args, model):
     data = 0 if args.data else 8 * (args.n_train + args.n_val + args.n_test) * args.max_len * docs
     cpu = args.device == 'cpu' or (args.device == 'auto' and not torch.cuda.is_available())
     acts = 4 * 4 * args.batch_size * args.max_len * docs * args.n_embd * args.n_layer if cpu else 0
-    need, have = 16 * n_params + data + acts, physical_memory()
+    need, have = 16 * n_params + data + acts + brl_bytes(args, args.max_len * docs, False), physical_memory()
     if need > have:
         p.error(f"this run needs at least {need / 2 ** 30:.1f} GiB of memory ({n_params:,} parameters, "
                 f"{data / 2 ** 30:.1f} GiB of data), this machine has {have / 2 ** 30:.1f} GiB: make the model, "
-                f"--max_len, --n_train or --batch_size smaller")
+                f"--max_len, --n_train, --batch_size{', --n_compressed' if args.attn == 'brl' else ''} smaller")
 
 
 def check_args(p, a):
