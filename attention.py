@@ -113,8 +113,9 @@ class ModelConfig:
 
 
 def parse_ints(text, name, sep='|'):
+    """'8|4|4' -> [8, 4, 4]; '' -> []; an empty entry ('8|', '|8') or a non-integer is refused."""
     try:
-        return [int(s) for s in str(text).split(sep) if s.strip()]
+        return [int(s) for s in str(text).split(sep)] if str(text).strip() else []
     except ValueError:
         raise ValueError(f"{name} must be integers separated by '{sep}', got {text!r}") from None
 

@@ -707,6 +707,7 @@ def test_mlr_flops_of_a_short_causal_sequence_count_the_padded_length():
     (dict(attn='mlr', ranks='8|4|2'), 'sum to the head width'),
     (dict(attn='mlr', ranks='8|0|8'), 'positive'),
     (dict(attn='mlr', ranks='8|a'), 'integers'),
+    (dict(attn='mlr', ranks='|16'), "ranks must be integers separated by '|', got '|16'"),
     (dict(attn='swa', window=0), 'window'),
     (dict(n_head=3), 'n_head'),
     (dict(attn='flash'), 'unknown attention'),
@@ -1756,10 +1757,12 @@ def test_lm_sampling_with_cache_equals_without(attn, temperature):
 
 
 def test_lm_sampling_with_a_context_of_one_token():
-    """T = 1: every step sees the last token alone (the restart keeps one token), with and without the cache."""
+    """T = 1: every step sees the last token alone (the restart keeps one token), with and without the cache; a
+    temperature so small that logits / temperature would overflow samples the greedy tokens."""
     model = lm_random_model('standard', T=1)
     outs = [train_lm.generate(model, [1, 2, 3], 6, temperature=0, use_cache=c)[0] for c in (True, False)]
     assert outs[0] == outs[1] and len(outs[0]) == 6
+    assert train_lm.generate(model, [1, 2, 3], 6, temperature=1e-45)[0] == outs[0]   # no overflow: greedy
 
 
 def test_lm_sample_command_reports_cache(lm_finished, tmp_path, capsys):
@@ -2289,7 +2292,9 @@ def test_icl_model_flags_reach_the_model():
 
 
 ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads='-2', log_interval='0',
-                      eval_interval='-1', seeds='0') + [
+                      eval_interval='-1', seeds='0', curr_ratio='-5.0', eval_seed='-5') + [
+    ('compute_ranks', ['--compute_ranks', '4|'], None, 2, ["--compute_ranks '4|'", 'every rank positive']),
+    ('bottleneck_ranks', ['--bottleneck_ranks', 'x:y:z'], None, 2, ["--bottleneck_ranks 'x:y:z'"]),
     ('lr_zero', ['--lr', '0'], None, 2, ['--lr 0']), ('depths', ['--depths', '0'], None, 2, ["--depths '0'"]),
     ('unread_flag', ['--brl_beta', '0.2'], None, 1, ['--brl_beta is read only by brl', '--attn standard']),
     ('sweep_flag_alone', ['--widths', '8,16'], None, 2, ['--widths is read only with --sweep, not given here']),

@@ -51,7 +51,7 @@ matplotlib.use('Agg')                                 # plots are files: no disp
 import matplotlib.pyplot as plt  # noqa: E402
 
 import attention
-from attention import ATTENTION, MupLinear, Transformer, optimizer_groups
+from attention import ATTENTION, MupLinear, Transformer, optimizer_groups, parse_ints
 
 SCRIPT = 'train_icl.py'
 ATTN_NAMES = list(ATTENTION) + ['global_swa']
@@ -973,7 +973,8 @@ def check_args(parser, args):
     """One-line errors (exit 2) for flag values outside their range, before any work."""
     if args.attn not in ATTN_NAMES:
         parser.error(f'--attn {args.attn!r} is not in the registry; valid: {", ".join(ATTN_NAMES)}')
-    check_numbers(parser, args, dict(read_in_std='[0, 100]', pos_std='[0, 100]', noise_std='[0, 100]'))
+    check_numbers(parser, args, dict(read_in_std='[0, 100]', pos_std='[0, 100]', noise_std='[0, 100]',
+                                     curr_ratio='(0, 1]', eval_seed=f'[-1, {2 ** 63 - 1 - SHIFTED_SEED_OFFSET}]'))
     n_tokens = 2 * max(args.n_points, 2 * args.d)               # a prompt: (x, y) tokens, n_points 0 = 2d pairs
     scores = 4 * args.batch_size * args.n_head * n_tokens ** 2  # one layer's fp32 attention scores: a lower bound
     evals = 8 * args.n_eval * n_tokens * (args.d + 2)            # held-out prompts and their errors, float64
@@ -998,6 +999,16 @@ def check_args(parser, args):
         if min(values) <= 0:
             parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated positive integers")
         no_repeats(parser, name, values)
+    for name, items, like in (
+            ('compute_ranks', [('1', r) for r in args.compute_ranks.split(',')], "ranks, e.g. '4|2|1|1,4|4'"),
+            ('bottleneck_ranks', [i.partition(':')[::2] for i in args.bottleneck_ranks.split(',')]
+             if args.bottleneck_ranks else [], "'head width:ranks,...', e.g. '4:1|1|2,8:4|2|1|1'")):
+        try:
+            ok = all(int(w) > 0 and min(parse_ints(r, name) or [0]) > 0 for w, r in items)
+        except ValueError:
+            ok = False
+        if not ok:
+            parser.error(f"--{name} {getattr(args, name)!r}: expected comma-separated {like}, every rank positive")
     bad = [m for m in args.full_rank_models.split(',') if m not in FULL_RANK_MODELS]
     if bad:
         parser.error(f"--full_rank_models {args.full_rank_models!r}: {bad[0]!r} is not a model here; expected "

@@ -738,7 +738,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, use_ca
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
+            logits = (logits - logits.max()) / temperature     # <= 0: a tiny temperature cannot overflow to inf
             if top_k > 0:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float('-inf'))
