@@ -1706,7 +1706,7 @@ def test_lm_by_position_refuses_runs_of_different_lengths(tmp_path, monkeypatch)
 
 def test_lm_edited_corpus_is_neither_resumed_nor_reused(lm_corpus, tmp_path):
     """A run records its corpus's bytes (prepare_data's cache key): once the text is edited (here its lines
-    reordered: the same vocabulary), --resume and a sweep's reuse of the run are refused."""
+    reordered: the same vocabulary), --resume, a sweep's reuse of the run and --by_position on it are refused."""
     data = tmp_path / 'corpus.txt'
     shutil.copy(lm_corpus['data'], data)
     corpus = dict(lm_corpus, data=str(data))
@@ -1718,6 +1718,9 @@ def test_lm_edited_corpus_is_neither_resumed_nor_reused(lm_corpus, tmp_path):
         train_lm.main(lm_args(corpus, tmp_path / 'run', '--resume', '--max_iters', '4'))
     with pytest.raises(ValueError, match='holds a run with --data_key'):
         train_lm.main(sweep)
+    with pytest.raises(ValueError, match='is not the text it was trained on'):
+        train_lm.main(['--by_position', str(tmp_path / 'run'), '--cache_dir', corpus['cache'], '--plot',
+                       str(tmp_path / 'pos.png')])
 
 
 def lm_random_model(attn, T=32):
@@ -2067,6 +2070,7 @@ LM_BAD = range_cases(
     ('estimate_alone', ['--estimate'], None, 2, ['--estimate is read only with --sweep, not given here']),
     ('seeds_alone', ['--seeds', '5'], None, 2, ['--seeds is read only with --sweep']),
     ('sample_flag_alone', ['--temperature', '0'], None, 2, ['--temperature is read only with --sample']),
+    ('sample_attn_and_out_dir', ['--sample', '--attn', 'mlr'], None, 2, ['--attn mlr with --sample only names']),
     ('sample_model_flag', ['--sample', '--n_layer', '8'], None, 2, ["--n_layer does not go with --sample", 'settings']),
     ('bench_attn', ['--bench', '--attn', 'brl'], None, 2, ['--attn does not go with --bench']),
     ('sweep_out_dir', ['--sweep', 'compare', '--out_dir', 'x'], None, 2, ['--out_dir does not go with --sweep']),
@@ -2301,6 +2305,7 @@ ICL_BAD = range_cases(max_iters='0', batch_size='-1', warmup_iters='-1', threads
     ('sweep_sets_it', ['--sweep', 'linear', '--n_layer', '2'], None, 2, ['--n_layer does not go with --sweep linear']),
     ('other_sweeps_flag', ['--sweep', 'linear', '--widths', '8'], None, 2, ['--widths is a flag of --sweep bottle']),
     ('pos_std_rope', ['--pos', 'rope', '--pos_std', '0.1'], None, 2, ['--pos_std is read only with --pos learned']),
+    ('no_mup_base_width', ['--no-mup', '--mup_base_width', '64'], None, 2, ['--mup_base_width is read only with --mup']),
     ('no_curriculum', ['--no-curriculum', '--curr_interval', '5'], None, 2, ['--curr_interval', '--curriculum']),
     ('widths', ['--widths', '8,x'], None, 2, ["--widths '8,x'"]),
     ('widths_twice', ['--widths', '8,8'], None, 2, ['--widths names 8 twice']),
@@ -2913,6 +2918,7 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('mlr_trim', ['--attn', 'mlr', '--trim', '32'], None, 2, ['--trim 32: MLR keeps every batch at --max_len']),
     ('text_no_data', ['--task', 'text'], None, 2, ['pass --data with the release files']),
     ('show_listops', ['--show'], None, 2, ['--task pathfinder']),
+    ('pixel_embed_listops', ['--pixel_embed', 'linear'], None, 2, ['--pixel_embed embeds the pixels']),
     ('memory', ['--n_embd', '65536', '--n_head', '1'], None, 2, ['GiB of memory']),
     ('brl_memory', ['--attn', 'brl', '--n_compressed', '1000000'], None, 2, ['GiB of memory', '--n_compressed']),
     ('unwritable_cache', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ["--cache_dir '", 'cannot be written']),

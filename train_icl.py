@@ -704,7 +704,7 @@ def switched(a, parser):
     """(on, the flag that turns it on, its flags) of each part of a run that a setting turns off: runs.check_mode_flags
     refuses those flags when it is off."""
     return [(a.curriculum, '--curriculum', group_flags(parser, 'curriculum') - {'curriculum'}),
-            (a.pos == 'learned', '--pos learned', {'pos_std'})]
+            (a.pos == 'learned', '--pos learned', {'pos_std'}), (a.mup, '--mup', {'mup_base_width'})]
 
 
 def unread(a, parser):

@@ -282,6 +282,9 @@ def check_modes(parser, args):
              "times nanoGPT, standard, mlr and swa at the model flags' sizes (fp32, no compile; random tokens)")):
         if getattr(args, mode):
             check_mode_reads(parser, args._given, mode, reads, why)
+    if args.sample and {'attn', 'out_dir'} <= set(args._given):
+        parser.error(f"--attn {args.attn} with --sample only names the run folder out/lm_{args.attn}, and --out_dir "
+                     f"names it here: leave --attn out (the model is the checkpoint's)")
     per_run = {'attn', 'layer_pattern', 'pos', 'max_flops', 'resume', 'overwrite', 'out_dir'} & set(args._given)
     if args.sweep and per_run:       # the sweep sets these for each run: --variants, --positions, its budget
         parser.error(f"--{min(per_run)} does not go with --sweep: it sets that for each run (--variants, "
@@ -835,12 +838,12 @@ def position_losses(run, cache_dir, corpora, bin, device):
         raise ValueError(f"--by_position {run!r}: its context length {c['block_size']} is below {4 * bin} (the "
                          f"plot's 4 bins of {bin} positions)")
     if c['data'] not in corpora:
-        splits, meta = load_data(prepare_data(c['data'], cache_dir))
-        corpora[c['data']] = splits['val'], meta['itos']
-    val, itos = corpora[c['data']]
-    if itos != ckpt['itos']:
+        splits, meta = load_data(cache := prepare_data(c['data'], cache_dir))
+        corpora[c['data']] = splits['val'], meta['itos'], data_key(cache)
+    val, itos, key = corpora[c['data']]
+    if itos != ckpt['itos'] or c.get('data_key', key) != key:      # (runs that predate data_key: the vocabulary)
         raise ValueError(f"--by_position {run!r}: its --data {c['data']!r} read from here is not the text it was "
-                         f"trained on (another vocabulary): run this where the run was trained")
+                         f"trained on (other bytes): run this where the run was trained")
     g, loss = torch.Generator().manual_seed(0), torch.zeros(c['block_size'])
     for _ in range(c['eval_iters']):                        # evaluate()'s windows: the run's batch, seed 0
         x, y = get_batch(val, c['batch_size'], c['block_size'], g)

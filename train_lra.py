@@ -1141,6 +1141,8 @@ def check_args(p, a):
             (a.task in ('text', 'retrieval', 'image') and not (a.data or a.bench or a.compare),
              f"--task {a.task} has no generator here: pass --data with the release files"),
             (a.show and a.task != 'pathfinder', "--show draws Pathfinder samples: use it with --task pathfinder"),
+            ('pixel_embed' in a._given and a.task not in ('image', 'pathfinder'),
+             f"--pixel_embed embeds the pixels of --task image or pathfinder; --task {a.task} has tokens"),
             (a.resume and a.overwrite, "--resume continues the run in --out_dir and --overwrite replaces it: give one "
                                        "of them"),
             (a.bench and a.layer_pattern, f"--layer_pattern {a.layer_pattern!r}: --bench times each --bench_attn "
