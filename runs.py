@@ -185,14 +185,14 @@ def physical_memory():
 
 
 def brl_bytes(a, T, causal):
-    """A lower bound of what BRL's compressed tokens hold in a training step, 4 bytes a float: the stream of m
-    compressed tokens per chunk, batch row and layer, and each layer's b_rel over the m x history scores (causal:
-    a chunk of nc and, 'global', ct_{b-1}; bidirectional: all T). 0 for the other variants."""
+    """A lower bound of what BRL's compressed tokens hold for a training step's backward, 4 bytes a float: per
+    layer, batch row and chunk, the m compressed tokens and one m x history score map per head (the history:
+    causal, a chunk of nc and, 'global', ct_{b-1}; bidirectional, all T). 0 for the other variants."""
     if a.attn != 'brl':
         return 0
     m, nc = a.n_compressed, (a.brl_block or a.window) if causal else T
     hist = nc + (m if causal and a.brl_history == 'global' else 0)
-    return 4 * a.n_layer * m * (a.batch_size * -(-T // nc) * a.n_embd + (a.n_head * hist if a.brl_rel_buckets else 0))
+    return 4 * a.n_layer * a.batch_size * -(-T // nc) * m * (a.n_embd + a.n_head * hist)
 
 
 def given_flags(parser, argv=None):

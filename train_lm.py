@@ -253,15 +253,16 @@ def check_args(parser, args):
     args._positions = [s.strip() for s in args.positions.split(',') if s.strip()]
     if not args._positions or any(p not in POSITIONS for p in args._positions):
         parser.error(f"--positions {args.positions!r}: a comma list of {', '.join(POSITIONS)}")
-    try:
-        args._lrs = [float(s) for s in args.lrs.split(',') if s.strip()]
+    try:                                                         # '' = no grid; an empty entry is a mistake
+        args._lrs = [float(s) for s in args.lrs.split(',')] if args.lrs.strip() else []
     except ValueError:
         parser.error(f"--lrs {args.lrs!r}: a comma list of learning rates, e.g. 1e-3,3e-3,1e-2")
     if any(not 0 < lr <= 10 for lr in args._lrs):
         parser.error(f"--lrs {args.lrs!r}: every lr must be in (0, 10]")
     for name, items in (('variants', args.variants.split(',')), ('positions', args._positions), ('lrs', args._lrs),
                         ('global_layers', [s.strip() for s in args.global_layers.split(',')]),
-                        ('compare', args.compare or []), ('by_position', args.by_position or [])):
+                        ('compare', [os.path.normpath(r) for r in args.compare or []]),
+                        ('by_position', [os.path.normpath(r) for r in args.by_position or []])):
         no_repeats(parser, name, items)
     check_modes(parser, args)
 

@@ -1155,7 +1155,7 @@ def check_args(p, a):
             p.error(message)
     a._bench_lens = comma_list(p, a, 'bench_lens', int)
     a._bench_attn = comma_list(p, a, 'bench_attn', valid=(*ATTENTION, 'standard_unfused'))
-    a._compare = comma_list(p, a, 'compare') if a.compare else []
+    a._compare = comma_list(p, a, 'compare', os.path.normpath) if a.compare else []   # 'D' = 'D/'
     if a.sweep:
         comma_list(p, a, 'variants', valid=tuple(STUDY_VARIANTS))
     check_unread(p, a)

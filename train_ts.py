@@ -66,8 +66,8 @@ TS_MODEL_DEFAULTS = dict(attn='standard,mlr', n_layer=2, n_embd=64, ranks='8|4|4
 
 
 def int_list(s):
-    try:
-        return [int(v) for v in s.split(',') if v]
+    try:                 # a trailing comma is allowed ('--seeds 4,': the one seed 4), an empty entry is not
+        return [int(v) for v in (s[:-1] if s.endswith(',') else s).split(',')]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
@@ -159,7 +159,8 @@ def parse_args(argv=None, parser=None):
         parser.error(f"--attn: unknown attention {bad or args.attn!r}; valid: {', '.join(ATTENTION)}, global_swa")
     check_ranges(parser, args, POSITIVE, NON_NEGATIVE)
     check_numbers(parser, args, dict(dlinear_lr='(0, 10]', emb_lr_mult='(0, 1e4]', grad_clip='(0, 1e6]',
-                                     max_flops='[0, 1e30]', seed=f'[0, {SEED_MAX}]', data_seed=f'[0, {SEED_MAX}]'))
+                                     max_flops='[0, 1e30]', seed=f'[0, {SEED_MAX}]', data_seed=f'[0, {SEED_MAX}]',
+                                     vocab='[5, inf)'))     # PAD, EOS and at least 2 bins (MeanScaleUniformBins)
     if not (math.isfinite(args.low) and math.isfinite(args.high) and args.low < args.high):
         parser.error(f"--low {args.low} --high {args.high}: the bin range must be finite with low < high")
     for name in ('seeds', 'attn', 'horizons'):
