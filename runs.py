@@ -212,6 +212,7 @@ def given_flags(parser, argv=None):
 
 def check_model_settings(saved, what, set_by_task=TASK_FIELDS):
     """ValueError unless the run config `saved` holds every model flag (all ModelConfig fields but set_by_task)."""
+    saved = saved if isinstance(saved, dict) else {}
     lost = [f.name for f in fields(ModelConfig) if f.name not in saved and f.name not in set_by_task]
     if lost:
         raise ValueError(f"{what} lacks the model settings {lost[:3]}...: not a run of this script")
@@ -323,6 +324,17 @@ def require_keys(obj, keys, flag, path):
         raise ValueError(f"{flag} {path!r} is not a file this script wrote (a JSON object"
                          f"{' with ' + ', '.join(map(repr, missing)) if missing else ''} expected)")
     return obj
+
+
+def require_numbers(rows, fields, flag, path):
+    """rows: a list of JSON objects, each with a number in every one of fields; else one ValueError line naming
+    flag and the file they came from."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not (isinstance(rows, list) and all(isinstance(r, dict) and all(number(r.get(f)) for f in fields)
+                                           for r in rows)):
+        raise ValueError(f"{flag} {path!r} is not a file this script wrote (the numbers {', '.join(fields)} "
+                         f"expected)")
+    return rows
 
 
 def remove_orphan_tmp(folder):

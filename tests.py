@@ -1994,12 +1994,13 @@ def lm_setup(finished, out, how):
     if how == 'binary_data':
         (out.parent / 'bin').mkdir(exist_ok=True)
         (out.parent / 'bin' / 'blob').write_bytes(b'\0\1\2\xff' * 100)
-    if how in ('log_only', 'broken_log'):
+    if how in ('log_only', 'broken_log', 'odd_log'):
         shutil.copytree(finished, out)
         if how == 'log_only':                  # a finished run kept without its checkpoint is still a run
             (out / 'ckpt.pt').unlink()
-        else:
-            (out / 'log.json').write_text('{"config": ')
+        else:                                  # not JSON; JSON of another shape
+            (out / 'log.json').write_text('{"config": ' if how == 'broken_log' else
+                                          '{"config": {"attn": "mlr", "n_embd": 32}, "history": [{"step": 2}]}')
         return
     if how in ('other_format', 'nan_weights', 'no_settings', 'other_vocab'):
         shutil.copytree(finished, out)
@@ -2065,6 +2066,7 @@ LM_BAD = range_cases(
     ('overwrite_bad_data', ['--overwrite', '--data', '/nonexistent/corpus.txt'], 'run', 1, ['/nonexistent/corpus']),
     ('log_json_only', ['--attn', 'swa'], 'log_only', 1, ['log.json exists', '--resume', '--overwrite']),
     ('compare_broken_log', ['--compare', 'RUN'], 'broken_log', 1, ['--compare', 'log.json', 'is not a JSON file']),
+    ('compare_odd_log', ['--compare', 'RUN'], 'odd_log', 1, ['--compare', 'log.json', 'step, flops, time, val_loss']),
     ('by_position_over_a_file', ['--by_position', 'RUN', '--plot', 'RUN/log.png'], 'run', 1,
      ['the curves would replace', 'log.json']),
     ('two_modes', ['--sample', '--bench'], None, 2, ['--sample and --bench: one mode at a time']),
@@ -2891,9 +2893,10 @@ def lra_setup(out, cache, how, tmp_path):
     elif how == 'wrong_folder':
         rel.mkdir()
         (rel / 'README.txt').write_text('not LRA')
-    elif how == 'old_run':       # a results.json written by another version of the script (no 'format')
+    elif how in ('old_run', 'odd_run'):   # results.json of another version (no 'format'); of another shape
         (tmp_path / 'old').mkdir()
-        R.write_json(str(tmp_path / 'old' / 'results.json'), {'attn': 'brl', 'config': {'attn': 'brl'}})
+        R.write_json(str(tmp_path / 'old' / 'results.json'), {'attn': 'brl', 'config': {'attn': 'brl'}} if
+                     how == 'old_run' else {'attn': 'brl', 'config': {'format': R.FORMAT}, 'history': [{'step': 1}]})
     elif how == 'random_cifar':
         os.rename(write_releases(tmp_path)['image'], rel)
         (rel / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
@@ -2925,6 +2928,7 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
     ('brl_memory', ['--attn', 'brl', '--n_compressed', str(10 ** 8)], None, 2, ['GiB of memory', '--n_compressed']),
     ('unwritable_cache', ['--cache_dir', 'UNWRITABLE'], 'unwritable', 1, ["--cache_dir '", 'cannot be written']),
     ('compare_other_format', ['--compare', 'OLDRUN'], 'old_run', 1, ['--compare', 'another version']),
+    ('compare_odd_results', ['--compare', 'OLDRUN'], 'odd_run', 1, ['--compare', 'train_seconds, val_acc']),
     ('bench_lens', ['--bench', '--bench_lens', '0'], None, 2, ["--bench_lens '0'"]),
     ('bench_reps', ['--bench', '--bench_reps', '0'], None, 2, ['--bench_reps 0']),
     ('pathfinder_len', ['--task', 'pathfinder', '--max_len', '500'], None, 2, ['--max_len 500']),

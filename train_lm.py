@@ -42,8 +42,8 @@ from runs import (ArgParser, FORMAT, Interrupted, Run, add_model_args, add_sweep
                   given_flags, group_flags, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
                   no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory,
                   pick_device, plot_seed_bands, pm, positive_int, prepare_out_dir, read_json, remove_orphan_tmp,
-                  report_outputs, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state,
-                  sweep, unread_flags, without_flags, write_json)
+                  report_outputs, require_keys, require_numbers, resume_settings, rng_state, run_main, run_state,
+                  save_checkpoint, set_rng_state, sweep, unread_flags, without_flags, write_json)
 
 import numpy as np
 import torch
@@ -814,11 +814,13 @@ def compare(args):
         if not os.path.exists(path):
             raise ValueError(f"--compare {run!r}: no log.json there (not a train_lm.py run directory?)")
         saved = read_json(path, '--compare', ['config', 'history'])
-        c, h = saved['config'], [r for r in saved['history'] if r['step'] > 0]
+        c = require_keys(saved['config'], ['attn', 'n_embd'], '--compare', path)
+        h = [r for r in require_numbers(saved['history'], ['step', 'flops', 'time', 'val_loss'], '--compare', path)
+             if r['step'] > 0]
         if not h:
             raise ValueError(f"--compare {run!r}: no evaluation after step 0 yet")
-        label = (f"{run}: {c['attn']}" + (f" w={c['window']}" if 'swa' in c['attn'] else '') +
-                 (f" {c['ranks']}" if 'mlr' in c['attn'] else '') + f" D={c['n_embd']}")
+        label = (f"{run}: {c['attn']}" + (f" w={c.get('window')}" if 'swa' in str(c['attn']) else '') +
+                 (f" {c.get('ranks')}" if 'mlr' in str(c['attn']) else '') + f" D={c['n_embd']}")
         histories[label] = [h]
         r = h[-1]
         print(f"{label:40s} step {r['step']:6d} | val {r['val_loss']:.4f} | {r['flops']:.3g} FLOPs | {r['time']:.0f}s")

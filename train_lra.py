@@ -46,8 +46,8 @@ from runs import (FORMAT, TASK_FIELDS, ArgParser, Interrupted, Run, add_model_ar
                   group_flags, guarded_update, io_errors, load_checkpoint, longest_first_wall, mean_std, model_config,
                   no_repeats, one_thread_seconds, owns_run_folders, paired_difference, paired_rows, physical_memory,
                   pick_device, plot_seed_bands, pm, prepare_out_dir, read_json, remove_orphan_tmp, report_outputs,
-                  require_keys, resume_settings, rng_state, run_main, run_state, save_checkpoint, set_rng_state, sweep,
-                  unread_flags, without_flags, write_json)
+                  require_keys, require_numbers, resume_settings, rng_state, run_main, run_state, save_checkpoint,
+                  set_rng_state, sweep, unread_flags, without_flags, write_json)
 
 import numpy as np
 import torch
@@ -845,7 +845,9 @@ def read_results(run_dir, flag):
         raise ValueError(f"{flag} {run_dir!r}: no results.json there (not a finished train_lra.py run?)")
     r = read_json(path, flag, ['config'])
     check_format(r['config'], f"{flag} {run_dir!r}: its results.json")      # another version first, then what
-    return require_keys(r, ['attn', 'history', 'test_acc_at_best_val', 'majority_test_acc'], flag, path)
+    require_keys(r, ['attn', 'history'], flag, path)
+    require_numbers(r['history'], ['train_seconds', 'val_acc'], flag, path)
+    return require_numbers([r], ['test_acc_at_best_val', 'majority_test_acc'], flag, path)[0]
 
 
 def compare(args):
