@@ -2881,7 +2881,7 @@ def test_every_model_flag_reaches_the_model_and_the_bench(monkeypatch):
 # a bad line 3 of basic_train.tsv, and what the error names
 LRA_BAD_LINES = dict(no_tab=('( ( [MAX 2 ) ] ) 2', 'Source<TAB>Target'), bad_label=('( ( [MAX 2 ) ] )\tseven',
                      "'seven'"), label_range=('( ( [MAX 2 ) ] )\t12', "label '12'"),
-                     unknown_token=('( ( [POW 2 ) ] )\t4', "token '[POW'"))
+                     unknown_token=('( ( [POW 2 ) ] )\t4', "token '[POW'"), no_token=('( ( ) )\t4', 'no token'))
 
 
 def lra_setup(out, cache, how, tmp_path):
@@ -3327,6 +3327,7 @@ def test_model_flags_refused_before_any_work(tmp_path, capsys, extra, words):
 
 BAD_CSV = {   # defect: (the fixture's lines (lines[k]: row k + 1 of the file) -> changed ones, error words)
     'nan_cell': (lambda lines: {5: lines[5].rsplit(',', 1)[0] + ',nan'}, ["row 6 column 'OT'", "'nan'", 'finite']),
+    'huge_cell': (lambda lines: {5: lines[5].rsplit(',', 1)[0] + ',3e38'}, ["row 6 column 'OT'", "'3e38'", '1e15']),
     'empty_cell': (lambda lines: {5: lines[5].rsplit(',', 1)[0] + ','}, ["row 6 column 'OT'", "''"]),
     'bad_date': (lambda lines: {7: '2016-13-45 00:00:00' + lines[7][19:]},
                  ['row 8', "'2016-13-45 00:00:00' is not a date"]),

@@ -342,6 +342,8 @@ def read_listops(d, part, max_len):
         except KeyError as e:
             raise ValueError(f"{path} line {n}: unknown ListOps token {e.args[0]!r}; valid: {LISTOPS_VOCAB[1:]}") \
                 from None
+        if not ids[-1]:      # all padding: its pooled features would be 0 / 0
+            raise ValueError(f"{path} line {n}: the expression {source!r} has no token besides parentheses")
         if not re.fullmatch(r'\d(\.0*)?', target.strip()):
             raise ValueError(f"{path} line {n}: label {target!r} is not a digit 0-9")
         labels.append(int(float(target)))

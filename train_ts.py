@@ -401,9 +401,10 @@ def read_ett_csv(path):
             except ValueError:
                 raise ValueError(f"{row} column {cols[j]!r}: {v!r} is not a number (only the first column may be "
                                  f"a date, named one of date/time/timestamp/datetime)") from None
-            if not math.isfinite(values[i, j]):
-                raise ValueError(f"{row} column {cols[j]!r}: {v!r} is not a finite number; fill or drop such cells "
-                                 f"first (they would make every metric NaN)")
+            if not abs(values[i, j]) <= 1e15:     # float32 scaling squares the values: 1e19 would overflow
+                raise ValueError(f"{row} column {cols[j]!r}: {v!r} is not a finite number of at most 1e15 in size; "
+                                 f"fill or drop such cells, or rescale the column, first (they would make every "
+                                 f"metric NaN)")
     step = (dates[1] - dates[0]).total_seconds() if has_date else 3600
     return cols, values, int(86400 // step) if 86400 % step == 0 else 24
 
