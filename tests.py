@@ -2177,7 +2177,8 @@ def test_icl_smoke_run(kind, tmp_path, monkeypatch):
     assert r['train_flops'] == 4 * 3 * 4 * r['_model'].body.forward_flops(16) > 0   # 4 steps x 3 x batch x forward
     assert [h['flops'] for h in r['history']] == sorted(h['flops'] for h in r['history'])
     assert r['_model'].read_out.weight.abs().sum() > 0     # the zero-init read-out was trained
-    ckpt = torch.load(tmp_path / f"icl_{r['config']['attn']}_H2_D16.pt", weights_only=True)
+    layers = r['config']['layer_pattern'].replace(',', '-') or r['config']['attn']      # the run is named for them
+    ckpt = torch.load(tmp_path / f"icl_{layers}_H2_D16.pt", weights_only=True)
     assert ckpt['step'] == 4
     icl.ICLModel(icl.model_config(argparse.Namespace(**ckpt['config'])), 4).load_state_dict(ckpt['model'])
     assert (tmp_path / 'icl_position.png').stat().st_size > (1000 if kind == 'pattern' else -1)

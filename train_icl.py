@@ -1072,7 +1072,8 @@ def main(argv=None):
                        runs=os.path.join(args.out_dir, '<run>', '<run>.json and .pt'),
                        plots=', '.join(os.path.join(args.out_dir, p) for p in plots), copies_in=args.assets_dir or None)
         return payload
-    run_name = args.run_name or f'icl_{args.attn}_H{args.n_head}_D{args.n_embd}'
+    layers = args.layer_pattern.replace(' ', '').replace(',', '-') or args.attn     # a layer pattern overrides --attn
+    run_name = args.run_name or f'icl_{layers}_H{args.n_head}_D{args.n_embd}'
     if args.resume:   # one run: the checkpoint's settings win, and a flag that conflicts with them is refused
         path = os.path.join(args.out_dir, f'{run_name}.pt')
         others = [] if os.path.exists(path) else sorted(glob.glob(os.path.join(glob.escape(args.out_dir), 'icl_*.pt')))
