@@ -2898,9 +2898,16 @@ def lra_setup(out, cache, how, tmp_path):
         (tmp_path / 'old').mkdir()
         R.write_json(str(tmp_path / 'old' / 'results.json'), {'attn': 'brl', 'config': {'attn': 'brl'}} if
                      how == 'old_run' else {'attn': 'brl', 'config': {'format': R.FORMAT}, 'history': [{'step': 1}]})
-    elif how == 'random_cifar':
+    elif how in ('random_cifar', 'float_cifar'):
         os.rename(write_releases(tmp_path)['image'], rel)
-        (rel / 'data_batch_3').write_bytes(b'\x80\x02garbage' * 10)
+        with open(rel / 'data_batch_3', 'rb+' if how == 'float_cifar' else 'wb') as f:
+            if how == 'random_cifar':
+                f.write(b'\x80\x02garbage' * 10)
+            else:                          # labels 0.5 and 1.0: not CIFAR's integers
+                batch = pickle.load(f)
+                f.seek(0)
+                f.truncate()
+                pickle.dump({**batch, b'labels': [0.5, 1.0]}, f, protocol=2)
     setup_case(how, out, str(out / 'ckpt.pt'), lambda: lra.main(lra_argv(out, cache)), 'train_ts.py')
 
 
@@ -2945,6 +2952,8 @@ LRA_BAD = range_cases(max_iters='0', batch_size='0', lr='-1', warmup_iters='-1',
                                                                          '*_train.tsv']),
     ('cifar_random_bytes', ['--task', 'image', '--max_len', '1024', '--data', 'REL'], 'random_cifar', 1,
      ['not a readable image release folder']),
+    ('cifar_float_labels', ['--task', 'image', '--max_len', '1024', '--data', 'REL'], 'float_cifar', 1,
+     ['data_batch_3', 'integers 0-9']),
     ('resume_attn', ['--resume', '--attn', 'swa'], 'run', 1, ["--attn: checkpoint 'standard' vs given 'swa'"]),
     ('resume_lr', ['--resume', '--lr', '0.5'], 'run', 1, ['--lr: checkpoint 0.001 vs given 0.5']),
     ('resume_longer_cosine', ['--resume', '--max_iters', '5'], 'run', 1,

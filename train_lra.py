@@ -387,7 +387,10 @@ def read_cifar(d, part, max_len):
             batch = pickle.load(f, encoding='bytes')
         rgb = batch[b'data'].reshape(-1, 3, 1024).astype(np.float32)
         xs.append((rgb * np.array([0.2989, 0.5870, 0.1140], np.float32)[None, :, None]).sum(1).astype(np.int64))
-        ys.append(np.array(batch[b'labels'], np.int64))
+        labels = np.asarray(batch[b'labels'])
+        if not (np.issubdtype(labels.dtype, np.integer) and labels.size and 0 <= labels.min() <= labels.max() <= 9):
+            raise ValueError(f"{os.path.join(d, name)}: b'labels' must be the integers 0-9 of CIFAR-10")
+        ys.append(labels.astype(np.int64))
     return np.concatenate(xs), np.concatenate(ys)
 
 
