@@ -706,9 +706,10 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 # - Window: key tiles wholly outside i-w <= j <= i (|i-j| <= w bidirectional) are never visited. MLR runs with
 #   window = T, which leaves only the causal skip (no key tile after the query tile).
 # - MLR levels: a (query tile, key tile) pair held whole by the blocks of n_all levels is scored with the first
-#   R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only. A tile larger than the finest block (the paper's
-#   T = 1024, L = 8 has 8-token blocks, below tl.dot's 16) straddles block boundaries: each straddled level l
-#   adds its own r_l features under a same-block mask. This happens only near the diagonal.
+#   R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only: one full-width product with k's other features
+#   zeroed, q read once per program (on tensor cores, loads cost more than the products). A tile larger than
+#   the finest block (the paper's T = 1024, L = 8 has 8-token blocks, below tl.dot's 16) straddles block
+#   boundaries: each straddled level l adds its own r_l features under a same-block mask, near the diagonal only.
 # - SWA is the one-level case: FEAT = [0, d], every tile uses all features, plus a window.
 # - Precision: float32 tiles are multiplied in full float32 ('ieee'), as torch's matmul does by default (Triton's
 #   default, TF32, keeps 10 mantissa bits); bf16 / fp16 tiles use the tensor cores at their own precision.
@@ -747,41 +748,26 @@ def _shared_levels(start_m, start_n, T, SIZES, N_LEVELS: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _feature_dot(Q, K, offs_m, offs_n, f_lo, f_hi, T, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) tile of sum_{f_lo <= f < f_hi} q[i, f] k[j, f], CHUNK features at a time: a tile
-    scored with R features costs ceil(R / CHUNK) chunk products, which is where MLR saves its QK FLOPs on a GPU
-    (q chunks are re-read per key tile, from L1/L2; the autotuner picks CHUNK)."""
-    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    offs_c = tl.arange(0, CHUNK)
-    for c in range(f_lo // CHUNK * CHUNK, f_hi, CHUNK):
-        f = c + offs_c
-        q = tl.load(Q + offs_m[:, None] * D + f[None, :],
-                    mask=(offs_m[:, None] < T) & (f[None, :] >= f_lo) & (f[None, :] < f_hi), other=0.0)
-        k = tl.load(K + offs_n[:, None] * D + f[None, :], mask=(offs_n[:, None] < T) & (f[None, :] < D),
-                    other=0.0)
-        s += tl.dot(q, tl.trans(k), input_precision=_F32_DOT)
-    return s
-
-
-@triton.jit
-def _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS: tl.constexpr,
+def _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window, N_LEVELS: tl.constexpr,
                  CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Scores of the tile pair at rows start_m, start_n: -inf where the pair is not real (a position >= T, a key
-    outside the window or in the future when causal, a masked key); also the levels the tiles share (n_all,
-    n_any) and per entry the number of levels covering it (divide_by_levels)."""
+                 BLOCK_N: tl.constexpr):
+    """Scores of the query tile q (BLOCK_M, BLOCK_D) at row start_m against the key tile k (BLOCK_N, BLOCK_D) at
+    row start_n: -inf where the pair is not real (a position >= T, a key outside the window or in the future
+    when causal, a masked key); also the levels the tiles share (n_all, n_any) and per entry the number of levels
+    covering it (divide_by_levels). Each product runs at full width with k's other features zeroed: on tensor
+    cores one dot of d features costs less than loading q again in slices of R."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
-    s = _feature_dot(Q, K, offs_m, offs_n, 0, tl.load(FEAT + n_all), T, D, BLOCK_M, BLOCK_N, CHUNK)
+    k_all = tl.where(offs_d[None, :] < tl.load(FEAT + n_all), k, 0.0).to(k.dtype)
+    s = tl.dot(q, tl.trans(k_all), input_precision=_F32_DOT)
     cover = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + n_all
     for l in tl.static_range(1, N_LEVELS):
         if (l >= n_all) & (l < n_any):  # level l straddles the tiles: only same-block entries get r_l
             b = tl.load(SIZES + l)
             same = (offs_m[:, None] // b) == (offs_n[None, :] // b)                  # (BLOCK_M, BLOCK_N)
-            s_l = _feature_dot(Q, K, offs_m, offs_n, tl.load(FEAT + l), tl.load(FEAT + l + 1), T, D,
-                               BLOCK_M, BLOCK_N, CHUNK)
+            in_l = (offs_d >= tl.load(FEAT + l)) & (offs_d < tl.load(FEAT + l + 1))
+            s_l = tl.dot(q, tl.trans(tl.where(in_l[None, :], k, 0.0).to(k.dtype)), input_precision=_F32_DOT)
             s += tl.where(same, s_l, 0.0)
             cover += same.to(tl.float32)
     if DIVIDE:
@@ -828,20 +814,23 @@ def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, 
 def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
               N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)                          # (batch, head); int64: B*H*T*d may pass 2^31
     Q, K, V, O = Q + bh * T * D, K + bh * T * D, V + bh * T * DV, O + bh * T * DV   # this head's rows
     LSE, KEEP = LSE + bh * T, KEEP + (bh // H) * T
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q, offs_m, offs_d, T, D)                     # (BLOCK_M, BLOCK_D), read once
     m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)  # running row max
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)       # running sum of exp(s - m_i) v
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
-                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
+        k = _load_tile(K, start_n + tl.arange(0, BLOCK_N), offs_d, T, D)          # (BLOCK_N, BLOCK_D)
+        s, cover, n_all, n_any = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
+                                              N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N)
         # online softmax; a row that has seen no key yet keeps m = -inf, so shift it by 0 instead
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)
@@ -862,7 +851,7 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
 def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D, DV, window,
                    N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv of one key tile: stream the query tiles that can see it, recompute p = exp(s - lse)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -872,6 +861,7 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
     v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -887,8 +877,8 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
         do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
-        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
-                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
+        s, cover, n_all, n_any = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
+                                              N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N)
         p = tl.exp(s - lse[:, None])                                                    # (BLOCK_M, BLOCK_N)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=_F32_DOT)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=_F32_DOT) - delta[:, None])  # p (dp - rowsum(do o))
@@ -903,7 +893,7 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
 def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, window,
                  N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of one query tile: stream the key tiles it sees, as the forward does."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -913,6 +903,7 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q, offs_m, offs_d, T, D)  # (BLOCK_M, BLOCK_D)
     do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
     lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
@@ -922,8 +913,8 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
         v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
-        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
-                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
+        s, cover, n_all, n_any = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
+                                              N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N)
         ds = tl.exp(s - lse[:, None]) * (tl.dot(do, tl.trans(v), input_precision=_F32_DOT) - delta[:, None])
         if DIVIDE:
             ds = ds / cover
@@ -935,7 +926,7 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
 # launching the kernels: autograd.Function and the *_triton functions
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, CHUNK=16)  # tl.dot's smallest tile: the interpreter's (numpy is
+_SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)             # tl.dot's smallest tile: the interpreter's (numpy is
 _AUTOTUNED = {}                                           # slow enough) and the GPU self-test's (one compile)
 AUTOTUNE = True   # False: every launch on a GPU takes _SMALL_CONFIG instead of the autotuner's tiles
 
@@ -946,26 +937,20 @@ def _interpreting():
 
 
 def _gpu_configs():
-    """A small set (each MLR config compiles in seconds; 8 levels unroll): tile height x feature chunk."""
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=64, CHUNK=ch), num_warps=bm // 16, num_stages=2)
-            for bm in (64, 128) for ch in (16, 64)]
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """Feature chunks wider than the (padded) head width only waste loads."""
-    return [c for c in configs if c.kwargs['CHUNK'] <= kwargs['BLOCK_D']] or configs[:1]
+    """A small set (each MLR config compiles in seconds; 8 levels unroll): tile height and pipeline depth."""
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=64), num_warps=bm // 16, num_stages=st)
+            for bm in (64, 128) for st in (2, 3)]
 
 
 def _launch(kernel, block, *args, **consts):
     """One program per `block` (BLOCK_M or BLOCK_N) rows of each (batch, head): fixed small tiles under the
-    interpreter or without AUTOTUNE; else the autotuner picks tiles and feature chunk."""
+    interpreter or without AUTOTUNE; else the autotuner picks the tiles."""
     B, H, T, _ = args[0].shape                                   # args[0] is q
     grid = lambda META: (triton.cdiv(T, META[block]), B * H)
     if _interpreting() or not AUTOTUNE:
         return kernel[grid](*args, **consts, **_SMALL_CONFIG)
     if kernel not in _AUTOTUNED:
-        _AUTOTUNED[kernel] = triton.autotune(_gpu_configs(), key=['T', 'D', 'DV', 'window', 'N_LEVELS', 'CAUSAL'],
-                                             prune_configs_by={'early_config_prune': _prune_configs})(kernel)
+        _AUTOTUNED[kernel] = triton.autotune(_gpu_configs(), key=['T', 'D', 'DV', 'window', 'N_LEVELS', 'CAUSAL'])(kernel)
     return _AUTOTUNED[kernel][grid](*args, **consts)
 
 
@@ -1162,7 +1147,7 @@ def _compile_check(archs=(80, 90), levels=(8, 1)):
                  DV='i32', window='i32')                          # the rest are bf16 tensors
     for arch, n_levels, kernel in itertools.product(archs, levels, (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq)):
         consts = dict(N_LEVELS=n_levels, CAUSAL=True, DIVIDE=n_levels > 1, HAS_KEEP=True, BLOCK_D=64, BLOCK_DV=64,
-                      BLOCK_M=64, BLOCK_N=64, CHUNK=16)
+                      BLOCK_M=64, BLOCK_N=64)
         sig = {a: 'constexpr' if a in consts else types.get(a, '*bf16') for a in kernel.arg_names}
         t0 = time.perf_counter()
         triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget('cuda', arch, 32),
