@@ -15,8 +15,8 @@ its reference by the tests, forward and gradients:
 - `*_flash` (MLR, SWA): the same tiles as one autograd.Function with an online softmax over cache-sized pieces
   and a backward that recomputes the scores: O(T·d) memory. What the public functions run on a CPU.
 - `*_triton` (MLR, SWA): one FlashAttention-2 kernel family whose tiles know their MLR level and window, taken
-  for CUDA tensors; checked on CPU under Triton's interpreter, compiled for sm_80/sm_90, and run on an H100
-  (docs/speed.md: right, but slow for MLR).
+  for CUDA tensors; checked on CPU under Triton's interpreter, compiled for sm_80/sm_90, and timed on an H200
+  (docs/speed.md: MLR 2.9× SDPA's time, SWA 0.3×).
 
     python kernels.py                          # correctness checks (a GPU: the Triton kernels too), benchmark
     python kernels.py --bench                  # every path vs SDPA: time, peak memory, GFLOP/s
@@ -706,10 +706,16 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 # - Window: key tiles wholly outside i-w <= j <= i (|i-j| <= w bidirectional) are never visited. MLR runs with
 #   window = T, which leaves only the causal skip (no key tile after the query tile).
 # - MLR levels: a (query tile, key tile) pair held whole by the blocks of n_all levels is scored with the first
-#   R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only. A tile larger than the finest block (the paper's
-#   T = 1024, L = 8 has 8-token blocks, below tl.dot's 16) straddles block boundaries: each straddled level l
-#   adds its own r_l features under a same-block mask. This happens only near the diagonal.
+#   R = FEAT[n_all] = r_0 + ... + r_{n_all-1} features only: one full-width product with k's other features
+#   zeroed, q read once per program (on tensor cores, loads cost more than the products). A tile larger than
+#   the finest block (the paper's T = 1024, L = 8 has 8-token blocks, below tl.dot's 16) straddles block
+#   boundaries: each straddled level l adds its own r_l features under a same-block mask, near the diagonal only.
 # - SWA is the one-level case: FEAT = [0, d], every tile uses all features, plus a window.
+# - Plain and masked tiles (the Triton tutorial's two stages): most tile pairs lie wholly below the diagonal,
+#   inside the window, before T, unmasked and inside or outside each level's block. Those are "plain": one
+#   product, a scalar division by their level count, no per-entry mask. Each program visits its plain tiles in
+#   one loop and the rest (the diagonal, the window's edge, T's edge, straddled levels, a key mask) in loops
+#   that build the full per-entry mask. Blocks unaligned with the tiles only move tiles into the masked loops.
 # - Precision: float32 tiles are multiplied in full float32 ('ieee'), as torch's matmul does by default (Triton's
 #   default, TF32, keeps 10 mantissa bits); bf16 / fp16 tiles use the tensor cores at their own precision.
 # The scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernels, so autograd carries them.
@@ -747,41 +753,26 @@ def _shared_levels(start_m, start_n, T, SIZES, N_LEVELS: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _feature_dot(Q, K, offs_m, offs_n, f_lo, f_hi, T, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) tile of sum_{f_lo <= f < f_hi} q[i, f] k[j, f], CHUNK features at a time: a tile
-    scored with R features costs ceil(R / CHUNK) chunk products, which is where MLR saves its QK FLOPs on a GPU
-    (q chunks are re-read per key tile, from L1/L2; the autotuner picks CHUNK)."""
-    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    offs_c = tl.arange(0, CHUNK)
-    for c in range(f_lo // CHUNK * CHUNK, f_hi, CHUNK):
-        f = c + offs_c
-        q = tl.load(Q + offs_m[:, None] * D + f[None, :],
-                    mask=(offs_m[:, None] < T) & (f[None, :] >= f_lo) & (f[None, :] < f_hi), other=0.0)
-        k = tl.load(K + offs_n[:, None] * D + f[None, :], mask=(offs_n[:, None] < T) & (f[None, :] < D),
-                    other=0.0)
-        s += tl.dot(q, tl.trans(k), input_precision=_F32_DOT)
-    return s
-
-
-@triton.jit
-def _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS: tl.constexpr,
+def _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window, N_LEVELS: tl.constexpr,
                  CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Scores of the tile pair at rows start_m, start_n: -inf where the pair is not real (a position >= T, a key
-    outside the window or in the future when causal, a masked key); also the levels the tiles share (n_all,
-    n_any) and per entry the number of levels covering it (divide_by_levels)."""
+                 BLOCK_N: tl.constexpr):
+    """Scores of the query tile q (BLOCK_M, BLOCK_D) at row start_m against the key tile k (BLOCK_N, BLOCK_D) at
+    row start_n: -inf where the pair is not real (a position >= T, a key outside the window or in the future
+    when causal, a masked key); also the levels the tiles share (n_all, n_any) and per entry the number of levels
+    covering it (divide_by_levels). Each product runs at full width with k's other features zeroed: on tensor
+    cores one dot of d features costs less than loading q again in slices of R."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_all, n_any = _shared_levels(start_m, start_n, T, SIZES, N_LEVELS, BLOCK_M, BLOCK_N)
-    s = _feature_dot(Q, K, offs_m, offs_n, 0, tl.load(FEAT + n_all), T, D, BLOCK_M, BLOCK_N, CHUNK)
+    k_all = tl.where(offs_d[None, :] < tl.load(FEAT + n_all), k, 0.0).to(k.dtype)
+    s = tl.dot(q, tl.trans(k_all), input_precision=_F32_DOT)
     cover = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + n_all
     for l in tl.static_range(1, N_LEVELS):
         if (l >= n_all) & (l < n_any):  # level l straddles the tiles: only same-block entries get r_l
             b = tl.load(SIZES + l)
             same = (offs_m[:, None] // b) == (offs_n[None, :] // b)                  # (BLOCK_M, BLOCK_N)
-            s_l = _feature_dot(Q, K, offs_m, offs_n, tl.load(FEAT + l), tl.load(FEAT + l + 1), T, D,
-                               BLOCK_M, BLOCK_N, CHUNK)
+            in_l = (offs_d >= tl.load(FEAT + l)) & (offs_d < tl.load(FEAT + l + 1))
+            s_l = tl.dot(q, tl.trans(tl.where(in_l[None, :], k, 0.0).to(k.dtype)), input_precision=_F32_DOT)
             s += tl.where(same, s_l, 0.0)
             cover += same.to(tl.float32)
     if DIVIDE:
@@ -814,6 +805,63 @@ def _feature_grad(ds, x, pos_a, pos_b, n_all, n_any, SIZES, FEAT, offs_d, N_LEVE
 
 
 @triton.jit
+def _level_vectors(SIZES, FEAT, N_LEVELS: tl.constexpr, LEVELS_P2: tl.constexpr):
+    """The block sizes (padded with 1) and feature prefixes FEAT[0..N_LEVELS] as vectors, read once a program."""
+    offs_l = tl.arange(0, LEVELS_P2)
+    sizes = tl.load(SIZES + offs_l, mask=offs_l < N_LEVELS, other=1)
+    feats = tl.load(FEAT + offs_l, mask=offs_l <= N_LEVELS, other=0)
+    return offs_l, sizes, feats
+
+
+@triton.jit
+def _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[p_lo, p_hi): the plain key tiles of the query tile at start_m, within the visited [lo, hi). Plain: every
+    pair in the window (n0 >= m1 - w), before the diagonal (n1 < m0), and no level l >= 1 straddled. A key
+    tile before the query tile's level-l block shares no pair with it; one inside it shares all, if the query
+    tile lies in one block; so only a query tile crossing a block boundary, or a boundary inside a key tile,
+    makes tiles from that block's start on masked."""
+    p_lo = tl.minimum(tl.maximum(start_m + BLOCK_M - 1 - window, 0) + BLOCK_N - 1, hi) // BLOCK_N * BLOCK_N
+    p_lo = tl.maximum(p_lo, lo)
+    b0 = start_m // sizes * sizes                                    # start of the query's block, per level
+    crossed = ((start_m + BLOCK_M - 1) // sizes != start_m // sizes) | (b0 % BLOCK_N != 0)
+    straddled = tl.min(tl.where(crossed & (offs_l >= 1) & (offs_l < N_LEVELS), b0, start_m), 0)
+    p_hi = tl.minimum(start_m, straddled) // BLOCK_N * BLOCK_N
+    if HAS_KEEP:
+        p_hi = p_lo
+    return p_lo, tl.maximum(p_hi, p_lo)
+
+
+@triton.jit
+def _plain_queries(start_n, lo, hi, sizes, offs_l, window, N_LEVELS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[q_lo, q_hi): the plain query tiles of the key tile at start_n (the mirror of _plain_keys): after it,
+    every pair in the window, and from the first block boundary after the key tile on where the key tile
+    crosses a level's boundary or that boundary falls inside a query tile."""
+    e1 = ((start_n + BLOCK_N - 1) // sizes + 1) * sizes              # end of the key tile's block, per level
+    crossed = ((start_n + BLOCK_N - 1) // sizes != start_n // sizes) | (e1 % BLOCK_M != 0)
+    straddled = tl.max(tl.where(crossed & (offs_l >= 1) & (offs_l < N_LEVELS), e1, 0), 0)
+    q_lo = tl.maximum(start_n + BLOCK_N, straddled)
+    q_lo = tl.minimum(tl.maximum((q_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), hi)
+    q_hi = tl.minimum((start_n + window + 1) // BLOCK_M * BLOCK_M, hi)   # m1 - n0 <= w
+    if HAS_KEEP:
+        q_hi = q_lo
+    return q_lo, tl.maximum(q_hi, q_lo)
+
+
+@triton.jit
+def _plain_scores(q, k, start_m, start_n, sizes, feats, offs_l, offs_d, DIVIDE: tl.constexpr):
+    """Scores of a plain tile pair: the n_all levels it shares are all or nothing, so one product with k's
+    features beyond FEAT[n_all] zeroed, divided by n_all (divide_by_levels)."""
+    n_all = tl.sum((start_n // sizes == start_m // sizes).to(tl.int32), 0)        # padding (size 1) never equal
+    r = tl.sum(tl.where(offs_l == n_all, feats, 0), 0)
+    s = tl.dot(q, tl.trans(tl.where(offs_d[None, :] < r, k, 0.0).to(k.dtype)), input_precision=_F32_DOT)
+    if DIVIDE:
+        s = s / n_all.to(tl.float32)
+    return s, n_all
+
+
+@triton.jit
 def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi): the keys a query tile can see. Key tiles outside are skipped, not masked."""
     lo = tl.maximum(start_m - window, 0) // BLOCK_N * BLOCK_N
@@ -825,32 +873,57 @@ def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
-              N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)                          # (batch, head); int64: B*H*T*d may pass 2^31
-    Q, K, V, O = Q + bh * T * D, K + bh * T * D, V + bh * T * DV, O + bh * T * DV   # this head's rows
-    LSE, KEEP = LSE + bh * T, KEEP + (bh // H) * T
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+def _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, lo, hi, T, D, DV, window,
+               N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The online softmax over the key tiles [lo, hi), plain (MASKED False) or masked."""
+    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)  # running row max
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)       # running sum of exp(s - m_i) v
-    lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
-                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
-        # online softmax; a row that has seen no key yet keeps m = -inf, so shift it by 0 instead
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)
+        k = _load_tile(K, start_n + tl.arange(0, BLOCK_N), offs_d, T, D)          # (BLOCK_N, BLOCK_D)
+        if MASKED:
+            s, _, _, _ = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
+                                      N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)  # a row that has seen no key keeps m = -inf
+        else:
+            s, _ = _plain_scores(q, k, start_m, start_n, sizes, feats, offs_l, offs_d, DIVIDE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
         p = tl.exp(s - m_shift[:, None])                        # (BLOCK_M, BLOCK_N)
         alpha = tl.exp(m_i - m_shift)                           # rescales what was summed so far
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(V, start_n + tl.arange(0, BLOCK_N), offs_dv, T, DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=_F32_DOT)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
+              N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LEVELS_P2: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)                          # (batch, head); int64: B*H*T*d may pass 2^31
+    Q, K, V, O = Q + bh * T * D, K + bh * T * D, V + bh * T * DV, O + bh * T * DV   # this head's rows
+    LSE, KEEP = LSE + bh * T, KEEP + (bh // H) * T
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q, offs_m, offs_d, T, D)                     # (BLOCK_M, BLOCK_D), read once
+    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)  # running row max
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)       # running sum of exp(s - m_i) v
+    offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
+    lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
+    p_lo, p_hi = _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):                           # plain tiles, then the masked ones on each side
+        a, b = (p_lo, p_hi) if stage == 0 else ((lo, p_lo) if stage == 1 else (p_hi, hi))
+        m_i, l_i, acc = _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, a, b,
+                                   T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV,
+                                   BLOCK_M, BLOCK_N, stage > 0)
     # rows with no key at all (every key masked) output 0 and get lse = +inf, so the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float('inf'), m_i + tl.log(l_safe))
@@ -859,10 +932,46 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
 
 
 @triton.jit
+def _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, lo, hi, T, D, DV,
+                window, N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr):
+    """dk, dv of the key tile from the query tiles [lo, hi), plain or masked."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(Q, offs_m, offs_d, T, D)  # (BLOCK_M, BLOCK_D)
+        do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
+        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+        if MASKED:
+            s, cover, n_all, n_any = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
+                                                  N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N)
+        else:
+            s, n_all = _plain_scores(q, k, start_m, start_n, sizes, feats, offs_l, offs_d, DIVIDE)
+        p = tl.exp(s - lse[:, None])                                                    # (BLOCK_M, BLOCK_N)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=_F32_DOT)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=_F32_DOT) - delta[:, None])  # p (dp - rowsum(do o))
+        if MASKED:
+            if DIVIDE:
+                ds = ds / cover
+            dk += _feature_grad(tl.trans(ds), q, offs_n, offs_m, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
+        else:
+            if DIVIDE:
+                ds = ds / n_all.to(tl.float32)
+            r = tl.sum(tl.where(offs_l == n_all, feats, 0), 0)
+            dk += tl.dot(tl.trans(ds).to(q.dtype), tl.where(offs_d[None, :] < r, q, 0.0).to(q.dtype),
+                         input_precision=_F32_DOT)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D, DV, window,
                    N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LEVELS_P2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv of one key tile: stream the query tiles that can see it, recompute p = exp(s - lse)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -872,6 +981,7 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
     v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -881,29 +991,53 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     else:
         lo = tl.maximum(start_n - window, 0) // BLOCK_M * BLOCK_M
     hi = tl.minimum(start_n + BLOCK_N + window, T)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(Q, offs_m, offs_d, T, D)  # (BLOCK_M, BLOCK_D)
-        do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
-        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
-        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
-        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
-                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
-        p = tl.exp(s - lse[:, None])                                                    # (BLOCK_M, BLOCK_N)
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=_F32_DOT)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=_F32_DOT) - delta[:, None])  # p (dp - rowsum(do o))
-        if DIVIDE:
-            ds = ds / cover
-        dk += _feature_grad(tl.trans(ds), q, offs_n, offs_m, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
+    offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
+    q_lo, q_hi = _plain_queries(start_n, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):                           # plain tiles, then the masked ones on each side
+        a, b = (q_lo, q_hi) if stage == 0 else ((lo, q_lo) if stage == 1 else (q_hi, hi))
+        dk, dv = _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, a, b,
+                             T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M,
+                             BLOCK_N, stage > 0)
     _store_tile(DK, offs_n, offs_d, T, D, dk)
     _store_tile(DVAL, offs_n, offs_dv, T, DV, dv)
 
 
 @triton.jit
+def _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, lo, hi, T, D, DV, window,
+              N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr):
+    """dq of the query tile from the key tiles [lo, hi), plain or masked."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
+        v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
+        if MASKED:
+            s, cover, n_all, n_any = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
+                                                  N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N)
+        else:
+            s, n_all = _plain_scores(q, k, start_m, start_n, sizes, feats, offs_l, offs_d, DIVIDE)
+        ds = tl.exp(s - lse[:, None]) * (tl.dot(do, tl.trans(v), input_precision=_F32_DOT) - delta[:, None])
+        if MASKED:
+            if DIVIDE:
+                ds = ds / cover
+            dq += _feature_grad(ds, k, offs_m, offs_n, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
+        else:
+            if DIVIDE:
+                ds = ds / n_all.to(tl.float32)
+            r = tl.sum(tl.where(offs_l == n_all, feats, 0), 0)
+            dq += tl.dot(ds.to(k.dtype), tl.where(offs_d[None, :] < r, k, 0.0).to(k.dtype), input_precision=_F32_DOT)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, window,
                  N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LEVELS_P2: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of one query tile: stream the key tiles it sees, as the forward does."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -913,21 +1047,18 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q, offs_m, offs_d, T, D)  # (BLOCK_M, BLOCK_D)
     do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
     lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float('inf'))
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
-        v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
-        s, cover, n_all, n_any = _tile_scores(Q, K, KEEP, SIZES, FEAT, start_m, start_n, T, D, window, N_LEVELS,
-                                              CAUSAL, DIVIDE, HAS_KEEP, BLOCK_M, BLOCK_N, CHUNK)
-        ds = tl.exp(s - lse[:, None]) * (tl.dot(do, tl.trans(v), input_precision=_F32_DOT) - delta[:, None])
-        if DIVIDE:
-            ds = ds / cover
-        dq += _feature_grad(ds, k, offs_m, offs_n, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
+    p_lo, p_hi = _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):                           # plain tiles, then the masked ones on each side
+        a, b = (p_lo, p_hi) if stage == 0 else ((lo, p_lo) if stage == 1 else (p_hi, hi))
+        dq = _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, a, b, T, D, DV,
+                       window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, stage > 0)
     _store_tile(DQ, offs_m, offs_d, T, D, dq)
 
 
@@ -935,7 +1066,7 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
 # launching the kernels: autograd.Function and the *_triton functions
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, CHUNK=16)  # tl.dot's smallest tile: the interpreter's (numpy is
+_SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)             # tl.dot's smallest tile: the interpreter's (numpy is
 _AUTOTUNED = {}                                           # slow enough) and the GPU self-test's (one compile)
 AUTOTUNE = True   # False: every launch on a GPU takes _SMALL_CONFIG instead of the autotuner's tiles
 
@@ -946,26 +1077,22 @@ def _interpreting():
 
 
 def _gpu_configs():
-    """A small set (each MLR config compiles in seconds; 8 levels unroll): tile height x feature chunk."""
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=64, CHUNK=ch), num_warps=bm // 16, num_stages=2)
-            for bm in (64, 128) for ch in (16, 64)]
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """Feature chunks wider than the (padded) head width only waste loads."""
-    return [c for c in configs if c.kwargs['CHUNK'] <= kwargs['BLOCK_D']] or configs[:1]
+    """A small set (8 levels unroll in each masked loop: ~100 s to compile them all on a GPU machine's CPU):
+    tile height and pipeline depth."""
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=64), num_warps=bm // 16, num_stages=st)
+            for bm in (64, 128) for st in (2, 3)]
 
 
 def _launch(kernel, block, *args, **consts):
     """One program per `block` (BLOCK_M or BLOCK_N) rows of each (batch, head): fixed small tiles under the
-    interpreter or without AUTOTUNE; else the autotuner picks tiles and feature chunk."""
+    interpreter or without AUTOTUNE; else the autotuner picks the tiles."""
     B, H, T, _ = args[0].shape                                   # args[0] is q
     grid = lambda META: (triton.cdiv(T, META[block]), B * H)
     if _interpreting() or not AUTOTUNE:
         return kernel[grid](*args, **consts, **_SMALL_CONFIG)
     if kernel not in _AUTOTUNED:
-        _AUTOTUNED[kernel] = triton.autotune(_gpu_configs(), key=['T', 'D', 'DV', 'window', 'N_LEVELS', 'CAUSAL'],
-                                             prune_configs_by={'early_config_prune': _prune_configs})(kernel)
+        key = ['T', 'D', 'DV', 'window', 'N_LEVELS', 'CAUSAL']
+        _AUTOTUNED[kernel] = triton.autotune(_gpu_configs(), key=key)(kernel)
     return _AUTOTUNED[kernel][grid](*args, **consts)
 
 
@@ -989,7 +1116,8 @@ class _TritonAttention(torch.autograd.Function):
         keep = q if key_mask is None else key_mask.to(torch.int8).contiguous()  # q: a pointer never read
         ctx.args = (*levels, T, H, d, v.shape[-1], window)        # the kernels' arguments after their tensors
         ctx.consts = dict(N_LEVELS=len(sizes), CAUSAL=bool(causal), DIVIDE=bool(divide_by_levels),
-                          HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(v.shape[-1]))
+                          HAS_KEEP=key_mask is not None, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(v.shape[-1]),
+                          LEVELS_P2=triton.next_power_of_2(len(sizes) + 1))
         o = torch.empty_like(v)
         lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)      # log-sum-exp of each row
         _launch(_attn_fwd, 'BLOCK_M', q, k, v, keep, o, lse, *ctx.args, **ctx.consts)
@@ -1109,24 +1237,32 @@ def _out_and_grads(fn, q, k, v, do, dtype, **kw):
 def _selftest_cases(device):
     """The Triton kernels vs the dense references (float64), forward and gradients, in float32 at tiny shapes
     (the interpreter is slow): tiles smaller than, equal to and unaligned with the MLR blocks, windows below,
-    above and past the tile, T not a multiple of the tile, key masks that leave queries no key. On CPU under
-    the interpreter; on a GPU compiled, with the interpreter's 16×16 tiles (one compile per case, no autotuning:
-    the tiles that straddle most block boundaries)."""
+    above and past the tile, T not a multiple of the tile, key masks that leave queries no key, plain tiles
+    sharing 1 or 2 levels, query tiles taller than key tiles (as the GPU's 128 × 64). On CPU under the
+    interpreter; on a GPU compiled, with these small tiles (no autotuning: the tiles that straddle most block
+    boundaries)."""
     torch.manual_seed(0)
     mask = torch.ones(2, 40, dtype=torch.bool, device=device)
     mask[0, 4:12] = mask[1, 20:] = False  # causal: MLR queries 4..11 see keys 0..3 only, SWA w=3 queries 7..11 none
     mlr = (mlr_attention_triton, mlr_attention_reference)
     swa = (sliding_window_attention_triton, sliding_window_attention_reference)
-    cases = [  # name, (triton, reference), (B, H, T, d, dv), kwargs
+    cases = [  # name, (triton, reference), (B, H, T, d, dv), kwargs, (BLOCK_M, BLOCK_N)
         ('mlr 8|4|2|2, blocks 40,20,10,5, divide_by_levels, key_mask', mlr, (1, 1, 40, 16, 24),
-         dict(ranks=[8, 4, 2, 2], level_sizes=[40, 20, 10, 5], divide_by_levels=True, key_mask=mask[:1])),
-        ('mlr 24|8, d=32, blocks 32,16 (= tile)', mlr, (1, 1, 32, 32, 32), dict(ranks=[24, 8])),
-        ('swa w=3, key_mask, B=H=2, dv=24', swa, (2, 2, 24, 16, 24), dict(window=3, key_mask=mask[:, :24])),
-        ('swa w=17 > tile', swa, (1, 1, 40, 16, 16), dict(window=17)),
-        ('swa w=99 > T', swa, (1, 1, 20, 16, 16), dict(window=99)),
+         dict(ranks=[8, 4, 2, 2], level_sizes=[40, 20, 10, 5], divide_by_levels=True, key_mask=mask[:1]), (16, 16)),
+        ('mlr 24|8, d=32, blocks 32,16 (= tile)', mlr, (1, 1, 32, 32, 32), dict(ranks=[24, 8]), (16, 16)),
+        ('mlr 8|4|2|2, blocks 128,64,8,4, divide_by_levels', mlr, (1, 1, 128, 16, 16),
+         dict(ranks=[8, 4, 2, 2], level_sizes=[128, 64, 8, 4], divide_by_levels=True), (32, 16)),
+        ('mlr 8|4|2|2, blocks 80,40,20,10 (unaligned)', mlr, (1, 1, 80, 16, 16),
+         dict(ranks=[8, 4, 2, 2], level_sizes=[80, 40, 20, 10], divide_by_levels=True), (32, 16)),
+        ('swa w=3, key_mask, B=H=2, dv=24', swa, (2, 2, 24, 16, 24), dict(window=3, key_mask=mask[:, :24]),
+         (16, 16)),
+        ('swa w=17 > tile', swa, (1, 1, 40, 16, 16), dict(window=17), (16, 16)),
+        ('swa w=40, plain tiles inside the window', swa, (1, 1, 80, 16, 16), dict(window=40), (32, 16)),
+        ('swa w=99 > T', swa, (1, 1, 20, 16, 16), dict(window=99), (16, 16)),
     ]
     failed = 0
-    for name, (fast, ref), (B, H, T, d, dv), kw in cases:
+    for name, (fast, ref), (B, H, T, d, dv), kw, (block_m, block_n) in cases:
+        _SMALL_CONFIG.update(BLOCK_M=block_m, BLOCK_N=block_n)
         for causal in (True, False):
             q, k, v = (torch.randn(B, H, T, n, dtype=torch.float64, device=device) for n in (d, d, dv))
             grad = torch.randn(B, H, T, dv, dtype=torch.float64, device=device)
@@ -1136,20 +1272,21 @@ def _selftest_cases(device):
             errs = [(a - b).abs().max().item() for a, b in zip(*results)]
             ok = all(e < 1e-4 for e in errs)                # NaN fails too
             failed += not ok
-            print(f"  {name:42s} causal={causal!s:5s} max err o {errs[0]:.1e} dq {errs[1]:.1e} dk {errs[2]:.1e} "
+            print(f"  {name:48s} causal={causal!s:5s} max err o {errs[0]:.1e} dq {errs[1]:.1e} dk {errs[2]:.1e} "
                   f"dv {errs[3]:.1e} {'ok' if ok else 'FAIL'} ({time.process_time() - t0:.1f} s cpu)", flush=True)
     print(f"Triton self-test on {device}: {2 * len(cases) - failed}/{2 * len(cases)} cases match the references")
     return failed == 0
 
 
 def _selftest_triton(device='cpu'):
-    """_selftest_cases without autotuning (AUTOTUNE restored after)."""
+    """_selftest_cases without autotuning (AUTOTUNE and the small tiles restored after)."""
     global AUTOTUNE
-    tuned, AUTOTUNE = AUTOTUNE, False
+    tuned, AUTOTUNE, small = AUTOTUNE, False, dict(_SMALL_CONFIG)
     try:
         return _selftest_cases(device)
     finally:
         AUTOTUNE = tuned
+        _SMALL_CONFIG.update(small)
 
 
 def _compile_check(archs=(80, 90), levels=(8, 1)):
@@ -1162,7 +1299,7 @@ def _compile_check(archs=(80, 90), levels=(8, 1)):
                  DV='i32', window='i32')                          # the rest are bf16 tensors
     for arch, n_levels, kernel in itertools.product(archs, levels, (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq)):
         consts = dict(N_LEVELS=n_levels, CAUSAL=True, DIVIDE=n_levels > 1, HAS_KEEP=True, BLOCK_D=64, BLOCK_DV=64,
-                      BLOCK_M=64, BLOCK_N=64, CHUNK=16)
+                      LEVELS_P2=triton.next_power_of_2(n_levels + 1), BLOCK_M=64, BLOCK_N=64)
         sig = {a: 'constexpr' if a in consts else types.get(a, '*bf16') for a in kernel.arg_names}
         t0 = time.perf_counter()
         triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget('cuda', arch, 32),
