@@ -85,6 +85,7 @@ class ArgParser(argparse.ArgumentParser):
         kw.setdefault('formatter_class', HelpFormatter)
         kw.setdefault('allow_abbrev', False)   # --quic is an error, not --quick (sweeps pass flags on by name)
         super().__init__(*args, **kw)
+        self._negative_number_matcher = re.compile(r'^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$', re.I)  # -1e-3 too
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

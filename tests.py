@@ -1376,6 +1376,8 @@ def test_given_flags_and_resume_settings_list_every_conflict():
 def test_check_ranges_and_one_line_parser_error(capsys):
     p = R.ArgParser(prog='x.py')
     p.add_argument('--n', type=int)
+    p.add_argument('--low', type=float)
+    assert p.parse_args(['--low', '-1e-3', '--n', '-2']).low == -1e-3    # a negative number, not a flag
     R.check_ranges(p, p.parse_args(['--n', '0']), non_negative=['n'])
     for positive, non_negative, n, words in ((['n'], [], 0, '(0, inf)'), ([], ['n'], -1, '[0, inf)'),
                                              ([], [], 2 ** 63, f'[-{2 ** 63 - 1}, ')):

@@ -110,8 +110,7 @@ def build_parser():
     g = p.add_argument_group('chronos')
     g.add_argument('--cache_dir', default=os.path.join(HERE, 'data', 'ts'), help='KernelSynth cache directory')
     g.add_argument('--vocab', type=int, default=4096, help='tokens incl. PAD=0 and EOS=1: vocab - 3 bin centres')
-    g.add_argument('--low', type=float, default=-15.0,
-                   help="lowest bin center (scaled units; a value like -1e-3 is given as --low=-1e-3)")
+    g.add_argument('--low', type=float, default=-15.0, help='lowest bin center (scaled units)')
     g.add_argument('--high', type=float, default=15.0, help='highest bin center (scaled units)')
     g.add_argument('--emb_lr_mult', type=float, default=30.0, help='lr multiplier of the N(0,1) token embedding')
     g.add_argument('--context', type=int, default=192, help='context length C (mean scale computed over it)')
