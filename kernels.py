@@ -1542,8 +1542,9 @@ def main(argv=None):
     if device == 'cpu':
         print("no GPU here: the flash and torch paths only (`--selftest-interpret` checks the Triton kernels on CPU)")
     rows = [row for dtype in dtypes for row in benchmark(device, dtype, Ts, args.reps, only=only)]
-    print("\naccuracy against the float64 reference (T = 512, B*H = 4, the paper's ranks, SWA window 127):")
-    ok &= accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16])
+    BH = 16 if device == 'cuda' else 4   # as the benchmark: Triton specializes on H % 16, H = 4 would compile anew
+    print(f"\naccuracy against the float64 reference (T = 512, B*H = {BH}, the paper's ranks, SWA window 127):")
+    ok &= accuracy(device, dtypes if device == 'cuda' else [torch.float32, torch.bfloat16], BH=BH)
     if args.out_dir:
         from runs import write_json
         path = os.path.join(args.out_dir, 'kernels_bench.json')
