@@ -862,6 +862,15 @@ def _plain_scores(q, k, start_m, start_n, sizes, feats, offs_l, offs_d, DIVIDE: 
 
 
 @triton.jit
+def _plain_grad(ds, x, n_all, feats, offs_l, offs_d, DIVIDE: tl.constexpr):
+    """sum_b ds[a, b] x[b, :] of a plain tile pair: the features of its n_all shared levels only."""
+    if DIVIDE:
+        ds = ds / n_all.to(tl.float32)
+    r = tl.sum(tl.where(offs_l == n_all, feats, 0), 0)
+    return tl.dot(ds.to(x.dtype), tl.where(offs_d[None, :] < r, x, 0.0).to(x.dtype), input_precision=_F32_DOT)
+
+
+@triton.jit
 def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi): the keys a query tile can see. Key tiles outside are skipped, not masked."""
     lo = tl.maximum(start_m - window, 0) // BLOCK_N * BLOCK_N
@@ -959,11 +968,7 @@ def _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v
                 ds = ds / cover
             dk += _feature_grad(tl.trans(ds), q, offs_n, offs_m, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
         else:
-            if DIVIDE:
-                ds = ds / n_all.to(tl.float32)
-            r = tl.sum(tl.where(offs_l == n_all, feats, 0), 0)
-            dk += tl.dot(tl.trans(ds).to(q.dtype), tl.where(offs_d[None, :] < r, q, 0.0).to(q.dtype),
-                         input_precision=_F32_DOT)
+            dk += _plain_grad(tl.trans(ds), q, n_all, feats, offs_l, offs_d, DIVIDE)
     return dk, dv
 
 
@@ -1026,10 +1031,7 @@ def _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, 
                 ds = ds / cover
             dq += _feature_grad(ds, k, offs_m, offs_n, n_all, n_any, SIZES, FEAT, offs_d, N_LEVELS)
         else:
-            if DIVIDE:
-                ds = ds / n_all.to(tl.float32)
-            r = tl.sum(tl.where(offs_l == n_all, feats, 0), 0)
-            dq += tl.dot(ds.to(k.dtype), tl.where(offs_d[None, :] < r, k, 0.0).to(k.dtype), input_precision=_F32_DOT)
+            dq += _plain_grad(ds, k, n_all, feats, offs_l, offs_d, DIVIDE)
     return dq
 
 
