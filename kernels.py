@@ -16,7 +16,7 @@ its reference by the tests, forward and gradients:
   and a backward that recomputes the scores: O(T·d) memory. What the public functions run on a CPU.
 - `*_triton` (MLR, SWA): one FlashAttention-2 kernel family whose tiles know their MLR level and window, taken
   for CUDA tensors; checked on CPU under Triton's interpreter, compiled for sm_80/sm_90, and timed on an H200
-  (docs/speed.md: MLR 2.9× SDPA's time, SWA 0.3×).
+  (docs/speed.md: MLR 2.7× SDPA's time, SWA 0.26×).
 
     python kernels.py                          # correctness checks (a GPU: the Triton kernels too), benchmark
     python kernels.py --bench                  # every path vs SDPA: time, peak memory, GFLOP/s
@@ -714,8 +714,9 @@ def linear_attention_flops(T, d, causal=True, dv=None, chunk=64):
 # - Plain and masked tiles (the Triton tutorial's two stages): most tile pairs lie wholly below the diagonal,
 #   inside the window, before T, unmasked and inside or outside each level's block. Those are "plain": one
 #   product, a scalar division by their level count, no per-entry mask. Each program visits its plain tiles in
-#   one loop and the rest (the diagonal, the window's edge, T's edge, straddled levels, a key mask) in loops
-#   that build the full per-entry mask. Blocks unaligned with the tiles only move tiles into the masked loops.
+#   one loop and the rest (the diagonal, the window's edge, T's edge, straddled levels, a key mask), which lie on
+#   both sides of them, in a second loop that builds the full per-entry mask (one loop, so the masked code with its
+#   unrolled levels is compiled once). Blocks unaligned with the tiles only move tiles into the masked loop.
 # - Precision: float32 tiles are multiplied in full float32 ('ieee'), as torch's matmul does by default (Triton's
 #   default, TF32, keeps 10 mantissa bits); bf16 / fp16 tiles use the tensor cores at their own precision.
 # The scales c_l (SWA: 1/sqrt(d)) are applied to q in torch before the kernels, so autograd carries them.
@@ -882,14 +883,17 @@ def _key_range(start_m, T, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, lo, hi, T, D, DV, window,
-               N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr):
-    """The online softmax over the key tiles [lo, hi), plain (MASKED False) or masked."""
+def _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, lo, hi, skip_lo, skip_hi,
+               T, D, DV, window, N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr,
+               HAS_KEEP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax over the key tiles of [lo, hi) outside [skip_lo, skip_hi), plain (MASKED False) or
+    masked: the masked tiles lie on both sides of the plain ones, and one loop over both compiles one copy of the
+    masked code, not two."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for t in range(lo, hi - (skip_hi - skip_lo), BLOCK_N):         # [lo, hi) less [skip_lo, skip_hi)
+        start_n = t + tl.where(t >= skip_lo, skip_hi - skip_lo, 0)
         k = _load_tile(K, start_n + tl.arange(0, BLOCK_N), offs_d, T, D)          # (BLOCK_N, BLOCK_D)
         if MASKED:
             s, _, _, _ = _tile_scores(q, k, KEEP, SIZES, FEAT, start_m, start_n, offs_d, T, window,
@@ -928,10 +932,10 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
     offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     p_lo, p_hi = _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
-    for stage in tl.static_range(3):                           # plain tiles, then the masked ones on each side
-        a, b = (p_lo, p_hi) if stage == 0 else ((lo, p_lo) if stage == 1 else (p_hi, hi))
-        m_i, l_i, acc = _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, a, b,
-                                   T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV,
+    for stage in tl.static_range(2):                 # the plain tiles, then the masked ones on either side
+        a, b, c, e = (p_lo, p_hi, p_hi, p_hi) if stage == 0 else (lo, hi, p_lo, p_hi)
+        m_i, l_i, acc = _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, a, b, c,
+                                   e, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV,
                                    BLOCK_M, BLOCK_N, stage > 0)
     # rows with no key at all (every key masked) output 0 and get lse = +inf, so the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -941,15 +945,16 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
 
 
 @triton.jit
-def _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, lo, hi, T, D, DV,
-                window, N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASKED: tl.constexpr):
-    """dk, dv of the key tile from the query tiles [lo, hi), plain or masked."""
+def _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, lo, hi, skip_lo,
+                skip_hi, T, D, DV, window, N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr,
+                HAS_KEEP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """dk, dv of the key tile from the query tiles of [lo, hi) outside [skip_lo, skip_hi), plain or masked."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_m in range(lo, hi, BLOCK_M):
+    for t in range(lo, hi - (skip_hi - skip_lo), BLOCK_M):         # [lo, hi) less [skip_lo, skip_hi)
+        start_m = t + tl.where(t >= skip_lo, skip_hi - skip_lo, 0)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(Q, offs_m, offs_d, T, D)  # (BLOCK_M, BLOCK_D)
         do = _load_tile(DO, offs_m, offs_dv, T, DV)  # (BLOCK_M, BLOCK_DV)
@@ -998,25 +1003,26 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     hi = tl.minimum(start_n + BLOCK_N + window, T)
     offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
     q_lo, q_hi = _plain_queries(start_n, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
-    for stage in tl.static_range(3):                           # plain tiles, then the masked ones on each side
-        a, b = (q_lo, q_hi) if stage == 0 else ((lo, q_lo) if stage == 1 else (q_hi, hi))
-        dk, dv = _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, a, b,
-                             T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M,
+    for stage in tl.static_range(2):                 # the plain tiles, then the masked ones on either side
+        a, b, c, e = (q_lo, q_hi, q_hi, q_hi) if stage == 0 else (lo, hi, q_lo, q_hi)
+        dk, dv = _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, a, b, c,
+                             e, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M,
                              BLOCK_N, stage > 0)
     _store_tile(DK, offs_n, offs_d, T, D, dk)
     _store_tile(DVAL, offs_n, offs_dv, T, DV, dv)
 
 
 @triton.jit
-def _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, lo, hi, T, D, DV, window,
-              N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_KEEP: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr):
-    """dq of the query tile from the key tiles [lo, hi), plain or masked."""
+def _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, lo, hi, skip_lo, skip_hi,
+              T, D, DV, window, N_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, DIVIDE: tl.constexpr,
+              HAS_KEEP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """dq of the query tile from the key tiles of [lo, hi) outside [skip_lo, skip_hi), plain or masked."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for t in range(lo, hi - (skip_hi - skip_lo), BLOCK_N):         # [lo, hi) less [skip_lo, skip_hi)
+        start_n = t + tl.where(t >= skip_lo, skip_hi - skip_lo, 0)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, offs_n, offs_d, T, D)  # (BLOCK_N, BLOCK_D)
         v = _load_tile(V, offs_n, offs_dv, T, DV)  # (BLOCK_N, BLOCK_DV)
@@ -1057,10 +1063,10 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
     offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     p_lo, p_hi = _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
-    for stage in tl.static_range(3):                           # plain tiles, then the masked ones on each side
-        a, b = (p_lo, p_hi) if stage == 0 else ((lo, p_lo) if stage == 1 else (p_hi, hi))
-        dq = _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, a, b, T, D, DV,
-                       window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, stage > 0)
+    for stage in tl.static_range(2):                 # the plain tiles, then the masked ones on either side
+        a, b, c, e = (p_lo, p_hi, p_hi, p_hi) if stage == 0 else (lo, hi, p_lo, p_hi)
+        dq = _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, a, b, c, e, T, D,
+                       DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, stage > 0)
     _store_tile(DQ, offs_m, offs_d, T, D, dq)
 
 
