@@ -933,10 +933,10 @@ def _attn_fwd(Q, K, V, KEEP, O, LSE, SIZES, FEAT, T, H, D, DV, window,
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     p_lo, p_hi = _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
     for stage in tl.static_range(2):                 # the plain tiles, then the masked ones on either side
-        a, b, c, e = (p_lo, p_hi, p_hi, p_hi) if stage == 0 else (lo, hi, p_lo, p_hi)
-        m_i, l_i, acc = _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, a, b, c,
-                                   e, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, stage > 0)
+        a, b, skip_a, skip_b = (p_lo, p_hi, p_hi, p_hi) if stage == 0 else (lo, hi, p_lo, p_hi)
+        m_i, l_i, acc = _fwd_tiles(q, K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, m_i, l_i, acc, start_m, a, b,
+                                   skip_a, skip_b, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D,
+                                   BLOCK_DV, BLOCK_M, BLOCK_N, stage > 0)
     # rows with no key at all (every key masked) output 0 and get lse = +inf, so the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float('inf'), m_i + tl.log(l_safe))
@@ -1004,10 +1004,10 @@ def _attn_bwd_dkdv(Q, K, V, KEEP, DO, LSE, DELTA, DK, DVAL, SIZES, FEAT, T, H, D
     offs_l, sizes, feats = _level_vectors(SIZES, FEAT, N_LEVELS, LEVELS_P2)
     q_lo, q_hi = _plain_queries(start_n, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
     for stage in tl.static_range(2):                 # the plain tiles, then the masked ones on either side
-        a, b, c, e = (q_lo, q_hi, q_hi, q_hi) if stage == 0 else (lo, hi, q_lo, q_hi)
-        dk, dv = _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, a, b, c,
-                             e, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M,
-                             BLOCK_N, stage > 0)
+        a, b, skip_a, skip_b = (q_lo, q_hi, q_hi, q_hi) if stage == 0 else (lo, hi, q_lo, q_hi)
+        dk, dv = _dkdv_tiles(Q, DO, LSE, DELTA, KEEP, SIZES, FEAT, sizes, feats, offs_l, k, v, dk, dv, start_n, a, b,
+                             skip_a, skip_b, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D,
+                             BLOCK_DV, BLOCK_M, BLOCK_N, stage > 0)
     _store_tile(DK, offs_n, offs_d, T, D, dk)
     _store_tile(DVAL, offs_n, offs_dv, T, DV, dv)
 
@@ -1064,9 +1064,10 @@ def _attn_bwd_dq(Q, K, V, KEEP, DO, LSE, DELTA, DQ, SIZES, FEAT, T, H, D, DV, wi
     lo, hi = _key_range(start_m, T, window, CAUSAL, BLOCK_M, BLOCK_N)
     p_lo, p_hi = _plain_keys(start_m, lo, hi, sizes, offs_l, window, N_LEVELS, HAS_KEEP, BLOCK_M, BLOCK_N)
     for stage in tl.static_range(2):                 # the plain tiles, then the masked ones on either side
-        a, b, c, e = (p_lo, p_hi, p_hi, p_hi) if stage == 0 else (lo, hi, p_lo, p_hi)
-        dq = _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, a, b, c, e, T, D,
-                       DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, stage > 0)
+        a, b, skip_a, skip_b = (p_lo, p_hi, p_hi, p_hi) if stage == 0 else (lo, hi, p_lo, p_hi)
+        dq = _dq_tiles(K, V, KEEP, SIZES, FEAT, sizes, feats, offs_l, q, do, lse, delta, dq, start_m, a, b,
+                       skip_a, skip_b, T, D, DV, window, N_LEVELS, CAUSAL, DIVIDE, HAS_KEEP, BLOCK_D, BLOCK_DV,
+                       BLOCK_M, BLOCK_N, stage > 0)
     _store_tile(DQ, offs_m, offs_d, T, D, dq)
 
 
